@@ -1,0 +1,27 @@
+"""hbkernels: framework-agnostic embedding kernels for recommender systems.
+
+NumPy arrays run on the CPU (Numba), CUDA arrays (CuPy, Numba, anything with
+``__cuda_array_interface__`` or a CUDA ``__dlpack__``) run on the GPU (Numba
+CUDA); results come back in the caller's array family.
+
+>>> import numpy as np, hbkernels as hbk
+>>> hbk.embedding_bag(np.eye(3, dtype=np.float32), np.array([0, 2]), np.array([0, 2])).tolist()
+[[1.0, 0.0, 1.0]]
+"""
+from .errors import BoundsError
+from .ops import embedding_bag, lookup, partition, segment_reduce, segment_sum, unique
+from .types import Partitioned, Ragged
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BoundsError",
+    "Partitioned",
+    "Ragged",
+    "embedding_bag",
+    "lookup",
+    "partition",
+    "segment_reduce",
+    "segment_sum",
+    "unique",
+]

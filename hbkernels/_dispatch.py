@@ -1,0 +1,205 @@
+"""The one dispatch layer: which backend runs a call, and how its arrays are made.
+
+An *array family* is where the caller's arrays live and what type comes back:
+
+* ``numpy``  -> the CPU kernels in :mod:`hbkernels.cpu`;
+* ``cupy``   -> the CUDA kernels in :mod:`hbkernels.cuda`, results as CuPy arrays;
+* ``numba``  -> the CUDA kernels, results as Numba device arrays (also the
+  family of the CUDA simulator, ``NUMBA_ENABLE_CUDASIM=1``).
+
+Any other object exposing ``__cuda_array_interface__`` or a CUDA ``__dlpack__``
+is viewed, without a copy, as CuPy (or Numba when CuPy is not installed).
+CuPy and ``numba.cuda`` are imported on first GPU use only, so
+``import hbkernels`` works on machines with no GPU and no CUDA toolkit.
+"""
+import importlib
+import os
+
+import numpy as np
+
+_DLPACK_CUDA_DEVICES = (2, 13)  # kDLCUDA, kDLCUDAManaged
+
+
+class NumpyFamily:
+    name = "numpy"
+    is_cuda = False
+    device_id = None
+
+    def __init__(self):
+        self.kernels = "hbkernels.cpu"
+
+    def empty(self, shape, dtype):
+        return np.empty(shape, dtype)
+
+    def zeros(self, shape, dtype):
+        return np.zeros(shape, dtype)
+
+    def to_numpy(self, a):
+        return np.asarray(a)
+
+    def from_numpy(self, a):
+        return a
+
+    def reshape(self, a, shape):
+        return a.reshape(shape)
+
+    def view(self, a, dtype):
+        return a.view(dtype)
+
+
+class CudaFamily:
+    """CUDA arrays of one library (``cupy`` or ``numba``) on one device."""
+
+    is_cuda = True
+
+    def __init__(self, name, device_id):
+        self.name = name
+        self.device_id = device_id
+        self.kernels = "hbkernels.cuda"
+
+    def __eq__(self, other):
+        return isinstance(other, CudaFamily) and (self.name, self.device_id) == (
+            other.name,
+            other.device_id,
+        )
+
+    def __hash__(self):
+        return hash((self.name, self.device_id))
+
+    # -- allocation, in the caller's family ---------------------------------
+    def empty(self, shape, dtype):
+        if self.name == "cupy":
+            return _cupy().empty(shape, dtype)
+        return _numba_cuda().device_array(shape, dtype)
+
+    def zeros(self, shape, dtype):
+        if self.name == "cupy":
+            return _cupy().zeros(shape, dtype)
+        out = self.empty(shape, dtype)
+        from .cuda._launch import fill
+
+        fill(out, 0)
+        return out
+
+    def to_numpy(self, a):
+        if self.name == "cupy":
+            return _cupy().asnumpy(a)
+        return a.copy_to_host()
+
+    def from_numpy(self, a):
+        if self.name == "cupy":
+            return _cupy().asarray(a)
+        return _numba_cuda().to_device(np.ascontiguousarray(a))
+
+    def reshape(self, a, shape):
+        return a.reshape(shape)
+
+    def view(self, a, dtype):
+        return a.view(dtype)
+
+    # -- what the kernels see -------------------------------------------------
+    def kernel_array(self, a):
+        """A Numba device-array view of ``a`` (no copy)."""
+        if self.name == "cupy":
+            return _numba_cuda().as_cuda_array(a)
+        return a
+
+    def stream(self):
+        """The stream to launch on: CuPy's current stream, else Numba's default."""
+        cuda = _numba_cuda()
+        if self.name == "cupy" and not simulator_enabled():
+            return cuda.external_stream(_cupy().cuda.get_current_stream().ptr)
+        return cuda.default_stream()
+
+
+NUMPY = NumpyFamily()
+
+
+def simulator_enabled():
+    return os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
+
+
+def _numba_cuda():
+    return importlib.import_module("numba.cuda")
+
+
+def _cupy():
+    return importlib.import_module("cupy")
+
+
+def _cupy_available():
+    try:
+        importlib.import_module("cupy")
+        return True
+    except ImportError:
+        return False
+
+
+def _classify(x):
+    """(family, array to use) for one argument, or raise TypeError."""
+    if isinstance(x, np.ndarray):
+        return NUMPY, x
+    mod = type(x).__module__ or ""
+    if mod.startswith("cupy"):
+        return CudaFamily("cupy", int(x.device.id)), x
+    if mod.startswith("numba.cuda") or mod.startswith("numba_cuda"):
+        return CudaFamily("numba", _numba_device_id()), x
+    if hasattr(x, "__cuda_array_interface__"):
+        if _cupy_available():
+            arr = _cupy().asarray(x)
+            return CudaFamily("cupy", int(arr.device.id)), arr
+        return CudaFamily("numba", _numba_device_id()), _numba_cuda().as_cuda_array(x)
+    if hasattr(x, "__dlpack_device__") and hasattr(x, "__dlpack__"):
+        dev_type, dev_id = x.__dlpack_device__()
+        if int(dev_type) in _DLPACK_CUDA_DEVICES:
+            if not _cupy_available():
+                raise TypeError(
+                    f"{type(x).__name__} is a CUDA array reachable only through DLPack; "
+                    "install CuPy (pip install 'hbkernels[cuda12]' or '[cuda13]')"
+                )
+            return CudaFamily("cupy", int(dev_id)), _cupy().from_dlpack(x)
+    raise TypeError(
+        f"expected a NumPy array or a CUDA array (CuPy, __cuda_array_interface__, "
+        f"CUDA __dlpack__), got {type(x).__module__}.{type(x).__name__}"
+    )
+
+
+def _numba_device_id():
+    if simulator_enabled():
+        return 0
+    return int(_numba_cuda().get_current_device().id)
+
+
+def resolve(**arrays):
+    """Check that all non-None ``arrays`` share one family and device.
+
+    Returns ``(family, dict of the same names -> arrays ready for that family)``.
+    Mixing NumPy with CUDA arrays, CuPy with Numba arrays, or two devices is a
+    ``TypeError``, never a silent copy.
+    """
+    family = None
+    first = None
+    out = {}
+    for name, x in arrays.items():
+        if x is None:
+            out[name] = None
+            continue
+        fam, arr = _classify(x)
+        if family is None:
+            family, first = fam, name
+        elif fam != family:
+            raise TypeError(
+                f"{name} is a {_describe(fam)} array but {first} is a "
+                f"{_describe(family)} array; move them to one device and library first"
+            )
+        out[name] = arr
+    return (family or NUMPY), out
+
+
+def _describe(fam):
+    return "NumPy" if not fam.is_cuda else f"{fam.name} (cuda:{fam.device_id})"
+
+
+def kernels(family, op):
+    """The module holding ``op``'s kernels for ``family``'s backend."""
+    return importlib.import_module(f"{family.kernels}.{op}")

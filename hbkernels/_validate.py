@@ -1,0 +1,88 @@
+"""Input checks shared by every op: done once, in the dispatch layer, so kernels stay lean."""
+import numpy as np
+
+from .errors import BoundsError
+
+ID_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
+TABLE_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+COMBINERS = {"sum": 0, "mean": 1, "sqrtn": 2}
+BOUNDS = {"raise": 0, "zero": 1, "unchecked": 2}
+
+
+def _dtype_name(a):
+    return np.dtype(a.dtype).name
+
+
+def ids(name, a, ndim=None):
+    if np.dtype(a.dtype) not in ID_DTYPES:
+        raise ValueError(f"{name} must hold int32 or int64 ids, got {_dtype_name(a)}")
+    if ndim is not None and a.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(a.shape)}")
+
+
+def table(name, a):
+    if a.ndim != 2:
+        raise ValueError(f"{name} must be a 2-D table [num_rows, D], got shape {tuple(a.shape)}")
+    if a.shape[1] < 1:
+        raise ValueError(f"{name} must have D >= 1 columns, got shape {tuple(a.shape)}")
+    floating(name, a)
+
+
+def floating(name, a):
+    if np.dtype(a.dtype) not in TABLE_DTYPES:
+        raise ValueError(f"{name} must be float16, float32 or float64, got {_dtype_name(a)}")
+
+
+def offsets(a):
+    ids("offsets", a, ndim=1)
+    if a.shape[0] < 1:
+        raise ValueError("offsets must have B + 1 >= 1 entries (offsets[0] == 0), got an empty array")
+
+
+def per_sample_weights(w, values):
+    if w is None:
+        return
+    floating("per_sample_weights", w)
+    if tuple(w.shape) != tuple(values.shape):
+        raise ValueError(
+            f"per_sample_weights must have the shape of values {tuple(values.shape)}, "
+            f"got {tuple(w.shape)}"
+        )
+
+
+def choice(name, value, allowed):
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {sorted(allowed)}, got {value!r}")
+    return allowed[value]
+
+
+def count(name, value, minimum=0):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def _read(family, a, start, stop):
+    return family.to_numpy(a[start:stop]).astype(np.int64).tolist()
+
+
+def raise_bad_offsets(family, offsets_arr, n_values, k):
+    """Explain why ``offsets`` breaks CSR at its first bad position ``k``."""
+    b = offsets_arr.shape[0] - 1
+    if k == 0:
+        (v,) = _read(family, offsets_arr, 0, 1)
+        problem = f"offsets[0] = {v}, expected 0"
+    else:
+        prev, v = _read(family, offsets_arr, k - 1, k + 1)
+        if v < prev:
+            problem = f"offsets[{k}] = {v} < offsets[{k - 1}] = {prev} (offsets must not decrease)"
+        else:
+            problem = f"offsets[{b}] = {v}, expected len(values) = {n_values}"
+    raise ValueError(f"malformed offsets: {problem}")
+
+
+def raise_bad_id(family, what, arr, pos, limit):
+    (v,) = _read(family, arr.reshape(-1), pos, pos + 1)
+    raise BoundsError(what, pos, v, limit)

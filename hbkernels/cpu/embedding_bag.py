@@ -1,0 +1,64 @@
+"""Pooled lookup on the CPU: one bag per iteration of a parallel loop."""
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from ._common import accumulator_dtype, first_bad_offset, first_out_of_range, kernel_table, widen
+
+NO_WEIGHTS = np.ones(1, np.float32)
+NO_IDS = np.zeros(1, np.int64)
+
+
+@njit(parallel=True, cache=True)
+def pool_bags(table, lut, values, offsets, weights, has_weights, one, combiner, skip_bad, identity,
+              out):
+    """out[b] = combine_j w_j * table[row_j] over j in [offsets[b], offsets[b+1]),
+    row_j = values[j] (or j when ``identity``); combiner 0 sum, 1 mean, 2 sqrtn."""
+    num_rows = table.shape[0]
+    dim = table.shape[1]
+    for b in prange(offsets.shape[0] - 1):
+        w_sum = 0.0
+        w_sq = 0.0
+        for j in range(offsets[b], offsets[b + 1]):
+            row = j if identity else values[j]
+            if skip_bad and (row < 0 or row >= num_rows):
+                continue
+            w = weights[j] if has_weights else one
+            w_sum += w
+            w_sq += w * w
+            for d in range(dim):
+                out[b, d] += w * widen(table[row, d], lut)
+        scale = 1.0
+        if combiner == 1:
+            scale = 1.0 / w_sum if w_sum != 0.0 else 0.0
+        elif combiner == 2:
+            scale = 1.0 / math.sqrt(w_sq) if w_sq != 0.0 else 0.0
+        if scale != 1.0:
+            for d in range(dim):
+                out[b, d] *= scale
+
+
+def pool(table, values, offsets, weights, combiner, skip_bad, identity):
+    """Run :func:`pool_bags` with an accumulator of the right width; result in the table's dtype."""
+    kernel_tab, lut = kernel_table(table)
+    acc_dtype = accumulator_dtype(table.dtype)
+    acc = np.zeros((offsets.shape[0] - 1, table.shape[1]), acc_dtype)
+    has_weights = weights is not None
+    weights = weights.astype(acc_dtype, copy=False) if has_weights else NO_WEIGHTS.astype(acc_dtype)
+    pool_bags(
+        kernel_tab, lut, NO_IDS if identity else values, offsets,
+        weights, has_weights, acc_dtype(1), combiner, skip_bad, identity, acc,
+    )
+    return acc if acc.dtype == table.dtype else acc.astype(table.dtype)
+
+
+def embedding_bag(family, weights, values, offsets, per_sample_weights, combiner, bounds):
+    bad_offset = first_bad_offset(offsets, values.shape[0]) if bounds != 2 else -1
+    if bad_offset != -1:
+        return None, bad_offset, -1
+    bad_id = first_out_of_range(values, weights.shape[0]) if bounds == 0 else -1
+    if bad_id != -1:
+        return None, -1, bad_id
+    out = pool(weights, values, offsets, per_sample_weights, combiner, bounds == 1, False)
+    return out, -1, -1

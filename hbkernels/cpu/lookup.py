@@ -1,0 +1,29 @@
+"""Row gather on the CPU."""
+import numpy as np
+from numba import njit, prange
+
+from ._common import first_out_of_range
+
+
+@njit(parallel=True, cache=True)
+def gather_rows(table, ids, zero_bad, out):
+    num_rows = table.shape[0]
+    for i in prange(ids.shape[0]):
+        row = ids[i]
+        if zero_bad and (row < 0 or row >= num_rows):
+            out[i, :] = 0
+        else:
+            out[i, :] = table[row, :]
+
+
+def lookup(family, weights, ids, bounds):
+    if bounds == 0:
+        bad = first_out_of_range(ids, weights.shape[0])
+        if bad != -1:
+            return None, bad
+    out = np.empty((ids.shape[0], weights.shape[1]), weights.dtype)
+    if weights.dtype == np.float16:  # copied as bits: Numba has no CPU float16
+        gather_rows(weights.view(np.uint16), ids, bounds == 1, out.view(np.uint16))
+    else:
+        gather_rows(weights, ids, bounds == 1, out)
+    return out, -1

@@ -1,0 +1,12 @@
+"""Exceptions of the public contract."""
+
+
+class BoundsError(IndexError):
+    """An id outside ``[0, num_rows)``; the message names the first bad position and value."""
+
+    def __init__(self, what, position, value, limit):
+        self.position = int(position)
+        self.value = int(value)
+        self.limit = None if limit is None else int(limit)
+        allowed = "[0, inf)" if limit is None else f"[0, {self.limit})"
+        super().__init__(f"{what}[{self.position}] = {self.value} is out of range {allowed}")

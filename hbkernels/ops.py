@@ -1,0 +1,202 @@
+"""Public forward ops: validate once, pick the backend by array family, run its kernel.
+
+Every op takes NumPy arrays (Numba CPU kernels) or CUDA arrays (Numba CUDA
+kernels) and returns results in the caller's family. The backend modules
+``hbkernels.cpu.<op>`` and ``hbkernels.cuda.<op>`` share one signature per op.
+Under ``bounds="unchecked"`` nothing is checked and, on the GPU, nothing is
+synchronised: the caller guarantees valid ids and offsets.
+"""
+import numpy as np
+
+from . import _validate as check
+from ._dispatch import kernels, resolve
+from .types import Partitioned
+
+_NO_ERROR = -1
+
+
+def _raise_ragged_errors(family, values, offsets, bad_offset, bad_id, num_rows):
+    if bad_offset != _NO_ERROR:
+        check.raise_bad_offsets(family, offsets, values.shape[0], bad_offset)
+    if bad_id != _NO_ERROR:
+        check.raise_bad_id(family, "values", values, bad_id, num_rows)
+
+
+def lookup(weights, ids, *, bounds="raise"):
+    """Gather rows: ``out[i...] = weights[ids[i...]]``, shape ``ids.shape + (D,)``.
+
+    >>> import numpy as np, hbkernels as hbk
+    >>> w = np.arange(6, dtype=np.float32).reshape(3, 2)
+    >>> hbk.lookup(w, np.array([2, 0])).tolist()
+    [[4.0, 5.0], [0.0, 1.0]]
+    >>> hbk.lookup(w, np.array([1, 7]), bounds="zero").tolist()
+    [[2.0, 3.0], [0.0, 0.0]]
+    """
+    family, a = resolve(weights=weights, ids=ids)
+    weights, ids = a["weights"], a["ids"]
+    check.table("weights", weights)
+    check.ids("ids", ids)
+    mode = check.choice("bounds", bounds, check.BOUNDS)
+    flat = family.reshape(ids, (-1,))
+    out, bad = kernels(family, "lookup").lookup(family, weights, flat, mode)
+    if bad != _NO_ERROR:
+        check.raise_bad_id(family, "ids", flat, bad, weights.shape[0])
+    return family.reshape(out, tuple(ids.shape) + (weights.shape[1],))
+
+
+def embedding_bag(
+    weights, values, offsets, *, combiner="sum", per_sample_weights=None, bounds="raise"
+):
+    """Pooled lookup of CSR bags, shape ``[B, D]`` with ``B = len(offsets) - 1``.
+
+    For bag ``b`` with ids ``i_j`` and weights ``w_j`` (1 without weights):
+    ``sum = Σ w_j·W[i_j]``, ``mean = sum / Σ w_j``, ``sqrtn = sum / sqrt(Σ w_j²)``
+    (TF's ``embedding_lookup_sparse``; a zero denominator gives zeros, so an
+    empty bag gives zeros). fp16 tables accumulate in fp32 and return fp16.
+    Under ``bounds="zero"`` a bad id adds nothing and is not counted.
+
+    >>> import numpy as np, hbkernels as hbk
+    >>> w = np.arange(8, dtype=np.float32).reshape(4, 2)
+    >>> hbk.embedding_bag(w, np.array([0, 3, 1]), np.array([0, 2, 2, 3]),
+    ...                   combiner="mean").tolist()
+    [[3.0, 4.0], [0.0, 0.0], [2.0, 3.0]]
+    """
+    family, a = resolve(
+        weights=weights, values=values, offsets=offsets, per_sample_weights=per_sample_weights
+    )
+    weights, values, offsets, psw = (
+        a["weights"], a["values"], a["offsets"], a["per_sample_weights"]
+    )
+    check.table("weights", weights)
+    check.ids("values", values, ndim=1)
+    check.offsets(offsets)
+    check.per_sample_weights(psw, values)
+    mode = check.choice("bounds", bounds, check.BOUNDS)
+    comb = check.choice("combiner", combiner, check.COMBINERS)
+    out, bad_offset, bad_id = kernels(family, "embedding_bag").embedding_bag(
+        family, weights, values, offsets, psw, comb, mode
+    )
+    _raise_ragged_errors(family, values, offsets, bad_offset, bad_id, weights.shape[0])
+    return out
+
+
+def segment_reduce(data, offsets, *, combiner="sum"):
+    """CSR segment reduction of rows of ``data`` ``[N, ...]``: segment ``b`` reduces
+    ``data[offsets[b]:offsets[b + 1]]`` with the combiners of :func:`embedding_bag`
+    (``mean`` divides by the length, ``sqrtn`` by its square root; empty gives zeros).
+
+    >>> import numpy as np, hbkernels as hbk
+    >>> hbk.segment_reduce(np.array([1., 2., 3.]), np.array([0, 2, 3])).tolist()
+    [3.0, 3.0]
+    """
+    family, a = resolve(data=data, offsets=offsets)
+    data, offsets = a["data"], a["offsets"]
+    if data.ndim < 1:
+        raise ValueError("data must have at least one dimension [N, ...]")
+    check.floating("data", data)
+    check.offsets(offsets)
+    comb = check.choice("combiner", combiner, check.COMBINERS)
+    rest = tuple(data.shape[1:])
+    width = int(np.prod(rest)) if rest else 1
+    rows = family.reshape(data, (data.shape[0], width))
+    out, bad_offset = kernels(family, "segment_reduce").segment_reduce(family, rows, offsets, comb)
+    if bad_offset != _NO_ERROR:
+        check.raise_bad_offsets(family, offsets, data.shape[0], bad_offset)
+    return family.reshape(out, (offsets.shape[0] - 1,) + rest)
+
+
+def segment_sum(data, segment_ids, num_segments, *, bounds="raise"):
+    """Unsorted segment sum (as ``jax.ops.segment_sum``), shape ``[num_segments, ...]``:
+    ``out[s] = Σ data[i] over i with segment_ids[i] == s``. Under ``bounds="zero"``
+    rows with a segment id outside ``[0, num_segments)`` are dropped.
+
+    >>> import numpy as np, hbkernels as hbk
+    >>> hbk.segment_sum(np.array([1., 2., 4.]), np.array([1, 0, 1]), 3).tolist()
+    [2.0, 5.0, 0.0]
+    """
+    family, a = resolve(data=data, segment_ids=segment_ids)
+    data, segment_ids = a["data"], a["segment_ids"]
+    if data.ndim < 1:
+        raise ValueError("data must have at least one dimension [N, ...]")
+    check.floating("data", data)
+    check.ids("segment_ids", segment_ids, ndim=1)
+    if segment_ids.shape[0] != data.shape[0]:
+        raise ValueError(
+            f"segment_ids must have one entry per row of data ({data.shape[0]}), "
+            f"got {segment_ids.shape[0]}"
+        )
+    num_segments = check.count("num_segments", num_segments)
+    mode = check.choice("bounds", bounds, check.BOUNDS)
+    rest = tuple(data.shape[1:])
+    width = int(np.prod(rest)) if rest else 1
+    rows = family.reshape(data, (data.shape[0], width))
+    out, bad = kernels(family, "segment_sum").segment_sum(
+        family, rows, segment_ids, num_segments, mode
+    )
+    if bad != _NO_ERROR:
+        check.raise_bad_id(family, "segment_ids", segment_ids, bad, num_segments)
+    return family.reshape(out, (num_segments,) + rest)
+
+
+def unique(ids, *, return_inverse=False, return_counts=False, sorted=False):
+    """Distinct ids by hashing (not sorting): ``uniq[inverse] == ids``.
+
+    Returns ``uniq`` alone, or a tuple ``(uniq[, inverse][, counts])`` as
+    ``np.unique``. ``uniq`` keeps the ids' dtype; ``inverse`` (int64) has the
+    ids' shape; ``counts`` (int64) counts each distinct id. Order is
+    unspecified unless ``sorted=True`` (the CPU gives first-occurrence order).
+
+    >>> import numpy as np, hbkernels as hbk
+    >>> u, inv, cnt = hbk.unique(np.array([7, 3, 7, 9]), return_inverse=True,
+    ...                          return_counts=True, sorted=True)
+    >>> u.tolist(), inv.tolist(), cnt.tolist()
+    ([3, 7, 9], [1, 0, 1, 2], [1, 2, 1])
+    """
+    family, a = resolve(ids=ids)
+    ids = a["ids"]
+    check.ids("ids", ids)
+    flat = family.reshape(ids, (-1,))
+    uniq, inverse, counts = kernels(family, "unique").unique(
+        family, flat, bool(return_inverse), bool(return_counts), bool(sorted)
+    )
+    result = [uniq]
+    if return_inverse:
+        result.append(family.reshape(inverse, tuple(ids.shape)))
+    if return_counts:
+        result.append(counts)
+    return result[0] if len(result) == 1 else tuple(result)
+
+
+PARTITION_MODES = {"mod": 0, "div": 1}
+
+
+def partition(ids, num_shards, *, mode="mod", num_rows=None):
+    """Group 1-D ``ids`` by owning shard, stably: returns
+    :class:`hbkernels.Partitioned` ``(ids, counts, order)`` with
+    ``ids == input[order]`` and shard ``s``'s ``counts[s]`` ids contiguous.
+
+    ``mode="mod"``: shard ``id % num_shards`` (local row ``id // num_shards``).
+    ``mode="div"``: rows in contiguous blocks of ``ceil(num_rows / num_shards)``
+    (local row ``id % block``); needs ``num_rows``. Negative ids, and ids
+    ``>= num_rows`` when it is given, raise :class:`hbkernels.BoundsError`.
+
+    >>> import numpy as np, hbkernels as hbk
+    >>> p = hbk.partition(np.array([5, 2, 4, 7]), 2)
+    >>> p.ids.tolist(), p.counts.tolist(), p.order.tolist()
+    ([2, 4, 5, 7], [2, 2], [1, 2, 0, 3])
+    """
+    family, a = resolve(ids=ids)
+    ids = a["ids"]
+    check.ids("ids", ids, ndim=1)
+    num_shards = check.count("num_shards", num_shards, minimum=1)
+    code = check.choice("mode", mode, PARTITION_MODES)
+    if num_rows is not None:
+        num_rows = check.count("num_rows", num_rows)
+    elif mode == "div":
+        raise ValueError('mode="div" needs num_rows to size the row blocks')
+    parted, counts, order, bad = kernels(family, "partition").partition(
+        family, ids, num_shards, code, num_rows
+    )
+    if bad != _NO_ERROR:
+        check.raise_bad_id(family, "ids", ids, bad, num_rows)
+    return Partitioned(parted, counts, order)
