@@ -1,0 +1,98 @@
+"""Test backends: every op test runs on the CPU and on the CUDA path.
+
+The CUDA path is a real GPU where one is present, else Numba's CUDA simulator
+(``NUMBA_ENABLE_CUDASIM=1``, set here before numba.cuda is imported) with tiny
+sizes. Tests that need real hardware carry ``@pytest.mark.gpu``.
+"""
+import ctypes
+import importlib.util
+import os
+import subprocess
+import sys
+import zlib
+
+import numpy as np
+import pytest
+
+
+def _real_gpu_present():
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    probe = "from numba import cuda; print(cuda.is_available())"
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
+    res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env)
+    return res.stdout.strip() == "True"
+
+
+if "NUMBA_ENABLE_CUDASIM" not in os.environ:
+    os.environ["NUMBA_ENABLE_CUDASIM"] = "0" if _real_gpu_present() else "1"
+SIMULATOR = os.environ["NUMBA_ENABLE_CUDASIM"] == "1"
+HAVE_NUMBA_CUDA = importlib.util.find_spec("numba.cuda") is not None
+
+
+class Backend:
+    """Moves NumPy test data to the backend under test and back."""
+
+    def __init__(self, name):
+        self.name = name
+        self.is_cuda = name == "cuda"
+        # the simulator runs every thread in Python: keep sizes tiny there
+        self.small = self.is_cuda and SIMULATOR
+        self._cupy = None
+        if self.is_cuda and not SIMULATOR and importlib.util.find_spec("cupy"):
+            import cupy
+
+            self._cupy = cupy
+
+    def put(self, a):
+        if a is None or not self.is_cuda:
+            return a
+        a = np.ascontiguousarray(a)
+        if self._cupy is not None:
+            return self._cupy.asarray(a)
+        from numba import cuda
+
+        return cuda.to_device(a)
+
+    def get(self, a):
+        if isinstance(a, np.ndarray):
+            assert not self.is_cuda, "a CUDA call returned a NumPy array"
+            return a
+        assert self.is_cuda, f"a CPU call returned {type(a).__name__}"
+        if self._cupy is not None:
+            return self._cupy.asnumpy(a)
+        return a.copy_to_host()
+
+    def __repr__(self):
+        return f"Backend({self.name}{', simulator' if self.small else ''})"
+
+
+@pytest.fixture(params=["cpu", "cuda"])
+def backend(request):
+    if request.param == "cuda" and not HAVE_NUMBA_CUDA:
+        pytest.skip("numba-cuda is not installed")
+    return Backend(request.param)
+
+
+SESSION_SEED = int(os.environ.get("HBK_TEST_SEED", np.random.SeedSequence().entropy % 2**32))
+
+
+def pytest_report_header(config):
+    mode = "simulator" if SIMULATOR else "real GPU"
+    return f"hbkernels: HBK_TEST_SEED={SESSION_SEED} (set it to replay), CUDA path: {mode}"
+
+
+@pytest.fixture
+def rng(request):
+    """Fresh random data each session; replay a failure with HBK_TEST_SEED."""
+    return np.random.default_rng([SESSION_SEED, zlib.crc32(request.node.nodeid.encode())])
+
+
+def pytest_collection_modifyitems(config, items):
+    if SIMULATOR or not HAVE_NUMBA_CUDA:
+        skip = pytest.mark.skip(reason="needs a real CUDA GPU")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
