@@ -170,8 +170,9 @@ def _numba_device_id():
     return int(_numba_cuda().get_current_device().id)
 
 
-def resolve(**arrays):
-    """Check that all non-None ``arrays`` share one family and device.
+def resolve(optional=(), **arrays):
+    """Check that all ``arrays`` (those named in ``optional`` may be None) share
+    one family and device.
 
     Returns ``(family, dict of the same names -> arrays ready for that family)``.
     Mixing NumPy with CUDA arrays, CuPy with Numba arrays, or two devices is a
@@ -182,6 +183,8 @@ def resolve(**arrays):
     out = {}
     for name, x in arrays.items():
         if x is None:
+            if name not in optional:
+                raise TypeError(f"{name} must be a NumPy or CUDA array, got None")
             out[name] = None
             continue
         fam, arr = _classify(x)

@@ -62,7 +62,8 @@ def embedding_bag(
     [[3.0, 4.0], [0.0, 0.0], [2.0, 3.0]]
     """
     family, a = resolve(
-        weights=weights, values=values, offsets=offsets, per_sample_weights=per_sample_weights
+        ("per_sample_weights",),
+        weights=weights, values=values, offsets=offsets, per_sample_weights=per_sample_weights,
     )
     weights, values, offsets, psw = (
         a["weights"], a["values"], a["offsets"], a["per_sample_weights"]

@@ -96,3 +96,25 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+
+
+# One tolerance table per dtype: (rtol, atol) for results computed in a
+# different summation order than the float64 reference.
+TOLERANCE = {
+    np.dtype(np.float16): (1e-2, 1e-2),
+    np.dtype(np.float32): (1e-5, 1e-5),
+    np.dtype(np.float64): (1e-12, 1e-12),
+}
+
+
+def assert_close(actual, expected, dtype):
+    rtol, atol = TOLERANCE[np.dtype(dtype)]
+    assert actual.dtype == np.dtype(dtype), f"dtype {actual.dtype}, expected {np.dtype(dtype)}"
+    np.testing.assert_allclose(actual.astype(np.float64), expected, rtol=rtol, atol=atol)
+
+
+def random_offsets(rng, batch, max_len, empty_fraction=0.25):
+    """CSR offsets of ``batch`` bags, lengths in [0, max_len], some bags empty."""
+    lengths = rng.integers(0, max_len + 1, size=batch)
+    lengths[rng.random(batch) < empty_fraction] = 0
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)

@@ -4,8 +4,10 @@ Numba's CPU target has no float16 arithmetic, so fp16 tables are passed as
 their uint16 bits and widened through an exact 65536-entry table.
 """
 import numpy as np
+from llvmlite import ir
 from numba import njit, types
-from numba.extending import overload
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
 
 HALF_TO_FLOAT = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 NO_LUT = np.zeros(1, np.float32)
@@ -55,3 +57,23 @@ def first_out_of_range(ids, limit):
         if v < 0 or (limit >= 0 and v >= limit):
             return i
     return -1
+
+
+@intrinsic
+def prefetch(typingctx, array, row, col):
+    """Hint the CPU to bring ``array[row, col]``'s cache line in (``llvm.prefetch``, read)."""
+
+    def codegen(context, builder, sig, args):
+        array_type = sig.args[0]
+        ary = context.make_array(array_type)(context, builder, args[0])
+        index = [context.cast(builder, v, t, types.intp) for v, t in zip(args[1:], sig.args[1:])]
+        ptr = cgutils.get_item_pointer(context, builder, array_type, ary, index, wraparound=False)
+        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0i8"
+        )
+        read, high_locality, data_cache = (ir.Constant(i32, v) for v in (0, 3, 1))
+        builder.call(fn, [builder.bitcast(ptr, i8p), read, high_locality, data_cache])
+        return context.get_dummy_value()
+
+    return types.void(array, row, col), codegen

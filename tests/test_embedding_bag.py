@@ -1,0 +1,164 @@
+import numpy as np
+import pytest
+from conftest import assert_close, random_offsets
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import hbkernels as hbk
+
+
+def reference_embedding_bag(weights, values, offsets, combiner, psw=None, skip_bad=False):
+    """Float64 loop over bags, straight from the formulas of the contract."""
+    w64 = weights.astype(np.float64)
+    out = np.zeros((len(offsets) - 1, weights.shape[1]))
+    for b in range(len(offsets) - 1):
+        acc, w_sum, w_sq = np.zeros(weights.shape[1]), 0.0, 0.0
+        for j in range(offsets[b], offsets[b + 1]):
+            row = values[j]
+            if skip_bad and not 0 <= row < weights.shape[0]:
+                continue
+            w = 1.0 if psw is None else float(psw[j])
+            acc += w * w64[row]
+            w_sum += w
+            w_sq += w * w
+        denom = {"sum": 1.0, "mean": w_sum, "sqrtn": np.sqrt(w_sq)}[combiner]
+        out[b] = acc / denom if denom != 0 else 0.0
+    return out
+
+
+def make_case(rng, backend, num_rows, dim, batch, max_len, dtype, id_dtype, off_dtype):
+    weights = rng.standard_normal((num_rows, dim)).astype(dtype)
+    offsets = random_offsets(rng, batch, max_len).astype(off_dtype)
+    values = rng.integers(0, num_rows, size=int(offsets[-1])).astype(id_dtype)
+    if values.size:  # ids at both edges of the table, and duplicates
+        values[0] = num_rows - 1
+        values[-1] = 0
+        values[len(values) // 2] = values[0]
+    return weights, values, offsets
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+@pytest.mark.parametrize("dim", [1, 3, 16, 33])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
+def test_matches_reference(backend, rng, combiner, dim, dtype):
+    batch, max_len = (5, 4) if backend.small else (300, 40)
+    weights, values, offsets = make_case(rng, backend, 50, dim, batch, max_len, dtype, np.int64, np.int64)
+    out = hbk.embedding_bag(backend.put(weights), backend.put(values), backend.put(offsets),
+                            combiner=combiner)
+    out = backend.get(out)
+    assert out.shape == (batch, dim)
+    assert_close(out, reference_embedding_bag(weights, values, offsets, combiner), dtype)
+
+
+@pytest.mark.parametrize("id_dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("off_dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+def test_int_dtypes_and_weights(backend, rng, id_dtype, off_dtype, combiner):
+    batch, max_len = (4, 3) if backend.small else (200, 20)
+    weights, values, offsets = make_case(rng, backend, 30, 5, batch, max_len, np.float32, id_dtype, off_dtype)
+    psw = rng.uniform(0.1, 2.0, size=values.shape).astype(np.float32)
+    out = hbk.embedding_bag(backend.put(weights), backend.put(values), backend.put(offsets),
+                            combiner=combiner, per_sample_weights=backend.put(psw))
+    assert_close(backend.get(out), reference_embedding_bag(weights, values, offsets, combiner, psw),
+                 np.float32)
+
+
+def test_empty_batch_and_all_empty_bags(backend):
+    weights = np.ones((4, 3), np.float32)
+    empty = np.zeros(0, np.int64)
+    out = backend.get(hbk.embedding_bag(backend.put(weights), backend.put(empty),
+                                        backend.put(np.zeros(1, np.int64))))
+    assert out.shape == (0, 3)
+    out = backend.get(hbk.embedding_bag(backend.put(weights), backend.put(empty),
+                                        backend.put(np.zeros(4, np.int64)), combiner="mean"))
+    np.testing.assert_array_equal(out, np.zeros((3, 3), np.float32))
+
+
+def test_zero_weight_sum_gives_zeros(backend):
+    weights = np.arange(6, dtype=np.float32).reshape(3, 2)
+    psw = np.array([1.0, -1.0, 2.0], np.float32)
+    out = backend.get(hbk.embedding_bag(
+        backend.put(weights), backend.put(np.array([0, 1, 2])), backend.put(np.array([0, 2, 3])),
+        combiner="mean", per_sample_weights=backend.put(psw)))
+    np.testing.assert_array_equal(out, [[0.0, 0.0], [4.0, 5.0]])
+
+
+def test_bounds_raise_names_first_bad_position(backend):
+    weights = np.ones((10, 2), np.float32)
+    values = np.array([1, 10, 3, -1, 12], np.int64)
+    offsets = np.array([0, 2, 5], np.int64)
+    with pytest.raises(hbk.BoundsError, match=r"values\[1\] = 10 .*\[0, 10\)") as info:
+        hbk.embedding_bag(backend.put(weights), backend.put(values), backend.put(offsets))
+    assert isinstance(info.value, IndexError) and info.value.position == 1
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+def test_bounds_zero_skips_bad_ids(backend, rng, combiner):
+    weights = rng.standard_normal((6, 3)).astype(np.float32)
+    values = np.array([0, 6, 5, -3, 2, 99], np.int64)
+    offsets = np.array([0, 3, 4, 6], np.int64)
+    psw = rng.uniform(0.5, 1.5, size=6).astype(np.float32)
+    out = hbk.embedding_bag(backend.put(weights), backend.put(values), backend.put(offsets),
+                            combiner=combiner, per_sample_weights=backend.put(psw), bounds="zero")
+    expected = reference_embedding_bag(weights, values, offsets, combiner, psw, skip_bad=True)
+    assert_close(backend.get(out), expected, np.float32)
+
+
+def test_bounds_unchecked_on_valid_input(backend, rng):
+    weights, values, offsets = make_case(rng, backend, 20, 4, 4, 3, np.float32, np.int32, np.int32)
+    out = hbk.embedding_bag(backend.put(weights), backend.put(values), backend.put(offsets),
+                            bounds="unchecked")
+    assert_close(backend.get(out), reference_embedding_bag(weights, values, offsets, "sum"), np.float32)
+
+
+@pytest.mark.parametrize("offsets, message", [
+    ([1, 2, 3], r"offsets\[0\] = 1, expected 0"),
+    ([0, 3, 2], r"offsets\[2\] = 2 < offsets\[1\] = 3"),
+    ([0, 1, 2], r"offsets\[2\] = 2, expected len\(values\) = 3"),
+    ([0, 1, 4], r"offsets\[2\] = 4, expected len\(values\) = 3"),
+])
+@pytest.mark.parametrize("bounds", ["raise", "zero"])
+def test_malformed_offsets(backend, offsets, message, bounds):
+    weights = np.ones((5, 2), np.float32)
+    with pytest.raises(ValueError, match=message):
+        hbk.embedding_bag(backend.put(weights), backend.put(np.array([0, 1, 2])),
+                          backend.put(np.array(offsets)), bounds=bounds)
+
+
+def test_bad_arguments():
+    w = np.ones((4, 2), np.float32)
+    v, o = np.array([0, 1]), np.array([0, 2])
+    with pytest.raises(ValueError, match="int32 or int64"):
+        hbk.embedding_bag(w, v.astype(np.float32), o)
+    with pytest.raises(ValueError, match="int32 or int64"):
+        hbk.embedding_bag(w, v, o.astype(np.uint8))
+    with pytest.raises(ValueError, match="2-D table"):
+        hbk.embedding_bag(w[0], v, o)
+    with pytest.raises(ValueError, match="float16, float32 or float64"):
+        hbk.embedding_bag(w.astype(np.int32), v, o)
+    with pytest.raises(ValueError, match="combiner must be one of"):
+        hbk.embedding_bag(w, v, o, combiner="max")
+    with pytest.raises(ValueError, match="bounds must be one of"):
+        hbk.embedding_bag(w, v, o, bounds="clip")
+    with pytest.raises(ValueError, match="shape of values"):
+        hbk.embedding_bag(w, v, o, per_sample_weights=np.ones(3, np.float32))
+    with pytest.raises(ValueError, match="B \\+ 1 >= 1"):
+        hbk.embedding_bag(w, v, np.zeros(0, np.int64))
+    with pytest.raises(TypeError, match="NumPy array or a CUDA array"):
+        hbk.embedding_bag(w, [0, 1], o)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    num_rows=st.integers(1, 40), dim=st.integers(1, 20), batch=st.integers(0, 30),
+    max_len=st.integers(0, 12), combiner=st.sampled_from(["sum", "mean", "sqrtn"]),
+    weighted=st.booleans(), seed=st.integers(0, 2**32 - 1),
+)
+def test_property_random_shapes_cpu(num_rows, dim, batch, max_len, combiner, weighted, seed):
+    rng = np.random.default_rng(seed)
+    weights = rng.standard_normal((num_rows, dim)).astype(np.float32)
+    offsets = random_offsets(rng, batch, max_len)
+    values = rng.integers(0, num_rows, size=int(offsets[-1]))
+    psw = rng.uniform(0.1, 2.0, size=values.shape).astype(np.float32) if weighted else None
+    out = hbk.embedding_bag(weights, values, offsets, combiner=combiner, per_sample_weights=psw)
+    assert_close(out, reference_embedding_bag(weights, values, offsets, combiner, psw), np.float32)

@@ -1,0 +1,39 @@
+import numpy as np
+import pytest
+from conftest import assert_close, random_offsets
+
+import hbkernels as hbk
+
+
+def reference_segment_reduce(data, offsets, combiner):
+    rows = data.reshape(data.shape[0], -1).astype(np.float64)
+    out = np.zeros((len(offsets) - 1, rows.shape[1]))
+    for b in range(len(offsets) - 1):
+        seg = rows[offsets[b]:offsets[b + 1]]
+        n = len(seg)
+        if n:
+            out[b] = seg.sum(0) / {"sum": 1.0, "mean": n, "sqrtn": np.sqrt(n)}[combiner]
+    return out.reshape((len(offsets) - 1,) + data.shape[1:])
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+@pytest.mark.parametrize("shape", [(), (1,), (5,), (2, 3)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
+def test_matches_reference(backend, rng, combiner, shape, dtype):
+    offsets = random_offsets(rng, 4 if backend.small else 100, 3 if backend.small else 10)
+    data = rng.standard_normal((int(offsets[-1]),) + shape).astype(dtype)
+    out = backend.get(hbk.segment_reduce(backend.put(data), backend.put(offsets.astype(np.int32)),
+                                         combiner=combiner))
+    assert out.shape == (len(offsets) - 1,) + shape
+    assert_close(out, reference_segment_reduce(data, offsets, combiner), dtype)
+
+
+def test_empty(backend):
+    out = backend.get(hbk.segment_reduce(backend.put(np.zeros((0, 2), np.float32)),
+                                         backend.put(np.zeros(3, np.int64))))
+    np.testing.assert_array_equal(out, np.zeros((2, 2), np.float32))
+
+
+def test_malformed_offsets(backend):
+    with pytest.raises(ValueError, match=r"expected len\(values\) = 3"):
+        hbk.segment_reduce(backend.put(np.ones(3, np.float32)), backend.put(np.array([0, 2])))
