@@ -73,7 +73,8 @@ def raise_bad_offsets(family, offsets_arr, n_values, k):
     b = offsets_arr.shape[0] - 1
     if k == 0:
         (v,) = _read(family, offsets_arr, 0, 1)
-        problem = f"offsets[0] = {v}, expected 0"
+        expected = "0" if v != 0 else f"len(values) = {n_values}"  # B == 0: offsets[0] is the last
+        problem = f"offsets[0] = {v}, expected {expected}"
     else:
         prev, v = _read(family, offsets_arr, k - 1, k + 1)
         if v < prev:

@@ -116,6 +116,7 @@ def test_bounds_unchecked_on_valid_input(backend, rng):
     ([0, 3, 2], r"offsets\[2\] = 2 < offsets\[1\] = 3"),
     ([0, 1, 2], r"offsets\[2\] = 2, expected len\(values\) = 3"),
     ([0, 1, 4], r"offsets\[2\] = 4, expected len\(values\) = 3"),
+    ([0], r"offsets\[0\] = 0, expected len\(values\) = 3"),
 ])
 @pytest.mark.parametrize("bounds", ["raise", "zero"])
 def test_malformed_offsets(backend, offsets, message, bounds):

@@ -6,7 +6,7 @@ import hbkernels as hbk
 
 
 def reference_segment_reduce(data, offsets, combiner):
-    rows = data.reshape(data.shape[0], -1).astype(np.float64)
+    rows = data.reshape(data.shape[0], int(np.prod(data.shape[1:]))).astype(np.float64)
     out = np.zeros((len(offsets) - 1, rows.shape[1]))
     for b in range(len(offsets) - 1):
         seg = rows[offsets[b]:offsets[b + 1]]

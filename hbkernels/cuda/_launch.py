@@ -14,6 +14,7 @@ from .._dispatch import simulator_enabled
 NO_ERROR_SLOT = np.iinfo(np.int64).max
 _SIM_MAX_BLOCKS = 2
 _MAX_BLOCKS = 65535 * 16
+WARP = 32
 
 
 def threads_per_block(preferred=256):
@@ -24,6 +25,38 @@ def blocks_for(work_items, threads, max_blocks=_MAX_BLOCKS):
     """Blocks to cover ``work_items`` (kernels use grid-stride loops past the cap)."""
     cap = _SIM_MAX_BLOCKS if simulator_enabled() else max_blocks
     return max(1, min(cap, (int(work_items) + threads - 1) // threads))
+
+
+def group_size(dim):
+    """Lanes of a row group: the next power of two >= ``dim``, at most a warp.
+
+    Row-wise kernels give each row (or bag) one group; lane ``d`` handles columns
+    ``d, d + G, d + 2G, ...`` so a row load is coalesced. Small ``dim`` packs
+    several groups in a warp; a power of two keeps groups inside one warp.
+    """
+    g = 1
+    while g < min(int(dim), WARP):
+        g *= 2
+    return g
+
+
+def accumulator_dtype(dtype):
+    """fp64 sums in fp64; fp16 and fp32 sum in fp32."""
+    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+
+
+@cuda.jit(device=True)
+def widen32(x):
+    """An element as fp32 (exact for fp16, a no-op for fp32)."""
+    return np.float32(x)
+
+
+@cuda.jit(device=True)
+def widen64(x):
+    return np.float64(x)
+
+
+WIDEN = {np.dtype(np.float32): widen32, np.dtype(np.float64): widen64}
 
 
 @cuda.jit
@@ -48,9 +81,21 @@ def error_slots(count, stream=0):
     return slots
 
 
-def read_error_slots(slots, stream=0):
-    """Host list of first bad positions, -1 where none."""
-    host = slots.copy_to_host(stream=stream)
+def no_error_slots():
+    """Stand-in slots for a launch that records nothing (``bounds="unchecked"``):
+    zero-sized, so no allocation and nothing to read back."""
+    return cuda.device_array(0, np.int64)
+
+
+def to_host(a, stream=0):
+    """Copy a (small) device array to a NumPy array, waiting for ``stream``."""
+    host = a.copy_to_host(stream=stream)
     if stream != 0:
         stream.synchronize()
+    return host
+
+
+def read_error_slots(slots, stream=0):
+    """Host list of first bad positions, -1 where none."""
+    host = to_host(slots, stream)
     return [-1 if v == NO_ERROR_SLOT else int(v) for v in host]

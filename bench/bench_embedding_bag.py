@@ -1,0 +1,86 @@
+"""embedding_bag: hbk.embedding_bag vs torch.nn.functional.embedding_bag (and a
+plain gather-then-reduce in NumPy/CuPy), combiners sum and mean, fixed bag length.
+
+CPU: E=1e6 rows, D=64, B=16384 bags of L=32 Zipf(1.1) ids, fp32.
+GPU: E=1e7, D=128, B=65536, L=32, Zipf(1.05), fp32 and fp16.
+GB/s counts rows read (B*L*D*itemsize) + ids and offsets read + output written.
+
+    PYTHONPATH=. python3 bench/bench_embedding_bag.py --device cpu
+"""
+import numpy as np
+
+import hbkernels as hbk
+from bench.common import HBK, Provider, cli_main
+
+OP = "embedding_bag"
+MODES = ("sum", "mean")
+
+
+def configs(ctx):
+    if ctx.smoke:
+        return [dict(E=1000, D=8, B=64, L=4, alpha=1.1, dtypes=("float32",))]
+    if ctx.is_cuda:
+        return [dict(E=10**7, D=128, B=65536, L=32, alpha=1.05, dtypes=("float32", "float16"))]
+    return [dict(E=10**6, D=64, B=16384, L=32, alpha=1.1, dtypes=("float32",))]
+
+
+def gather_reduce(xp, mode, B, L):
+    """The plain array-library peer: gather all B*L rows, reduce each bag (fp32 accumulation)."""
+    def run(a):
+        rows = xp.take(a["w"], a["ids"], axis=0).reshape(B, L, -1)
+        out = rows.sum(axis=1, dtype=xp.float32) if mode == "sum" else rows.mean(axis=1, dtype=xp.float32)
+        return out.astype(a["w"].dtype, copy=False)
+    return run
+
+
+def run(ctx):
+    xp, torch = ctx.xp, ctx.torch
+    for cfg in configs(ctx):
+        E, D, B, L = cfg["E"], cfg["D"], cfg["B"], cfg["L"]
+        ids = ctx.zipf_ids(B * L, E, cfg["alpha"])
+        offsets = xp.arange(B + 1, dtype=xp.int64) * L
+        size = f"E={E} D={D} B={B} L={L} zipf={cfg['alpha']}"
+        for dtype in cfg["dtypes"]:
+            w = ctx.random_table(E, D, dtype)
+            item = np.dtype(dtype).itemsize
+            nbytes = B * L * D * item + ids.nbytes + offsets.nbytes + B * D * item
+            fp16 = dtype == "float16"
+            for mode in MODES:
+                providers = [
+                    Provider(HBK, lambda a, m=mode: hbk.embedding_bag(
+                        a["w"], a["ids"], a["offsets"], combiner=m)),
+                    Provider(HBK + "-unchecked", lambda a, m=mode: hbk.embedding_bag(
+                        a["w"], a["ids"], a["offsets"], combiner=m, bounds="unchecked")),
+                    torch and Provider("torch", lambda a, m=mode: torch.nn.functional.embedding_bag(
+                        a["ids"], a["w"], a["offsets"], mode=m, include_last_offset=True),
+                        prepare=ctx.as_torch),
+                    Provider(ctx.xp_name, gather_reduce(xp, mode, B, L)),
+                ]
+                ctx.compare(OP, mode, size, dtype, {"w": w, "ids": ids, "offsets": offsets},
+                            providers, nbytes=nbytes,
+                            rtol=1e-2 if fp16 else 1e-5, atol=1e-2 if fp16 else 1e-4,
+                            reference=("torch", ctx.xp_name))
+            del w
+            ctx.release()
+    report_ratios(ctx)
+
+
+def report_ratios(ctx):
+    for row in ctx.rows:
+        if row["op"] != OP or row["provider"] != HBK:
+            continue
+        line = f"{OP} {row['mode']} {row['dtype']}:"
+        ratio = ctx.ratio(OP, row["mode"], row["dtype"], HBK, "torch")
+        if ratio is not None:
+            line += f" time hbk/torch = {ratio:.2f} (hbk {1 / ratio:.2f}x torch's speed)"
+        if ctx.is_cuda and ctx.copy_gbps and row["gbps"]:
+            line += f"; hbk at {100 * float(row['gbps']) / ctx.copy_gbps:.0f}% of copy bandwidth"
+        print(line)
+
+
+def main(argv=None):
+    return cli_main(run, argv, __doc__)
+
+
+if __name__ == "__main__":
+    main()

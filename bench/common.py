@@ -1,0 +1,545 @@
+"""Shared machinery of the benchmarks: data, timing, verification, CSV rows, CLI.
+
+Every op script builds its inputs once on the device, lists its providers
+(hbkernels first, then peers such as NumPy/CuPy, PyTorch, JAX) and hands them
+to :meth:`Context.compare`, which
+
+1. makes a few copies of the inputs to rotate between (so a cache does not
+   keep the previous repetition's data warm: the copies together span
+   several times the L2 of a GPU or the last-level cache of a CPU);
+2. runs every provider once and checks its result against a peer's with
+   ``np.testing.assert_allclose`` (a wrong kernel fails the run, never gets
+   timed);
+3. times each provider after warm-up: CUDA events around every repetition on
+   a GPU, ``time.perf_counter`` on the CPU; keeps median, p20 and p80 in ms;
+4. appends one CSV row per provider (:data:`COLUMNS`) and prints it.
+
+Peers that are not installed are skipped with a note; ``HBK_BENCH_NO=torch,jax``
+makes the benchmarks behave as if those were not installed.
+"""
+import argparse
+import csv
+import importlib
+import math
+import os
+import platform
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+COLUMNS = (
+    "op", "provider", "mode", "size", "dtype",
+    "median_ms", "p20_ms", "p80_ms", "gbps", "device",
+)
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+HBK = "hbkernels"
+DISABLE_ENV = "HBK_BENCH_NO"
+PERMUTATION_SEED = 20240601  # one fixed scattering of hot rows for every id stream
+MiB = 1 << 20
+
+
+# -- optional peers -----------------------------------------------------------
+def optional_module(name):
+    """``name`` imported, or None when it is missing or disabled by ``HBK_BENCH_NO``."""
+    disabled = {s.strip() for s in os.environ.get(DISABLE_ENV, "").split(",") if s.strip()}
+    if name.split(".")[0] in disabled:
+        return None
+    try:
+        return importlib.import_module(name)
+    except (ImportError, OSError):
+        return None
+
+
+# -- data ---------------------------------------------------------------------
+def zipf_cdf(num_rows, alpha):
+    """CDF of the bounded Zipf law P(rank k) ∝ k**-alpha over k = 1..num_rows."""
+    weights = np.arange(1, num_rows + 1, dtype=np.float64) ** -float(alpha)
+    cdf = np.cumsum(weights)
+    cdf /= cdf[-1]
+    return cdf
+
+
+def zipf_ids(n, num_rows, alpha, *, seed=0, xp=np, dtype=np.int64):
+    """``n`` ids in ``[0, num_rows)`` whose popularity ranks follow Zipf(alpha).
+
+    Ranks come from the inverse CDF of the bounded law (no rejection, no
+    modulo folding); rank r then maps to row ``perm[r]`` through one fixed
+    random permutation, so the hot rows are scattered across the table as in
+    real id spaces, not packed at its start. The same ``seed`` gives the same
+    ids with NumPy and CuPy (``xp``); the search runs on ``xp``'s device.
+    """
+    cdf = xp.asarray(zipf_cdf(num_rows, alpha))
+    u = xp.asarray(np.random.default_rng(seed).random(n))
+    ranks = xp.minimum(xp.searchsorted(cdf, u, side="right"), num_rows - 1)
+    perm = xp.asarray(np.random.default_rng(PERMUTATION_SEED).permutation(num_rows))
+    return perm[ranks].astype(dtype)
+
+
+def random_table(num_rows, dim, dtype, *, seed=0, xp=np):
+    """A ``[num_rows, dim]`` table of uniform values in [-1, 1), made on ``xp``'s device."""
+    if xp is np:
+        table = np.random.default_rng(seed).random((num_rows, dim), dtype=np.float32)
+    else:
+        table = xp.random.RandomState(seed).random_sample((num_rows, dim), dtype=xp.float32)
+    table *= 2
+    table -= 1
+    return table if np.dtype(dtype) == np.float32 else table.astype(dtype)
+
+
+def to_host(x):
+    """NumPy view/copy of a NumPy, CuPy, Numba, torch or JAX array (tuples mapped)."""
+    if isinstance(x, (tuple, list)):
+        return tuple(to_host(v) for v in x)
+    if isinstance(x, np.ndarray):
+        return x
+    mod = type(x).__module__ or ""
+    if mod.startswith("cupy"):
+        return x.get()
+    if mod.startswith("torch"):
+        return x.detach().cpu().numpy()
+    if hasattr(x, "copy_to_host"):
+        return x.copy_to_host()
+    return np.asarray(x)
+
+
+def as_arrays(result):
+    """Default canonical form of a result: a tuple of host arrays."""
+    host = to_host(result)
+    return host if isinstance(host, tuple) else (host,)
+
+
+def assert_same(got, expected, rtol, atol, what):
+    if len(got) != len(expected):
+        raise AssertionError(f"{what}: {len(got)} outputs, expected {len(expected)}")
+    for i, (g, e) in enumerate(zip(got, expected)):
+        g, e = np.asarray(g), np.asarray(e)
+        if g.shape != e.shape:
+            raise AssertionError(f"{what}: output {i} has shape {g.shape}, expected {e.shape}")
+        if np.issubdtype(e.dtype, np.floating):
+            g, e = g.astype(np.float64), e.astype(np.float64)
+        np.testing.assert_allclose(g, e, rtol=rtol, atol=atol, err_msg=f"{what}: output {i}")
+
+
+# -- device -------------------------------------------------------------------
+def cpu_name():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def gpu_name(cupy):
+    name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"]
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def slug(name):
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "device"
+
+
+def _cpu_cache_bytes():
+    """Largest CPU cache (the LLC) in bytes, 32 MiB when sysfs does not say."""
+    sizes = []
+    for p in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        m = re.fullmatch(r"(\d+)([KMG]?)", p.read_text().strip())
+        if m:
+            sizes.append(int(m.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[m.group(2)])
+    return max(sizes, default=32 * MiB)
+
+
+def _cpu_free_bytes():
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30
+
+
+# -- timing -------------------------------------------------------------------
+@dataclass
+class Timing:
+    median_ms: float
+    p20_ms: float
+    p80_ms: float
+    reps: int
+
+    @classmethod
+    def of(cls, times_ms):
+        med, p20, p80 = np.percentile(np.asarray(times_ms, np.float64), [50, 20, 80])
+        return cls(float(med), float(p20), float(p80), len(times_ms))
+
+
+@dataclass
+class Provider:
+    """One implementation of an op. ``run(inputs)`` is what gets timed; ``prepare``
+    (untimed, once per input copy) turns the device arrays into what ``run``
+    takes (e.g. zero-copy torch tensors); ``block`` waits for an asynchronous
+    result (JAX) and makes the timing use the wall clock."""
+
+    name: str
+    run: Callable[[dict], Any]
+    prepare: Optional[Callable[[dict], dict]] = None
+    block: Optional[Callable[[Any], Any]] = None
+
+
+_UNSET = object()
+
+
+class Context:
+    """Device, timing policy and CSV of one benchmark run."""
+
+    def __init__(self, device="cpu", out=None, *, smoke=False, reps=None, warmup=None,
+                 providers=None, seed=0):
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+        self.device = device
+        self.is_cuda = device == "cuda"
+        self.smoke = smoke
+        self.seed = seed
+        if self.is_cuda:
+            cupy = optional_module("cupy")
+            if cupy is None:
+                raise SystemExit("--device cuda needs CuPy (pip install 'hbkernels[cuda13]')")
+            self.xp, self.xp_name = cupy, "cupy"
+            self.device_name = gpu_name(cupy)
+        else:
+            self.xp, self.xp_name = np, "numpy"
+            self.device_name = cpu_name()
+        self.out = Path(out) if out else RESULTS_DIR / f"{slug(self.device_name)}.csv"
+        self.only = {s.strip() for s in providers.split(",") if s.strip()} if providers else None
+        # timing policy: warm-up calls, then repetitions filling about budget_s
+        if smoke:
+            self.warmup, self.budget_s, self.min_reps, self.max_reps = 1, 0.0, 2, 2
+        elif self.is_cuda:
+            self.warmup, self.budget_s, self.min_reps, self.max_reps = 5, 0.5, 10, 200
+        else:
+            self.warmup, self.budget_s, self.min_reps, self.max_reps = 2, 1.0, 5, 50
+        if warmup is not None:
+            self.warmup = max(1, warmup)
+        self.reps = reps
+        self.rows = []
+        self.copy_gbps = None
+        self._torch = _UNSET
+        self._notes = set()
+
+    @classmethod
+    def from_args(cls, args):
+        return cls(args.device, args.out, smoke=args.smoke, reps=args.reps, warmup=args.warmup,
+                   providers=args.providers, seed=args.seed)
+
+    def note(self, msg):
+        if msg not in self._notes:
+            self._notes.add(msg)
+            print(f"note: {msg}")
+
+    # -- data on this device ----------------------------------------------------
+    def zipf_ids(self, n, num_rows, alpha, seed_offset=0):
+        return zipf_ids(n, num_rows, alpha, seed=self.seed + seed_offset, xp=self.xp)
+
+    def random_table(self, num_rows, dim, dtype, seed_offset=0):
+        return random_table(num_rows, dim, dtype, seed=self.seed + seed_offset, xp=self.xp)
+
+    # -- peers ------------------------------------------------------------------
+    @property
+    def torch(self):
+        """torch when it can run on this device, else None (with a note)."""
+        if self._torch is _UNSET:
+            torch = optional_module("torch")
+            if torch is None:
+                self.note("torch is not installed (or disabled): torch peers are skipped")
+            elif self.is_cuda and not torch.cuda.is_available():
+                self.note("torch has no CUDA here: torch peers are skipped")
+                torch = None
+            if torch is not None and self.is_cuda:
+                # CUDA events are recorded on CuPy's current stream; torch must
+                # launch on the same (legacy default) stream for them to bracket it
+                cupy_stream = self.xp.cuda.get_current_stream().ptr
+                if torch.cuda.current_stream().cuda_stream != cupy_stream:
+                    raise RuntimeError("torch and CuPy are on different CUDA streams")
+            self._torch = torch
+        return self._torch
+
+    def as_torch(self, inputs):
+        """Zero-copy torch views of a dict of arrays (CPU: from_numpy, GPU: DLPack)."""
+        t = self.torch
+        conv = t.from_dlpack if self.is_cuda else t.from_numpy
+        return {k: conv(v) for k, v in inputs.items()}
+
+    def jax_device(self):
+        """(jax, device) when JAX has a backend for this device, else (None, None)."""
+        jax = optional_module("jax")
+        if jax is None:
+            self.note("jax is not installed (or disabled): jax peers are skipped")
+            return None, None
+        try:
+            return jax, jax.devices("gpu" if self.is_cuda else "cpu")[0]
+        except RuntimeError:
+            self.note(f"jax has no {self.device} backend here: jax peers are skipped")
+            return None, None
+
+    def selected(self, name):
+        return self.only is None or name in self.only
+
+    # -- memory -----------------------------------------------------------------
+    def sync(self):
+        if self.is_cuda:
+            self.xp.cuda.runtime.deviceSynchronize()
+
+    def release(self):
+        """Give cached device memory back between cases (CuPy pool, torch cache)."""
+        if self.is_cuda:
+            self.sync()
+            self.xp.get_default_memory_pool().free_all_blocks()
+            if self._torch not in (_UNSET, None):
+                self._torch.cuda.empty_cache()
+
+    def cache_bytes(self):
+        if self.is_cuda:
+            props = self.xp.cuda.runtime.getDeviceProperties(self.xp.cuda.Device().id)
+            return int(props.get("l2CacheSize", 50 * MiB))
+        return _cpu_cache_bytes()
+
+    def free_bytes(self):
+        if self.is_cuda:
+            return int(self.xp.cuda.runtime.memGetInfo()[0])
+        return _cpu_free_bytes()
+
+    def rotation(self, inputs):
+        """``inputs`` plus copies of it, enough that the set spans 4x the cache
+        (at least 2 on a GPU, at most 8, and within 40% of free memory)."""
+        nbytes = max(1, sum(int(a.nbytes) for a in inputs.values()))
+        want = math.ceil(4 * self.cache_bytes() / nbytes)
+        n = min(max(want, 2 if self.is_cuda else 1), 8)
+        n = max(1, min(n, int(0.4 * self.free_bytes()) // nbytes))
+        return [inputs] + [{k: v.copy() for k, v in inputs.items()} for _ in range(n - 1)]
+
+    # -- timing -----------------------------------------------------------------
+    def measure(self, run, copies, block=None):
+        """Time ``run(copy)`` rotating over ``copies``: warm-up, then repetitions."""
+        n = len(copies)
+
+        def call(i):
+            result = run(copies[i % n])
+            if block is not None:
+                block(result)
+
+        warm = []
+        for i in range(self.warmup):
+            t0 = time.perf_counter()
+            call(i)
+            self.sync()
+            warm.append(time.perf_counter() - t0)
+        reps = self.reps or int(np.clip(self.budget_s / max(min(warm), 1e-6),
+                                        self.min_reps, self.max_reps))
+        start = self.warmup  # go on rotating: the first timed copy is not the last warm one
+        if self.is_cuda and block is None:
+            cp = self.xp
+            events = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(reps)]
+            for i, (begin, end) in enumerate(events):
+                begin.record()
+                call(start + i)
+                end.record()
+            events[-1][1].synchronize()
+            times = [cp.cuda.get_elapsed_time(begin, end) for begin, end in events]
+        else:
+            times = []
+            for i in range(reps):
+                self.sync()
+                t0 = time.perf_counter()
+                call(start + i)
+                self.sync()
+                times.append((time.perf_counter() - t0) * 1e3)
+        return Timing.of(times)
+
+    # -- one case: verify, then time every provider -------------------------------
+    def compare(self, op, mode, size, dtype, inputs, providers, *, nbytes,
+                canon=as_arrays, rtol=0.0, atol=0.0, reference=()):
+        """Verify every provider against a peer, then time and record each.
+
+        ``providers[0]`` is hbkernels; ``None`` entries (peers not available)
+        are dropped. ``nbytes`` is the bytes one call moves, or a function of
+        hbkernels' canonical result. ``canon`` maps a host result to a tuple of
+        arrays that must agree across providers (e.g. sorted for unique).
+        ``reference`` lists, by preference, the peer the summary's speedups are
+        against.
+        """
+        providers = [p for p in providers if p is not None]
+        if not providers or providers[0].name != HBK:
+            raise ValueError("providers[0] must be hbkernels")
+        timed = [p for p in providers if self.selected(p.name)]
+        peers = [p for p in providers if not p.name.startswith(HBK)]
+        checked_peers = [p for p in peers if self.selected(p.name)] or peers[:1]
+        if not checked_peers:
+            raise RuntimeError(f"{op}: no peer to verify hbkernels against")
+        runs = {p.name: p for p in [providers[0]] + timed + checked_peers}
+
+        copies = self.rotation(inputs)
+        prepared = {name: [p.prepare(c) if p.prepare else c for c in copies]
+                    for name, p in runs.items()}
+        what = f"{op} mode={mode} dtype={dtype} [{size}]"
+        ref = checked_peers[0]
+        expected = canon(to_host(ref.run(prepared[ref.name][0])))
+        hbk_result = None
+        for name, p in runs.items():
+            if p is ref:
+                continue
+            got = canon(to_host(p.run(prepared[name][0])))
+            assert_same(got, expected, rtol, atol, f"{what}: {name} vs {ref.name}")
+            if name == HBK:
+                hbk_result = got
+        others = ", ".join(n for n in runs if n != ref.name)
+        print(f"verified {others} against {ref.name}: {what}")
+
+        moved = nbytes(hbk_result) if callable(nbytes) else nbytes
+        ref_name = next((r for r in reference if any(p.name == r for p in timed)), None)
+        for p in timed:
+            timing = self.measure(p.run, prepared[p.name], p.block)
+            self.record(op, p.name, mode, size, dtype, timing, moved, reference=ref_name)
+        del prepared, copies
+        self.release()
+
+    # -- rows -------------------------------------------------------------------
+    def record(self, op, provider, mode, size, dtype, timing, nbytes, reference=None):
+        gbps = nbytes / (timing.median_ms * 1e6) if nbytes and timing.median_ms > 0 else None
+        row = {
+            "op": op, "provider": provider, "mode": mode, "size": size, "dtype": str(dtype),
+            "median_ms": f"{timing.median_ms:.6g}", "p20_ms": f"{timing.p20_ms:.6g}",
+            "p80_ms": f"{timing.p80_ms:.6g}", "gbps": "" if gbps is None else f"{gbps:.6g}",
+            "device": self.device_name,
+        }
+        append_csv(self.out, row)
+        self.rows.append({**row, "_reference": reference})
+        print(f"  {op:<14} {mode:<8} {str(dtype):<8} {provider:<20} "
+              f"{timing.median_ms:10.3f} ms  [{timing.p20_ms:.3f}, {timing.p80_ms:.3f}]"
+              f"  {'' if gbps is None else f'{gbps:8.1f} GB/s'}  ({timing.reps} reps)")
+        return row
+
+    def copy_bandwidth(self):
+        """Measure (once) a large same-device copy; records an ``op=copy`` row.
+
+        GB/s counts bytes read plus bytes written. On a GPU this is a
+        ``cudaMemcpyAsync`` device-to-device (the roofline the GB/s of the
+        ops are compared with); on the CPU a single-threaded ``np.copyto``.
+        """
+        if self.copy_gbps is not None:
+            return self.copy_gbps
+        nbytes = 8 * MiB if self.smoke else (1024 * MiB if self.is_cuda else 256 * MiB)
+        xp = self.xp
+        src = xp.ones(nbytes, dtype=xp.uint8)
+        dst = xp.empty_like(src)
+        if self.is_cuda:
+            def run(a):
+                a["dst"].data.copy_from_device_async(a["src"].data, nbytes)
+        else:
+            def run(a):
+                np.copyto(a["dst"], a["src"])
+        timing = self.measure(run, [{"src": src, "dst": dst}])
+        self.record("copy", self.xp_name, "d2d" if self.is_cuda else "memcpy",
+                    f"bytes={nbytes}", "uint8", timing, 2 * nbytes)
+        self.copy_gbps = 2 * nbytes / (timing.median_ms * 1e6)
+        del src, dst
+        self.release()
+        return self.copy_gbps
+
+    def summary(self):
+        """The table of this run: one line per row, speedup vs the group's peer."""
+        groups = {}
+        for row in self.rows:
+            groups.setdefault((row["op"], row["mode"], row["size"], row["dtype"]), []).append(row)
+        show_copy = self.is_cuda and self.copy_gbps
+        head = ["op", "mode", "dtype", "provider", "median ms", "GB/s", "speedup", "vs"]
+        if show_copy:
+            head.append("% copy")
+        head.append("size")
+        table = [head]
+        for rows in groups.values():
+            ref = next((r for r in rows if r["provider"] == rows[0]["_reference"]), None)
+            for r in rows:
+                ms = float(r["median_ms"])
+                line = [r["op"], r["mode"], r["dtype"], r["provider"], f"{ms:.3f}",
+                        f"{float(r['gbps']):.1f}" if r["gbps"] else "",
+                        f"{float(ref['median_ms']) / ms:.2f}x" if ref and r is not ref else "",
+                        ref["provider"] if ref and r is not ref else ""]
+                if show_copy:
+                    line.append(f"{100 * float(r['gbps']) / self.copy_gbps:.0f}%"
+                                if r["gbps"] and r["op"] != "copy" else "")
+                line.append(r["size"])
+                table.append(line)
+        widths = [max(len(line[i]) for line in table) for i in range(len(head))]
+        text = []
+        for k, line in enumerate(table):
+            text.append("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip())
+            if k == 0:
+                text.append("  ".join("-" * w for w in widths))
+        return "\n".join(text)
+
+    def ratio(self, op, mode, dtype, provider=HBK, peer="torch"):
+        """median(provider) / median(peer) for one op case, or None if either is missing."""
+        def median(name):
+            for r in self.rows:
+                if (r["op"], r["mode"], r["dtype"], r["provider"]) == (op, mode, str(dtype), name):
+                    return float(r["median_ms"])
+            return None
+
+        a, b = median(provider), median(peer)
+        return None if a is None or b is None else a / b
+
+
+def append_csv(path, row):
+    """Append one row to ``path``, creating it (and its folder) with the header."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = not path.exists() or path.stat().st_size == 0
+    if not new:
+        with open(path, newline="") as f:
+            header = next(csv.reader(f), [])
+        if tuple(header) != COLUMNS:
+            raise ValueError(f"{path} has the header {header}, expected {list(COLUMNS)}; "
+                             "pass another --out")
+    with open(path, "a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        if new:
+            writer.writeheader()
+        writer.writerow(row)
+
+
+# -- command line -------------------------------------------------------------
+def parser(description):
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu: NumPy arrays (Numba CPU kernels); cuda: CuPy arrays (Numba CUDA kernels)")
+    p.add_argument("--out", default=None,
+                   help="CSV to append rows to (default: bench/results/<device-slug>.csv)")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny sizes and two repetitions: proves the benchmark runs")
+    p.add_argument("--reps", type=int, default=None,
+                   help="timed repetitions per provider (default: fill about a second)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed calls before timing")
+    p.add_argument("--providers", default=None,
+                   help="comma-separated providers to time, e.g. hbkernels,torch "
+                        "(hbkernels is still verified against a peer)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the generated data")
+    return p
+
+
+def cli_main(run, argv=None, description=None):
+    """``main`` of one op script: parse, measure copy bandwidth, run, print the table."""
+    args = parser(description).parse_args(argv)
+    ctx = Context.from_args(args)
+    print(f"device: {ctx.device_name} ({ctx.device}); rows -> {ctx.out}")
+    ctx.copy_bandwidth()
+    run(ctx)
+    print()
+    print(ctx.summary())
+    return ctx

@@ -1,0 +1,158 @@
+"""Pooled lookup on the GPU: one fused kernel, one row group per bag.
+
+Bag ``b`` (ids ``i_j``, weights ``w_j``, ``j`` in ``[offsets[b], offsets[b+1])``)::
+
+    s = Σ w_j·W[i_j]      sum: s      mean: s / Σ w_j      sqrtn: s / sqrt(Σ w_j²)
+
+(a zero denominator gives zeros, so an empty bag gives zeros).
+
+Thread mapping: a group of ``G = group_size(D)`` lanes (a warp, or a power-of-two
+slice of one when ``D < 32``, several bags per warp) owns a bag, grid-stride over
+bags. Lane ``d`` accumulates columns ``d, d+G, d+2G, d+3G`` in registers (fp32
+for fp16/fp32 tables, fp64 for fp64), so each table row is read coalesced; wider
+rows take further passes over the bag's ids. No atomics touch the output and
+no warp shuffles are used, so the kernel runs unchanged in Numba's simulator.
+
+The same kernel checks its input on the way: offsets are clamped to
+``[0, len(values)]`` so malformed CSR never reads out of range, lane 0 records
+the first malformed offset position in error slot 0 and the first out-of-range
+id in slot 1 (``cuda.atomic.min``), and out-of-range ids are always skipped.
+The slots are read back once, except under ``bounds="unchecked"`` (no host sync).
+"""
+import math
+
+import numpy as np
+from numba import cuda
+
+from ._launch import (
+    WIDEN,
+    accumulator_dtype,
+    blocks_for,
+    error_slots,
+    group_size,
+    no_error_slots,
+    read_error_slots,
+    threads_per_block,
+)
+
+UNROLL = 4  # columns per lane per pass over a bag's ids
+
+
+def _make_pool_kernel(widen):
+    """The pooling kernel accumulating in ``widen``'s float type."""
+
+    @cuda.jit(cache=False)
+    def pool_kernel(table, values, offsets, n_values, weights, has_weights, combiner, identity,
+                    check_offsets, record_ids, group, out, slots):
+        """out[b] = combine_j w_j * table[row_j], row_j = values[j] (or j when ``identity``)."""
+        num_rows = table.shape[0]
+        dim = table.shape[1]
+        num_bags = offsets.shape[0] - 1
+        tid = cuda.grid(1)
+        lane = tid % group
+        step = cuda.gridsize(1) // group
+        chunk = UNROLL * group
+        for b in range(tid // group, num_bags, step):
+            lo = offsets[b]
+            hi = offsets[b + 1]
+            start = min(max(lo, 0), n_values)
+            end = min(max(hi, start), n_values)
+            if check_offsets and lane == 0:
+                if b == 0 and lo != 0:
+                    cuda.atomic.min(slots, 0, 0)
+                if hi < lo:
+                    cuda.atomic.min(slots, 0, b + 1)
+                if b == num_bags - 1 and hi != n_values:
+                    cuda.atomic.min(slots, 0, num_bags)
+            for c0 in range(lane, dim, chunk):
+                c1 = c0 + group
+                c2 = c1 + group
+                c3 = c2 + group
+                a0 = widen(0)
+                a1 = widen(0)
+                a2 = widen(0)
+                a3 = widen(0)
+                w_sum = widen(0)
+                w_sq = widen(0)
+                for j in range(start, end):
+                    row = j if identity else values[j]
+                    if row < 0 or row >= num_rows:
+                        if record_ids and c0 == 0:  # lane 0, first pass: once per id
+                            cuda.atomic.min(slots, 1, j)
+                        continue
+                    w = widen(weights[j]) if has_weights else widen(1)
+                    w_sum += w
+                    w_sq += w * w
+                    a0 += w * widen(table[row, c0])
+                    if c1 < dim:
+                        a1 += w * widen(table[row, c1])
+                        if c2 < dim:
+                            a2 += w * widen(table[row, c2])
+                            if c3 < dim:
+                                a3 += w * widen(table[row, c3])
+                scale = widen(1)
+                if combiner == 1:
+                    scale = widen(1) / w_sum if w_sum != 0 else widen(0)
+                elif combiner == 2:
+                    scale = widen(1) / math.sqrt(w_sq) if w_sq != 0 else widen(0)
+                out[b, c0] = a0 * scale
+                if c1 < dim:
+                    out[b, c1] = a1 * scale
+                    if c2 < dim:
+                        out[b, c2] = a2 * scale
+                        if c3 < dim:
+                            out[b, c3] = a3 * scale
+
+    return pool_kernel
+
+
+_POOL_KERNELS = {acc: _make_pool_kernel(widen) for acc, widen in WIDEN.items()}
+
+
+def empty_batch_bad_offset(family, offsets, n_values):
+    """First bad offset when ``B == 0``: ``offsets == [x]`` is CSR iff ``x == 0`` and
+    there are no values; either failure is at position 0 (reads one element)."""
+    if n_values != 0:
+        return 0
+    return 0 if int(family.to_numpy(offsets[:1])[0]) != 0 else -1
+
+
+def pool(family, table, values, offsets, n_values, weights, combiner, identity, check_offsets,
+         record_ids):
+    """Launch the pooling kernel. Returns ``(out [B, D] in the table's dtype, stream, slots)``;
+    ``slots`` (first bad offset, first bad id) is None when nothing was recorded or launched."""
+    stream = family.stream()
+    num_bags = offsets.shape[0] - 1
+    dim = table.shape[1]
+    out = family.empty((num_bags, dim), table.dtype)
+    if num_bags == 0:
+        return out, stream, None
+    record = check_offsets or record_ids
+    slots = error_slots(2, stream) if record else no_error_slots()
+    k_offsets = family.kernel_array(offsets)
+    k_values = k_offsets if identity else family.kernel_array(values)
+    k_weights = k_values if weights is None else family.kernel_array(weights)
+    group = group_size(dim)
+    tpb = threads_per_block()
+    kernel = _POOL_KERNELS[accumulator_dtype(table.dtype)]
+    kernel[blocks_for(num_bags, tpb // group), tpb, stream](
+        family.kernel_array(table), k_values, k_offsets, n_values, k_weights, weights is not None,
+        combiner, identity, check_offsets, record_ids, group, family.kernel_array(out), slots,
+    )
+    return out, stream, (slots if record else None)
+
+
+def embedding_bag(family, weights, values, offsets, per_sample_weights, combiner, bounds):
+    n_values = values.shape[0]
+    check = bounds != 2
+    if offsets.shape[0] == 1:
+        bad_offset = empty_batch_bad_offset(family, offsets, n_values) if check else -1
+        return family.empty((0, weights.shape[1]), weights.dtype), bad_offset, -1
+    out, stream, slots = pool(
+        family, weights, values, offsets, n_values, per_sample_weights, combiner, False,
+        check, bounds == 0,
+    )
+    if slots is None:
+        return out, -1, -1
+    bad_offset, bad_id = read_error_slots(slots, stream)
+    return out, bad_offset, (bad_id if bounds == 0 else -1)

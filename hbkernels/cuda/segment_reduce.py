@@ -1,0 +1,18 @@
+"""CSR segment reduction on the GPU: the pooling kernel of embedding_bag over rows in place.
+
+Segment ``b`` reduces rows ``data[offsets[b]:offsets[b+1]]`` (row = position,
+weight 1): sum, mean (/ length) or sqrtn (/ sqrt(length)); empty gives zeros.
+Offsets are always validated; their error slot is read back once.
+"""
+from ._launch import read_error_slots
+from .embedding_bag import empty_batch_bad_offset, pool
+
+
+def segment_reduce(family, data, offsets, combiner):
+    n_rows = data.shape[0]
+    if offsets.shape[0] == 1:
+        bad_offset = empty_batch_bad_offset(family, offsets, n_rows)
+        return family.empty((0, data.shape[1]), data.dtype), bad_offset
+    out, stream, slots = pool(family, data, None, offsets, n_rows, None, combiner, True, True, False)
+    bad_offset, _ = read_error_slots(slots, stream)
+    return out, bad_offset

@@ -1,0 +1,80 @@
+"""Unsorted segment sum on the GPU: ``out[s] = Σ data[i] over i with segment_ids[i] == s``.
+
+Thread mapping: a group of ``G = group_size(D)`` lanes per input row, grid-stride
+over rows; lane ``d`` adds columns ``d, d+G, ...`` with ``cuda.atomic.add`` into
+``acc[segment_ids[i], d]`` (coalesced along ``d``). ``acc`` is the output for
+fp32 and fp64 data; fp16 data sums into an fp32 buffer, then a cast kernel
+writes the fp16 output. Rows with a segment id outside ``[0, num_segments)``
+are always dropped; under ``bounds="raise"`` lane 0 also records the first bad
+position in an error slot, read back once.
+"""
+import numpy as np
+from numba import cuda
+
+from ._launch import (
+    WIDEN,
+    accumulator_dtype,
+    blocks_for,
+    error_slots,
+    group_size,
+    no_error_slots,
+    read_error_slots,
+    threads_per_block,
+)
+
+
+def _make_scatter_add_kernel(widen):
+    @cuda.jit(cache=False)
+    def scatter_add_kernel(data, segment_ids, record, group, acc, slots):
+        num_segments = acc.shape[0]
+        dim = data.shape[1]
+        tid = cuda.grid(1)
+        lane = tid % group
+        step = cuda.gridsize(1) // group
+        for i in range(tid // group, data.shape[0], step):
+            s = segment_ids[i]
+            if s < 0 or s >= num_segments:
+                if record and lane == 0:
+                    cuda.atomic.min(slots, 0, i)
+                continue
+            for d in range(lane, dim, group):
+                cuda.atomic.add(acc, (s, d), widen(data[i, d]))
+
+    return scatter_add_kernel
+
+
+_SCATTER_ADD_KERNELS = {acc: _make_scatter_add_kernel(widen) for acc, widen in WIDEN.items()}
+
+
+@cuda.jit(cache=False)
+def cast_kernel(src, dst):
+    """dst[k] = src[k] in dst's dtype (1-D, same length)."""
+    for k in range(cuda.grid(1), src.shape[0], cuda.gridsize(1)):
+        dst[k] = src[k]
+
+
+def segment_sum(family, data, segment_ids, num_segments, bounds):
+    n, dim = data.shape[0], data.shape[1]
+    acc_dtype = accumulator_dtype(data.dtype)
+    acc = family.zeros((num_segments, dim), acc_dtype)
+    if n == 0:
+        return (acc if acc_dtype == data.dtype else family.zeros(acc.shape, data.dtype)), -1
+    stream = family.stream()
+    record = bounds == 0
+    slots = error_slots(1, stream) if record else no_error_slots()
+    group = group_size(dim)
+    tpb = threads_per_block()
+    k_acc = family.kernel_array(acc)
+    _SCATTER_ADD_KERNELS[acc_dtype][blocks_for(n, tpb // group), tpb, stream](
+        family.kernel_array(data), family.kernel_array(segment_ids), record, group, k_acc, slots,
+    )
+    out = acc
+    if acc_dtype != data.dtype:
+        out = family.empty(acc.shape, data.dtype)
+        if out.size:
+            flat_out = family.kernel_array(out).reshape(out.size)
+            cast_kernel[blocks_for(out.size, tpb), tpb, stream](k_acc.reshape(acc.size), flat_out)
+    if not record:
+        return out, -1
+    (bad,) = read_error_slots(slots, stream)
+    return out, bad

@@ -1,0 +1,124 @@
+"""The benchmarks run: every bench script's main with --smoke on the CPU (tiny
+sizes, two repetitions, CSV in tmp_path), with and without the torch peer.
+Each script verifies hbkernels against a peer before timing, so these runs
+also check the kernels at tiny sizes."""
+import csv
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # the bench package lives at the repository root
+    sys.path.insert(0, str(ROOT))
+
+from bench import common  # noqa: E402
+
+SCRIPTS = ["embedding_bag", "unique", "lookup", "segment_sum", "segment_reduce", "partition"]
+HAVE_TORCH = importlib.util.find_spec("torch") is not None
+
+
+def read_rows(path):
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        assert tuple(reader.fieldnames) == common.COLUMNS
+        return list(reader)
+
+
+def check_rows(rows, op):
+    assert rows[0]["op"] == "copy"
+    mine = [r for r in rows if r["op"] == op]
+    assert any(r["provider"] == "hbkernels" for r in mine)
+    for r in rows:
+        assert float(r["p20_ms"]) <= float(r["median_ms"]) <= float(r["p80_ms"])
+        assert float(r["median_ms"]) > 0 and float(r["gbps"]) > 0
+        assert r["device"]
+    return mine
+
+
+def smoke(name, out):
+    module = importlib.import_module(f"bench.bench_{name}")
+    module.main(["--device", "cpu", "--smoke", "--out", str(out)])
+    return read_rows(out)
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_bench_script_smoke(name, tmp_path):
+    rows = check_rows(smoke(name, tmp_path / "bench.csv"), name)
+    providers = {r["provider"] for r in rows}
+    assert {"hbkernels", "numpy"} <= providers
+    if HAVE_TORCH:
+        assert "torch" in providers
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_bench_script_runs_without_torch(name, tmp_path, monkeypatch):
+    monkeypatch.setenv(common.DISABLE_ENV, "torch,jax")
+    rows = check_rows(smoke(name, tmp_path / "bench.csv"), name)
+    assert not {"torch", "jax"} & {r["provider"] for r in rows}
+
+
+def test_hbkernels_alone_is_still_verified(tmp_path, capsys):
+    module = importlib.import_module("bench.bench_lookup")
+    out = tmp_path / "bench.csv"
+    module.main(["--device", "cpu", "--smoke", "--out", str(out), "--providers", "hbkernels"])
+    assert {r["provider"] for r in read_rows(out) if r["op"] == "lookup"} == {"hbkernels"}
+    assert "verified hbkernels against numpy" in capsys.readouterr().out
+
+
+def test_run_all_smoke(tmp_path):
+    run_all = importlib.import_module("bench.run_all")
+    out = tmp_path / "all.csv"
+    assert run_all.main(["--device", "cpu", "--smoke", "--out", str(out), "--reps", "1"]) == 0
+    rows = read_rows(out)
+    assert {r["op"] for r in rows} == {"copy", *SCRIPTS}
+    assert sum(r["op"] == "copy" for r in rows) == 1
+
+
+def test_a_wrong_kernel_is_never_timed(tmp_path):
+    ctx = common.Context("cpu", tmp_path / "bench.csv", smoke=True)
+    x = np.arange(6.0)
+    providers = [common.Provider("hbkernels", lambda a: a["x"] + 1e-3),
+                 common.Provider("numpy", lambda a: a["x"].copy())]
+    with pytest.raises(AssertionError, match="hbkernels vs numpy"):
+        ctx.compare("op", "m", "n=6", "float64", {"x": x}, providers, nbytes=48, rtol=1e-6)
+    assert not (tmp_path / "bench.csv").exists()
+
+
+def test_csv_refuses_another_header(tmp_path):
+    path = tmp_path / "other.csv"
+    path.write_text("a,b\n1,2\n")
+    with pytest.raises(ValueError, match="header"):
+        common.append_csv(path, dict.fromkeys(common.COLUMNS, "x"))
+
+
+def test_zipf_ids_are_skewed_scattered_and_reproducible():
+    ids = common.zipf_ids(200_000, 10_000, 1.1, seed=3)
+    assert ids.dtype == np.int64 and ids.min() >= 0 and ids.max() < 10_000
+    np.testing.assert_array_equal(ids, common.zipf_ids(200_000, 10_000, 1.1, seed=3))
+    counts = np.bincount(ids, minlength=10_000)
+    hottest = np.argsort(counts)[::-1]
+    # rank 1 carries 1/H(10000, 1.1) ~ 15% of the draws and rank 2 2**-1.1 of that
+    assert 0.13 < counts[hottest[0]] / ids.size < 0.17
+    assert 0.4 < counts[hottest[1]] / counts[hottest[0]] < 0.53
+    # the hot rows are spread over the table, not packed at its start
+    assert np.median(hottest[:100]) > 1000
+
+
+def test_reduceat_peer_handles_empty_segments():
+    from bench.bench_segment_reduce import csr_offsets, reduceat
+
+    offsets = csr_offsets(200, 3, seed=1)
+    lengths = np.diff(offsets)
+    assert lengths[0] == 0 and lengths[-1] == 0 and (lengths == 0).sum() > 2
+    data = np.random.default_rng(0).random((offsets[-1], 3)).astype(np.float32)
+    for mode in ("sum", "mean"):
+        want = np.zeros((200, 3), np.float32)
+        for b in range(200):
+            seg = data[offsets[b]:offsets[b + 1]]
+            if len(seg):
+                want[b] = seg.sum(0) if mode == "sum" else seg.mean(0)
+        np.testing.assert_allclose(reduceat(data, offsets, mode), want, rtol=1e-6)
