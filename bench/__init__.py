@@ -9,3 +9,11 @@ One script per op (``bench/bench_<op>.py``), each with a ``main(argv)``;
 Rows go to one CSV (default ``bench/results/<device-slug>.csv``) with the
 columns of :data:`bench.common.COLUMNS`.
 """
+
+import os
+
+# torch and Numba each bring an OpenMP pool; by default idle threads of one spin
+# for a while after every parallel region and steal the cores of the other, so
+# whichever provider runs second in a process looks slower. Passive waiting
+# (set before either pool starts) keeps the side-by-side timings fair.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

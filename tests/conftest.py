@@ -85,6 +85,14 @@ def pytest_report_header(config):
 
 
 @pytest.fixture
+def cuda_backend():
+    """The CUDA path alone, for tests that have no CPU counterpart."""
+    if not HAVE_NUMBA_CUDA:
+        pytest.skip("numba-cuda is not installed")
+    return Backend("cuda")
+
+
+@pytest.fixture
 def rng(request):
     """Fresh random data each session; replay a failure with HBK_TEST_SEED."""
     return np.random.default_rng([SESSION_SEED, zlib.crc32(request.node.nodeid.encode())])

@@ -20,9 +20,8 @@ def test_numpy_in_numpy_out():
     assert type(out) is np.ndarray
 
 
-def test_mixing_families_is_a_type_error(backend):
-    if not backend.is_cuda:
-        pytest.skip("needs the CUDA path (a GPU or the simulator)")
+def test_mixing_families_is_a_type_error(cuda_backend):
+    backend = cuda_backend
     weights = np.ones((4, 2), np.float32)
     ids = np.array([0, 1])
     with pytest.raises(TypeError, match="move them to one device"):
@@ -31,9 +30,8 @@ def test_mixing_families_is_a_type_error(backend):
         hbk.embedding_bag(backend.put(weights), ids, backend.put(np.array([0, 2])))
 
 
-def test_cuda_results_stay_on_device(backend):
-    if not backend.is_cuda:
-        pytest.skip("needs the CUDA path (a GPU or the simulator)")
+def test_cuda_results_stay_on_device(cuda_backend):
+    backend = cuda_backend
     out = hbk.lookup(backend.put(np.ones((2, 3), np.float32)), backend.put(np.array([1])))
     assert not isinstance(out, np.ndarray)
     np.testing.assert_array_equal(backend.get(out), np.ones((1, 3)))

@@ -1,9 +1,11 @@
 """Pooled lookup on the CPU: one bag per iteration of a parallel loop.
 
 As FBGEMM JIT-generates a kernel per embedding dim, :func:`pool_kernel`
-compiles one kernel per ``(D, weighted, skip_bad, identity)``: with D a
+compiles one kernel per ``(D, weighted, check_ids, identity)``: with D a
 compile-time constant LLVM unrolls and vectorises the row loop, and the
-flags cost nothing when off. Rows ``PREFETCH_DISTANCE`` ids ahead are
+flags cost nothing when off. Ids are checked inside the parallel loop: a bad
+id is skipped and the first bad position of each bag is kept in
+``first_bad`` (-1 where none), so ``bounds="raise"`` costs no extra pass. Rows ``PREFETCH_DISTANCE`` ids ahead are
 prefetched. Kernels are cached on disk (Numba keys closures by their
 constants), so each D compiles once per machine.
 """
@@ -13,9 +15,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from ._common import (
-    accumulator_dtype, first_bad_offset, first_out_of_range, kernel_table, prefetch, widen,
-)
+from ._common import accumulator_dtype, first_bad_offset, kernel_table, prefetch, widen
 
 PREFETCH_DISTANCE = 12
 CACHE_LINE_FLOATS = 16
@@ -24,13 +24,13 @@ NO_IDS = np.zeros(1, np.int64)
 
 
 @functools.lru_cache(maxsize=None)
-def pool_kernel(dim, weighted, skip_bad, identity):
-    """Kernel ``(table, lut, values, offsets, weights, one, combiner, out)``:
+def pool_kernel(dim, weighted, check_ids, identity):
+    """Kernel ``(table, lut, values, offsets, weights, one, combiner, out, first_bad)``:
     out[b] = combine_j w_j * table[row_j] over j in [offsets[b], offsets[b+1]),
     row_j = values[j] (or j when ``identity``); combiner 0 sum, 1 mean, 2 sqrtn."""
 
     @njit(parallel=True, fastmath=True, cache=True)
-    def pool(table, lut, values, offsets, weights, one, combiner, out):
+    def pool(table, lut, values, offsets, weights, one, combiner, out, first_bad):
         num_rows = table.shape[0]
         num_ids = offsets[offsets.shape[0] - 1]
         for b in prange(offsets.shape[0] - 1):
@@ -45,7 +45,9 @@ def pool_kernel(dim, weighted, skip_bad, identity):
                         for c in range(0, dim, CACHE_LINE_FLOATS):
                             prefetch(table, ahead, c)
                 row = j if identity else values[j]
-                if skip_bad and (row < 0 or row >= num_rows):
+                if check_ids and (row < 0 or row >= num_rows):
+                    if first_bad[b] < 0:
+                        first_bad[b] = j
                     continue
                 w = weights[j] if weighted else one
                 w_sum += w
@@ -64,25 +66,29 @@ def pool_kernel(dim, weighted, skip_bad, identity):
     return pool
 
 
-def pool(table, values, offsets, weights, combiner, skip_bad, identity):
-    """Run the pooling kernel with an accumulator of the right width; result in the table's dtype."""
+def pool(table, values, offsets, weights, combiner, check_ids, identity):
+    """Run the pooling kernel with an accumulator of the right width.
+
+    Returns ``(out in the table's dtype, first bad id position or -1)``; bad
+    ids are skipped (and found) only when ``check_ids``."""
     kernel_tab, lut = kernel_table(table)
     acc_dtype = accumulator_dtype(table.dtype)
-    acc = np.empty((offsets.shape[0] - 1, table.shape[1]), acc_dtype)
+    num_bags = offsets.shape[0] - 1
+    acc = np.empty((num_bags, table.shape[1]), acc_dtype)
+    first_bad = np.full(num_bags if check_ids else 0, -1, np.int64)
     weighted = weights is not None
     weights = weights.astype(acc_dtype, copy=False) if weighted else NO_WEIGHTS.astype(acc_dtype)
-    kernel = pool_kernel(table.shape[1], weighted, skip_bad, identity)
+    kernel = pool_kernel(table.shape[1], weighted, check_ids, identity)
     kernel(kernel_tab, lut, NO_IDS if identity else values, offsets, weights, acc_dtype(1),
-           combiner, acc)
-    return acc if acc.dtype == table.dtype else acc.astype(table.dtype)
+           combiner, acc, first_bad)
+    bad = first_bad[first_bad >= 0]
+    out = acc if acc.dtype == table.dtype else acc.astype(table.dtype)
+    return out, (int(bad.min()) if bad.size else -1)
 
 
 def embedding_bag(family, weights, values, offsets, per_sample_weights, combiner, bounds):
     bad_offset = first_bad_offset(offsets, values.shape[0]) if bounds != 2 else -1
     if bad_offset != -1:
         return None, bad_offset, -1
-    bad_id = first_out_of_range(values, weights.shape[0]) if bounds == 0 else -1
-    if bad_id != -1:
-        return None, -1, bad_id
-    out = pool(weights, values, offsets, per_sample_weights, combiner, bounds == 1, False)
-    return out, -1, -1
+    out, bad_id = pool(weights, values, offsets, per_sample_weights, combiner, bounds != 2, False)
+    return out, -1, (bad_id if bounds == 0 else -1)

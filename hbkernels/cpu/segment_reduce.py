@@ -7,4 +7,5 @@ def segment_reduce(family, data, offsets, combiner):
     bad_offset = first_bad_offset(offsets, data.shape[0])
     if bad_offset != -1:
         return None, bad_offset
-    return pool(data, None, offsets, None, combiner, False, True), -1
+    out, _ = pool(data, None, offsets, None, combiner, False, True)
+    return out, -1

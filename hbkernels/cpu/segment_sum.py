@@ -1,25 +1,38 @@
-"""Unsorted segment sum on the CPU: serial over rows, parallel over column blocks."""
+"""Unsorted segment sum on the CPU: out[s] = Σ data[i] over i with segment_ids[i] == s.
+
+Scatter-adds race when rows share a segment, so each of the T threads owns
+the segments ``s % T == t``: every thread scans all segment ids and adds only
+the rows it owns (ids are read T times, each data row once, no atomics, and
+the summation order per segment is the input order: deterministic). As in
+:mod:`.embedding_bag`, one kernel is compiled per row width D.
+"""
+import functools
+
+import numba
 import numpy as np
 from numba import njit, prange
 
 from ._common import accumulator_dtype, first_out_of_range, kernel_table, widen
 
-COLUMN_BLOCK = 16
 
+@functools.lru_cache(maxsize=None)
+def scatter_add_kernel(dim, skip_bad):
+    """Kernel ``(data, lut, segment_ids, num_owners, out)`` adding rows into ``out``."""
 
-@njit(parallel=True, cache=True)
-def scatter_add_rows(data, lut, segment_ids, skip_bad, out):
-    num_segments = out.shape[0]
-    dim = data.shape[1]
-    for block in prange((dim + COLUMN_BLOCK - 1) // COLUMN_BLOCK):
-        d0 = block * COLUMN_BLOCK
-        d1 = min(d0 + COLUMN_BLOCK, dim)
-        for i in range(data.shape[0]):
-            s = segment_ids[i]
-            if skip_bad and (s < 0 or s >= num_segments):
-                continue
-            for d in range(d0, d1):
-                out[s, d] += widen(data[i, d], lut)
+    @njit(parallel=True, fastmath=True, cache=True)
+    def scatter_add(data, lut, segment_ids, num_owners, out):
+        num_segments = out.shape[0]
+        for owner in prange(num_owners):
+            for i in range(segment_ids.shape[0]):
+                s = segment_ids[i]
+                if skip_bad and (s < 0 or s >= num_segments):
+                    continue
+                if s % num_owners != owner:
+                    continue
+                for d in range(dim):
+                    out[s, d] += widen(data[i, d], lut)
+
+    return scatter_add
 
 
 def segment_sum(family, data, segment_ids, num_segments, bounds):
@@ -29,5 +42,6 @@ def segment_sum(family, data, segment_ids, num_segments, bounds):
             return None, bad
     kernel_data, lut = kernel_table(data)
     acc = np.zeros((num_segments, data.shape[1]), accumulator_dtype(data.dtype))
-    scatter_add_rows(kernel_data, lut, segment_ids, bounds == 1, acc)
+    owners = max(1, min(numba.get_num_threads(), num_segments))
+    scatter_add_kernel(data.shape[1], bounds == 1)(kernel_data, lut, segment_ids, owners, acc)
     return (acc if acc.dtype == data.dtype else acc.astype(data.dtype)), -1

@@ -1,0 +1,109 @@
+"""Real-GPU checks at sizes the simulator cannot reach: many blocks, grid-stride
+loops, CuPy streams, and arrays arriving through __cuda_array_interface__.
+Every op is compared with the CPU backend on the same data."""
+import importlib.util
+
+import numpy as np
+import pytest
+from conftest import assert_close, random_offsets
+
+import hbkernels as hbk
+
+pytestmark = pytest.mark.gpu
+cupy = pytest.importorskip("cupy") if importlib.util.find_spec("cupy") else None
+
+
+def needs_cupy():
+    if cupy is None:
+        pytest.skip("CuPy is not installed")
+
+
+@pytest.mark.parametrize("dim", [1, 17, 64, 128, 257])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+def test_embedding_bag_large(rng, dim, dtype, combiner):
+    needs_cupy()
+    weights = rng.standard_normal((100_000, dim)).astype(dtype)
+    offsets = random_offsets(rng, 20_000, 40)
+    values = rng.integers(0, weights.shape[0], size=int(offsets[-1]))
+    psw = rng.uniform(0.5, 1.5, size=values.shape).astype(np.float32)
+    expected = hbk.embedding_bag(weights, values, offsets, combiner=combiner, per_sample_weights=psw)
+    out = hbk.embedding_bag(cupy.asarray(weights), cupy.asarray(values), cupy.asarray(offsets),
+                            combiner=combiner, per_sample_weights=cupy.asarray(psw))
+    assert isinstance(out, cupy.ndarray)
+    assert_close(cupy.asnumpy(out), expected.astype(np.float64), dtype)
+
+
+def test_ops_on_a_non_default_stream(rng):
+    needs_cupy()
+    weights = rng.standard_normal((5000, 32)).astype(np.float32)
+    ids = rng.integers(0, 5000, size=100_000)
+    offsets = np.arange(0, ids.size + 1, 10)
+    with cupy.cuda.Stream(non_blocking=True):
+        out = hbk.embedding_bag(cupy.asarray(weights), cupy.asarray(ids), cupy.asarray(offsets))
+        rows = hbk.lookup(cupy.asarray(weights), cupy.asarray(ids))
+        sums = hbk.segment_sum(cupy.asarray(rows), cupy.asarray(ids), 5000)
+        out_h, rows_h, sums_h = cupy.asnumpy(out), cupy.asnumpy(rows), cupy.asnumpy(sums)
+    assert_close(out_h, hbk.embedding_bag(weights, ids, offsets).astype(np.float64), np.float32)
+    np.testing.assert_array_equal(rows_h, weights[ids])
+    assert_close(sums_h, hbk.segment_sum(weights[ids], ids, 5000).astype(np.float64), np.float32)
+
+
+@pytest.mark.parametrize("n", [1, 1000, 1_000_000])
+@pytest.mark.parametrize("sorted_", [False, True])
+def test_unique_large(rng, n, sorted_):
+    needs_cupy()
+    ids = rng.zipf(1.05, size=n).astype(np.int64) % 10**7
+    uniq, inverse, counts = hbk.unique(cupy.asarray(ids), return_inverse=True,
+                                       return_counts=True, sorted=sorted_)
+    uniq, inverse, counts = (cupy.asnumpy(a) for a in (uniq, inverse, counts))
+    ref_uniq, ref_counts = np.unique(ids, return_counts=True)
+    order = np.arange(uniq.size) if sorted_ else np.argsort(uniq)
+    np.testing.assert_array_equal(uniq[order], ref_uniq)
+    np.testing.assert_array_equal(counts[order], ref_counts)
+    np.testing.assert_array_equal(uniq[inverse], ids)
+
+
+@pytest.mark.parametrize("num_shards", [2, 8, 64])
+def test_partition_large_matches_cpu(rng, num_shards):
+    needs_cupy()
+    ids = rng.integers(0, 10**6, size=1_000_000)
+    expected = hbk.partition(ids, num_shards)
+    got = hbk.partition(cupy.asarray(ids), num_shards)
+    for a, b in zip(got, expected):
+        np.testing.assert_array_equal(cupy.asnumpy(a), b)
+
+
+def test_segment_reduce_large(rng):
+    needs_cupy()
+    offsets = random_offsets(rng, 30_000, 20)
+    data = rng.standard_normal((int(offsets[-1]), 33)).astype(np.float32)
+    got = hbk.segment_reduce(cupy.asarray(data), cupy.asarray(offsets), combiner="mean")
+    assert_close(cupy.asnumpy(got), hbk.segment_reduce(data, offsets, combiner="mean")
+                 .astype(np.float64), np.float32)
+
+
+def test_bounds_error_on_gpu_names_first_bad_position(rng):
+    needs_cupy()
+    values = rng.integers(0, 1000, size=500_000)
+    values[123_456] = 1000
+    values[400_000] = -7
+    offsets = np.arange(0, values.size + 1, 50)
+    with pytest.raises(hbk.BoundsError, match=r"values\[123456\] = 1000"):
+        hbk.embedding_bag(cupy.ones((1000, 8), cupy.float32), cupy.asarray(values),
+                          cupy.asarray(offsets))
+
+
+def test_torch_cuda_tensor_through_cuda_array_interface(rng):
+    needs_cupy()
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA")
+    w = torch.randn(1000, 16, device="cuda")
+    ids = torch.randint(0, 1000, (300,), device="cuda")
+    out = hbk.lookup(w, ids)
+    assert isinstance(out, cupy.ndarray)
+    assert out.data.ptr != w.data_ptr()
+    np.testing.assert_array_equal(cupy.asnumpy(out), w[ids].cpu().numpy())
+    with pytest.raises(TypeError, match="move them to one device"):
+        hbk.lookup(w, ids.cpu().numpy())
