@@ -45,7 +45,7 @@ def pool_kernel(dim, weighted, check_ids, identity):
                         for c in range(0, dim, CACHE_LINE_FLOATS):
                             prefetch(table, ahead, c)
                 row = j if identity else values[j]
-                if check_ids and (row < 0 or row >= num_rows):
+                if check_ids and np.uint64(row) >= np.uint64(num_rows):  # negatives wrap high
                     if first_bad[b] < 0:
                         first_bad[b] = j
                     continue
