@@ -8,9 +8,12 @@ CUDA); results come back in the caller's array family.
 >>> hbk.embedding_bag(np.eye(3, dtype=np.float32), np.array([0, 2]), np.array([0, 2])).tolist()
 [[1.0, 0.0, 1.0]]
 """
+from . import optim
 from .errors import BoundsError
-from .ops import embedding_bag, lookup, partition, segment_reduce, segment_sum, unique
-from .types import Partitioned, Ragged
+from .ops import (
+    embedding_bag, embedding_bag_backward, lookup, partition, segment_reduce, segment_sum, unique,
+)
+from .types import Partitioned, Ragged, SparseGrad
 
 __version__ = "0.1.0"
 
@@ -18,8 +21,11 @@ __all__ = [
     "BoundsError",
     "Partitioned",
     "Ragged",
+    "SparseGrad",
     "embedding_bag",
+    "embedding_bag_backward",
     "lookup",
+    "optim",
     "partition",
     "segment_reduce",
     "segment_sum",

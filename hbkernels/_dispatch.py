@@ -34,6 +34,9 @@ class NumpyFamily:
     def zeros(self, shape, dtype):
         return np.zeros(shape, dtype)
 
+    def full(self, shape, value, dtype):
+        return np.full(shape, value, dtype)
+
     def to_numpy(self, a):
         return np.asarray(a)
 
@@ -79,6 +82,15 @@ class CudaFamily:
         from .cuda._launch import fill
 
         fill(out, 0)
+        return out
+
+    def full(self, shape, value, dtype):
+        if self.name == "cupy":
+            return _cupy().full(shape, value, dtype)
+        out = self.empty(shape, dtype)
+        from .cuda._launch import fill
+
+        fill(out, np.dtype(dtype).type(value))
         return out
 
     def to_numpy(self, a):

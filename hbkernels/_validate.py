@@ -50,6 +50,15 @@ def per_sample_weights(w, values):
         )
 
 
+def grad_out(g, num_bags):
+    floating("grad_out", g)
+    if g.ndim != 2 or g.shape[0] != num_bags or g.shape[1] < 1:
+        raise ValueError(
+            f"grad_out must be [B, D] = [{num_bags}, D >= 1] (one row per bag), "
+            f"got shape {tuple(g.shape)}"
+        )
+
+
 def choice(name, value, allowed):
     if value not in allowed:
         raise ValueError(f"{name} must be one of {sorted(allowed)}, got {value!r}")

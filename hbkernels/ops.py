@@ -10,7 +10,7 @@ import numpy as np
 
 from . import _validate as check
 from ._dispatch import kernels, resolve
-from .types import Partitioned
+from .types import Partitioned, SparseGrad
 
 _NO_ERROR = -1
 
@@ -201,3 +201,47 @@ def partition(ids, num_shards, *, mode="mod", num_rows=None):
     if bad != _NO_ERROR:
         check.raise_bad_id(family, "ids", ids, bad, num_rows)
     return Partitioned(parted, counts, order)
+
+
+def embedding_bag_backward(
+    grad_out, values, offsets, *, num_rows, combiner="sum", per_sample_weights=None,
+    bounds="raise", deterministic=True,
+):
+    """Sparse gradient of :func:`embedding_bag` w.r.t. the table, as
+    :class:`hbkernels.SparseGrad` ``(ids, rows)``.
+
+    With bag scale ``c_b`` (1 for sum, ``1/Σw`` for mean, ``1/sqrt(Σw²)`` for
+    sqrtn, 0 where the denominator is 0): ``rows[k] = Σ_{j: values[j] = ids[k]}
+    c_{b(j)}·w_j·grad_out[b(j)]``. ``ids`` are exactly the distinct in-range ids
+    looked up (order unspecified; ids dtype of ``values``), ``rows`` has the dtype
+    of ``grad_out`` (fp16 sums in fp32). Under ``bounds="zero"`` bad ids are
+    absent: no row, no share of a denominator. On the GPU ``deterministic=True``
+    (default) sums each row in input order (same bits every run);
+    ``deterministic=False`` uses atomics (faster, order varies). The CPU is
+    always deterministic.
+
+    >>> import numpy as np, hbkernels as hbk
+    >>> g = hbk.embedding_bag_backward(np.ones((2, 1), np.float32), np.array([4, 1, 4]),
+    ...                                np.array([0, 2, 3]), num_rows=5, combiner="mean")
+    >>> sorted(zip(g.ids.tolist(), g.rows[:, 0].tolist()))
+    [(1, 0.5), (4, 1.5)]
+    """
+    family, a = resolve(
+        ("per_sample_weights",),
+        grad_out=grad_out, values=values, offsets=offsets, per_sample_weights=per_sample_weights,
+    )
+    grad_out, values, offsets, psw = (
+        a["grad_out"], a["values"], a["offsets"], a["per_sample_weights"]
+    )
+    num_rows = check.count("num_rows", num_rows)
+    check.ids("values", values, ndim=1)
+    check.offsets(offsets)
+    check.per_sample_weights(psw, values)
+    check.grad_out(grad_out, offsets.shape[0] - 1)
+    mode = check.choice("bounds", bounds, check.BOUNDS)
+    comb = check.choice("combiner", combiner, check.COMBINERS)
+    ids, rows, bad_offset, bad_id = kernels(family, "embedding_bag_backward").embedding_bag_backward(
+        family, grad_out, values, offsets, num_rows, psw, comb, mode, bool(deterministic)
+    )
+    _raise_ragged_errors(family, values, offsets, bad_offset, bad_id, num_rows)
+    return SparseGrad(ids, rows)

@@ -29,3 +29,14 @@ class Partitioned(NamedTuple):
     ids: Any
     counts: Any
     order: Any
+
+
+class SparseGrad(NamedTuple):
+    """A row-sparse gradient of a table: ``rows[k]`` is the gradient of row ``ids[k]``.
+
+    :func:`hbkernels.embedding_bag_backward` returns distinct ids; a
+    ``SparseGrad`` built by hand may repeat ids (the optimizers sum duplicates).
+    """
+
+    ids: Any
+    rows: Any

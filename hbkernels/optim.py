@@ -1,0 +1,297 @@
+"""Sparse optimizers: update only the rows of a table that a gradient touches.
+
+Each optimizer has ``init_state(weights) -> dict`` and ``step(weights, state,
+grad)``, which updates ``weights`` and ``state`` in place for the rows in
+``grad.ids`` (duplicate ids are summed first; untouched rows keep their bits),
+and ``fused_step(weights, state, grad_out, values, offsets, ...)``, which
+applies ``embedding_bag``'s backward and the update in one pass per distinct
+row without materialising the gradient rows (FBGEMM's fused backward): same
+result as ``step(weights, state, embedding_bag_backward(...))``.
+
+State arrays live beside the table (same family and device) in fp32 (fp64
+for fp64 tables); ``state["step"]`` is a host int64 counter of steps taken.
+Options of every optimizer:
+
+* ``nonfinite="raise"`` (default): a gradient with NaN/Inf raises
+  ``ValueError`` before anything is written; ``"skip"``: rows whose gradient
+  is not finite are left untouched (weights and state), the others update.
+* ``rounding="nearest"`` (default) or ``"stochastic"`` for fp16 tables: the
+  fp32 update is rounded up or down with probability proportional to its
+  distance to the two neighbouring fp16 values, from a counter-based hash of
+  ``(seed, step, row, column)`` (same bits on CPU and GPU, run to run).
+
+Update rules (g is a row's summed gradient; all element-wise unless noted):
+
+* ``SGD(lr)``: ``w -= lr·g``.
+* ``Adagrad(lr, eps, initial_accumulator_value)`` (torch): ``s += g²;
+  w -= lr·g / (sqrt(s) + eps)``.
+* ``RowWiseAdagrad(lr, eps)`` (FBGEMM EXACT_ROWWISE_ADAGRAD): one accumulator
+  per row, ``m += mean_d(g²); w -= lr·g / (sqrt(m) + eps)``.
+* ``Adam(lr, betas, eps)`` (lazy, torch ``SparseAdam``): one step counter ``t``
+  per table; touched rows: ``m += (1-β1)(g-m); v += (1-β2)(g²-v);
+  w -= lr·sqrt(1-β2^t)/(1-β1^t) · m / (sqrt(v) + eps)``.
+* ``Ftrl(lr, l1, l2, lr_power, initial_accumulator_value)`` (TF sparse FTRL):
+  ``n' = n + g²; z += g - (n'^-p - n^-p)/lr · w; w = (sign(z)·l1 - z) /
+  (n'^-p/lr + 2·l2)`` if ``|z| > l1`` else 0; ``n = n'`` (p = lr_power).
+
+>>> import numpy as np, hbkernels as hbk
+>>> w = np.ones((4, 2), np.float32)
+>>> opt = hbk.optim.SGD(lr=0.5)
+>>> state = opt.init_state(w)
+>>> opt.step(w, state, hbk.SparseGrad(np.array([2]), np.ones((1, 2), np.float32)))
+>>> w[:, 0].tolist()
+[1.0, 1.0, 0.5, 1.0]
+"""
+import numpy as np
+
+from . import _rules as rules
+from . import _validate as check
+from ._dispatch import kernels, resolve
+from .ops import _raise_ragged_errors, unique, segment_sum
+from .types import SparseGrad
+
+ROUNDING = {"nearest": 0, "stochastic": 1}
+NONFINITE = {"raise": 0, "skip": 1}
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(x):
+    """splitmix64 finaliser (host side, for the stochastic-rounding key)."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+class SparseOptimizer:
+    """Base of the sparse optimizers: state handling, checks, dispatch."""
+
+    rule = None
+    # (name, per_row) of the state arrays handed to the kernels as state1, state2
+    slots = ()
+
+    def __init__(self, lr, *, rounding="nearest", seed=0, nonfinite="raise"):
+        self.lr = float(lr)
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {lr!r}")
+        check.choice("rounding", rounding, ROUNDING)
+        check.choice("nonfinite", nonfinite, NONFINITE)
+        self.rounding = rounding
+        self.seed = int(seed)
+        self.nonfinite = nonfinite
+
+    def __repr__(self):
+        args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"{type(self).__name__}({args})"
+
+    # -- state ------------------------------------------------------------
+    def _initial_value(self, name):
+        return 0.0
+
+    def init_state(self, weights):
+        family, a = resolve(weights=weights)
+        weights = a["weights"]
+        check.table("weights", weights)
+        dtype = _state_dtype(weights)
+        state = {"step": np.zeros(1, np.int64)}
+        for name, per_row in self.slots:
+            shape = (weights.shape[0],) if per_row else tuple(weights.shape)
+            state[name] = family.full(shape, self._initial_value(name), dtype)
+        return state
+
+    def _state_arrays(self, family, weights, state):
+        if not isinstance(state, dict) or "step" not in state:
+            raise ValueError(f"state must be the dict made by {type(self).__name__}.init_state")
+        arrays = []
+        for name, per_row in self.slots:
+            if name not in state:
+                raise ValueError(f"state lacks {name!r}; make it with init_state")
+            fam, s = resolve(weights=weights, **{name: state[name]})
+            s = s[name]
+            shape = (weights.shape[0],) if per_row else tuple(weights.shape)
+            if tuple(s.shape) != shape or np.dtype(s.dtype) != _state_dtype(weights):
+                raise ValueError(
+                    f"state[{name!r}] must be {shape} {_state_dtype(weights).name}, "
+                    f"got {tuple(s.shape)} {np.dtype(s.dtype).name}"
+                )
+            arrays.append(s)
+        return arrays + [None] * (2 - len(arrays))
+
+    # -- hyper-parameters -------------------------------------------------
+    def hyper(self, step):
+        """float64 vector of the rule's parameters for step number ``step`` (1-based)."""
+        hp = np.zeros(rules.NUM_HYPER, np.float64)
+        hp[rules.LR] = self.lr
+        return hp
+
+    def _begin_step(self, state):
+        state["step"][0] += 1
+        step = int(state["step"][0])
+        key = _mix64((self.seed << 32) ^ step) if self.rounding == "stochastic" else 0
+        return self.hyper(step), key
+
+    # -- updates ------------------------------------------------------------
+    def step(self, weights, state, grad):
+        """Apply ``grad`` (a :class:`hbkernels.SparseGrad`) to the rows it names."""
+        if not isinstance(grad, SparseGrad):
+            raise TypeError(f"grad must be hbk.SparseGrad(ids, rows), got {type(grad).__name__}")
+        family, a = resolve(weights=weights, ids=grad.ids, rows=grad.rows)
+        weights, ids, rows = a["weights"], a["ids"], a["rows"]
+        check.table("weights", weights)
+        check.ids("grad.ids", ids, ndim=1)
+        check.floating("grad.rows", rows)
+        if tuple(rows.shape) != (ids.shape[0], weights.shape[1]):
+            raise ValueError(
+                f"grad.rows must be [len(ids), D] = [{ids.shape[0]}, {weights.shape[1]}], "
+                f"got {tuple(rows.shape)}"
+            )
+        s1, s2 = self._state_arrays(family, weights, state)
+        backend = kernels(family, "sparse_update")
+        bad = backend.first_out_of_range(family, ids, weights.shape[0])
+        if bad != -1:
+            check.raise_bad_id(family, "grad.ids", ids, bad, weights.shape[0])
+        if self.nonfinite == "raise":
+            _raise_nonfinite(family, backend, "grad.rows", rows)
+        uniq, inverse = unique(ids, return_inverse=True)
+        if uniq.shape[0] != ids.shape[0]:  # sum duplicate ids first, as torch coalesces
+            ids, rows = uniq, segment_sum(rows, inverse, uniq.shape[0])
+        hp, key = self._begin_step(state)
+        backend.sparse_update(
+            family, self.rule, weights, s1, s2, hp, ids, rows,
+            self.nonfinite == "skip", self.rounding == "stochastic", key,
+        )
+
+    def fused_step(self, weights, state, grad_out, values, offsets, *, combiner="sum",
+                   per_sample_weights=None, bounds="raise"):
+        """``step(weights, state, embedding_bag_backward(grad_out, values, offsets, ...))``
+        in one pass per distinct row, without materialising the gradient rows."""
+        family, a = resolve(
+            ("per_sample_weights",), weights=weights, grad_out=grad_out, values=values,
+            offsets=offsets, per_sample_weights=per_sample_weights,
+        )
+        weights, grad_out, values, offsets, psw = (
+            a["weights"], a["grad_out"], a["values"], a["offsets"], a["per_sample_weights"]
+        )
+        check.table("weights", weights)
+        check.ids("values", values, ndim=1)
+        check.offsets(offsets)
+        check.per_sample_weights(psw, values)
+        check.grad_out(grad_out, offsets.shape[0] - 1)
+        if grad_out.shape[1] != weights.shape[1]:
+            raise ValueError(
+                f"grad_out has D = {grad_out.shape[1]} columns but the table has {weights.shape[1]}"
+            )
+        mode = check.choice("bounds", bounds, check.BOUNDS)
+        comb = check.choice("combiner", combiner, check.COMBINERS)
+        s1, s2 = self._state_arrays(family, weights, state)
+        backend = kernels(family, "sparse_update")
+        if self.nonfinite == "raise":
+            _raise_nonfinite(family, backend, "grad_out", grad_out)
+            if psw is not None:
+                _raise_nonfinite(family, backend, "per_sample_weights", psw.reshape(-1, 1))
+        bad_offset, bad_id = backend.check_ragged(family, values, offsets, weights.shape[0], mode)
+        _raise_ragged_errors(family, values, offsets, bad_offset, bad_id, weights.shape[0])
+        hp, key = self._begin_step(state)
+        backend.fused_sparse_update(
+            family, self.rule, weights, s1, s2, hp, grad_out, values, offsets, psw, comb,
+            mode, self.nonfinite == "skip", self.rounding == "stochastic", key,
+        )
+
+
+def _state_dtype(weights):
+    return np.dtype(np.float64) if np.dtype(weights.dtype) == np.float64 else np.dtype(np.float32)
+
+
+def _raise_nonfinite(family, backend, name, a):
+    row = backend.first_nonfinite_row(family, a)
+    if row != -1:
+        raise ValueError(
+            f"{name} has NaN or Inf in row {row}; nothing was updated "
+            f"(nonfinite='skip' leaves such rows untouched instead)"
+        )
+
+
+class SGD(SparseOptimizer):
+    """Plain sparse SGD: ``w -= lr·g`` on the touched rows."""
+
+    rule = rules.SGD
+
+
+class Adagrad(SparseOptimizer):
+    """Adagrad as ``torch.optim.Adagrad`` on a sparse gradient (eps outside the root)."""
+
+    rule = rules.ADAGRAD
+    slots = (("sum", False),)
+
+    def __init__(self, lr, eps=1e-10, initial_accumulator_value=0.0, **options):
+        super().__init__(lr, **options)
+        self.eps = float(eps)
+        self.initial_accumulator_value = float(initial_accumulator_value)
+
+    def _initial_value(self, name):
+        return self.initial_accumulator_value
+
+    def hyper(self, step):
+        hp = super().hyper(step)
+        hp[rules.EPS] = self.eps
+        return hp
+
+
+class RowWiseAdagrad(Adagrad):
+    """FBGEMM's EXACT_ROWWISE_ADAGRAD: one fp32 accumulator per row (mean of g² over D)."""
+
+    rule = rules.ROWWISE_ADAGRAD
+    slots = (("momentum", True),)
+
+    def __init__(self, lr, eps=1e-10, **options):
+        super().__init__(lr, eps=eps, initial_accumulator_value=0.0, **options)
+
+
+class Adam(SparseOptimizer):
+    """Lazy Adam as ``torch.optim.SparseAdam``: only touched rows' moments move; one
+    step counter per table drives the bias correction."""
+
+    rule = rules.ADAM
+    slots = (("exp_avg", False), ("exp_avg_sq", False))
+
+    def __init__(self, lr, betas=(0.9, 0.999), eps=1e-8, **options):
+        super().__init__(lr, **options)
+        b1, b2 = (float(b) for b in betas)
+        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+            raise ValueError(f"betas must be in [0, 1), got {betas!r}")
+        self.betas = (b1, b2)
+        self.eps = float(eps)
+
+    def hyper(self, step):
+        hp = super().hyper(step)
+        b1, b2 = self.betas
+        hp[rules.EPS], hp[rules.BETA1], hp[rules.BETA2] = self.eps, b1, b2
+        hp[rules.STEP_SIZE] = self.lr * np.sqrt(1.0 - b2**step) / (1.0 - b1**step)
+        return hp
+
+
+class Ftrl(SparseOptimizer):
+    """FTRL-proximal as TF's sparse ``ApplyFtrl``: untouched rows do not move."""
+
+    rule = rules.FTRL
+    slots = (("accum", False), ("linear", False))
+
+    def __init__(self, lr, l1=0.0, l2=0.0, lr_power=-0.5, initial_accumulator_value=0.1,
+                 **options):
+        super().__init__(lr, **options)
+        if lr_power > 0:
+            raise ValueError(f"lr_power must be <= 0, got {lr_power}")
+        if initial_accumulator_value <= 0 and lr_power != 0:
+            raise ValueError("initial_accumulator_value must be > 0")
+        if l1 < 0 or l2 < 0:
+            raise ValueError(f"l1 and l2 must be >= 0, got {l1}, {l2}")
+        self.l1, self.l2, self.lr_power = float(l1), float(l2), float(lr_power)
+        self.initial_accumulator_value = float(initial_accumulator_value)
+
+    def _initial_value(self, name):
+        return self.initial_accumulator_value if name == "accum" else 0.0
+
+    def hyper(self, step):
+        hp = super().hyper(step)
+        hp[rules.L1], hp[rules.L2], hp[rules.LR_POWER] = self.l1, self.l2, self.lr_power
+        return hp
