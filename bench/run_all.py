@@ -13,6 +13,7 @@ import traceback
 
 from bench import (
     bench_embedding_bag,
+    bench_embedding_bag_backward,
     bench_lookup,
     bench_partition,
     bench_segment_reduce,
@@ -23,6 +24,7 @@ from bench.common import Context, parser
 
 BENCHMARKS = {
     "embedding_bag": bench_embedding_bag,
+    "embedding_bag_backward": bench_embedding_bag_backward,
     "lookup": bench_lookup,
     "unique": bench_unique,
     "segment_sum": bench_segment_sum,

@@ -17,7 +17,7 @@ if str(ROOT) not in sys.path:  # the bench package lives at the repository root
 
 from bench import common  # noqa: E402
 
-SCRIPTS = ["embedding_bag", "unique", "lookup", "segment_sum", "segment_reduce", "partition"]
+SCRIPTS = ["embedding_bag", "embedding_bag_backward", "unique", "lookup", "segment_sum", "segment_reduce", "partition"]
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 
 

@@ -1,0 +1,140 @@
+"""Training step of a pooled embedding: forward, sparse backward, Adagrad update.
+
+hbkernels: ``embedding_bag`` + ``embedding_bag_backward`` + ``optim.Adagrad.step``
+("hbkernels"), and ``embedding_bag`` + ``optim.Adagrad.fused_step``
+("hbkernels-fused": backward and update in one pass, no gradient rows in memory).
+Peer: torch ``F.embedding_bag(sparse=True)`` forward + ``backward`` +
+``torch.optim.Adagrad.step``. torch cannot run the backward without its forward,
+so every provider is timed over the whole step (mode ``fwd+bwd+adagrad``); the
+``bwd+adagrad`` rows time hbk's backward and update alone, against the plain
+array-library path (``unique`` + scatter-add + the Adagrad formula in NumPy/CuPy).
+
+CPU: E=1e6 rows, D=64, B=16384 bags of L=32 Zipf(1.1) ids, fp32.
+GPU: E=1e7, D=128, B=65536, L=32, Zipf(1.05), fp32.
+GB/s counts the bytes the backward + update must move: grad_out read, the
+touched rows read and written, their Adagrad state read and written, ids and
+offsets read (the forward's bytes are not counted).
+
+Each provider works on its own copy of the table and state (made untimed);
+the check compares the tables after one step.
+
+    PYTHONPATH=. python3 bench/bench_embedding_bag_backward.py --device cpu
+"""
+import numpy as np
+
+import hbkernels as hbk
+from bench.common import HBK, Provider, cli_main
+
+OP = "embedding_bag_backward"
+LR = 0.05
+
+
+def configs(ctx):
+    if ctx.smoke:
+        return [dict(E=1000, D=8, B=64, L=4, alpha=1.1)]
+    if ctx.is_cuda:
+        return [dict(E=10**7, D=128, B=65536, L=32, alpha=1.05)]
+    return [dict(E=10**6, D=64, B=16384, L=32, alpha=1.1)]
+
+
+def hbk_provider(ctx, name, *, fused, forward=True):
+    opt = hbk.optim.Adagrad(lr=LR)
+
+    def prepare(a):
+        w = a["w"].copy()
+        return dict(a, w=w, state=opt.init_state(w))
+
+    def run(a):
+        w, ids, offsets = a["w"], a["ids"], a["offsets"]
+        if forward:
+            hbk.embedding_bag(w, ids, offsets)
+        if fused:
+            opt.fused_step(w, a["state"], a["grad"], ids, offsets)
+        else:
+            grad = hbk.embedding_bag_backward(a["grad"], ids, offsets, num_rows=w.shape[0])
+            opt.step(w, a["state"], grad)
+        return w
+
+    return Provider(name, run, prepare=prepare)
+
+
+def torch_provider(ctx):
+    torch = ctx.torch
+    if torch is None:
+        return None
+
+    def prepare(a):
+        t = ctx.as_torch(a)
+        weight = torch.nn.Parameter(t["w"].clone())
+        return dict(t, weight=weight, opt=torch.optim.Adagrad([weight], lr=LR))
+
+    def run(a):
+        weight = a["weight"]
+        out = torch.nn.functional.embedding_bag(
+            a["ids"], weight, a["offsets"], mode="sum", sparse=True, include_last_offset=True)
+        out.backward(a["grad"])
+        a["opt"].step()
+        weight.grad = None
+        return weight.detach()
+
+    return Provider("torch", run, prepare=prepare)
+
+
+def array_provider(ctx, B, L):
+    """NumPy/CuPy: dedup, scatter-add the bag gradients per distinct id, Adagrad on those rows."""
+    xp = ctx.xp
+    add_at = __import__("cupyx").scatter_add if ctx.is_cuda else np.add.at
+
+    def prepare(a):
+        w = a["w"].copy()
+        return dict(a, w=w, sum=xp.zeros_like(w), bag_of=xp.repeat(xp.arange(B), L))
+
+    def run(a):
+        w, acc = a["w"], a["sum"]
+        uniq, inverse = xp.unique(a["ids"], return_inverse=True)
+        rows = xp.zeros((uniq.shape[0], w.shape[1]), w.dtype)
+        add_at(rows, inverse.reshape(-1), a["grad"][a["bag_of"]])
+        acc[uniq] += rows * rows
+        w[uniq] -= LR * rows / (xp.sqrt(acc[uniq]) + 1e-10)
+        return w
+
+    return Provider(ctx.xp_name, run, prepare=prepare)
+
+
+def run(ctx):
+    xp = ctx.xp
+    for cfg in configs(ctx):
+        E, D, B, L = cfg["E"], cfg["D"], cfg["B"], cfg["L"]
+        ids = ctx.zipf_ids(B * L, E, cfg["alpha"])
+        offsets = xp.arange(B + 1, dtype=xp.int64) * L
+        touched = int(xp.unique(ids).shape[0])
+        w = ctx.random_table(E, D, "float32")
+        grad = ctx.random_table(B, D, "float32", seed_offset=1)
+        row = D * 4
+        nbytes = grad.nbytes + 2 * touched * row + 2 * touched * row + ids.nbytes + offsets.nbytes
+        size = f"E={E} D={D} B={B} L={L} zipf={cfg['alpha']} touched={touched}"
+        inputs = {"w": w, "ids": ids, "offsets": offsets, "grad": grad}
+        peer = torch_provider(ctx)
+        if peer is None:
+            ctx.note("torch is not installed (or disabled): the fwd+bwd+adagrad step is skipped")
+        else:
+            ctx.compare(OP, "fwd+bwd+adagrad", size, "float32", inputs, [
+                hbk_provider(ctx, HBK, fused=False),
+                hbk_provider(ctx, HBK + "-fused", fused=True),
+                peer,
+            ], nbytes=nbytes, rtol=1e-4, atol=1e-5, reference=("torch",))
+        ctx.compare(OP, "bwd+adagrad", size, "float32", inputs, [
+            hbk_provider(ctx, HBK, fused=False, forward=False),
+            hbk_provider(ctx, HBK + "-fused", fused=True, forward=False),
+            array_provider(ctx, B, L),
+        ], nbytes=nbytes, rtol=1e-4, atol=1e-5, reference=(ctx.xp_name,))
+        del w, grad, ids, offsets
+        ctx.release()
+
+
+def main(argv=None):
+    return cli_main(run, argv, __doc__)
+
+
+if __name__ == "__main__":
+    main()
