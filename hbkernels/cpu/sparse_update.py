@@ -1,0 +1,394 @@
+"""Sparse optimizer updates on the CPU, plain and fused with the embedding-bag backward.
+
+Every rule lives in one njit function, :func:`apply_rule`, inlined into both
+kernels: :func:`update_kernel` (gradient rows given: one distinct id per
+iteration of a parallel loop) and :func:`fused_kernel` (per distinct id, sum
+its occurrences' ``c_b·w_j·grad_out[b]`` in input order into a per-chunk
+scratch row, as :mod:`.embedding_bag_backward` groups them, and apply the rule
+right away: the gradient rows are never materialised). One kernel of each is
+compiled per D (cached on disk); the rule, the fp16 rounding and the
+non-finite skip are run-time switches taken once per row.
+
+Arithmetic runs in the accumulator type (fp32; fp64 for fp64 tables): the
+hyper-parameters, the gradient rows and the per-sample weights are cast to it
+before the kernels run, so no fp32 kernel silently widens to fp64.
+
+fp16 tables: Numba's CPU target has no float16, so the kernels read the table
+as its uint16 bits (widened through :data:`._common.HALF_TO_FLOAT`) and write
+each new row, in fp32, to a scratch ``[K, D]``; the wrapper casts it with
+``astype(float16)`` (round to nearest even) and scatters it. Stochastic
+rounding is done in the kernel in float64 and gives exact fp16 values, so the
+cast keeps them. Its uniform ``u`` comes from a murmur3 ``fmix32`` chain of
+``(key, row, column)``, the same bits as the CUDA kernels.
+"""
+import functools
+import math
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
+
+from .. import _rules as rules
+from ._common import (
+    HALF_TO_FLOAT, accumulator_dtype, first_bad_offset, kernel_table, prefetch, widen,
+)
+from ._common import first_out_of_range as _first_out_of_range
+from .embedding_bag_backward import FASTMATH, balanced_chunks, group_occurrences
+
+# kernel parameter vector: the front end's hyper-parameters, then derived constants
+INV_DIM, TWO_L2, NEG_POWER, SQRT_POWER, ZERO, ONE_M_B1, ONE_M_B2 = range(
+    rules.NUM_HYPER, rules.NUM_HYPER + 7)
+NUM_PARAMS = rules.NUM_HYPER + 7
+
+_MASK32 = np.uint64(0xFFFFFFFF)
+_S13, _S16, _S32 = np.uint64(13), np.uint64(16), np.uint64(32)
+_C1, _C2 = np.uint64(0x85EBCA6B), np.uint64(0xC2B2AE35)
+_TWO_POW_M32 = 2.0 ** -32
+FP16_MAX = 65504.0
+PREFETCH_IDS = 8  # distinct ids ahead whose rows are prefetched
+CACHE_LINE_FLOATS = 16
+
+
+# -- checks ---------------------------------------------------------------------
+def first_out_of_range(family, ids, limit):
+    return int(_first_out_of_range(ids, limit))
+
+
+@njit(parallel=True, cache=True)  # no fast-math: NaN and Inf must stay visible
+def _first_nonfinite_row(a, lut, num_chunks):
+    """First row holding NaN/Inf (x - x is NaN exactly for those), -1 if none; rows are
+    scanned in parallel chunks with a branch-free (vectorisable) test per row."""
+    n = a.shape[0]
+    size = (n + num_chunks - 1) // num_chunks
+    first = np.full(num_chunks, -1, np.int64)
+    for c in prange(num_chunks):
+        for i in range(c * size, min(n, (c + 1) * size)):
+            bad = False
+            for d in range(a.shape[1]):
+                x = widen(a[i, d], lut)
+                bad |= not (x - x == 0)
+            if bad:
+                first[c] = i
+                break
+    for c in range(num_chunks):
+        if first[c] >= 0:
+            return first[c]
+    return -1
+
+
+def first_nonfinite_row(family, a):
+    table, lut = kernel_table(a)
+    num_chunks = max(1, min(a.shape[0], 4 * numba.get_num_threads()))
+    return int(_first_nonfinite_row(table, lut, num_chunks))
+
+
+def check_ragged(family, values, offsets, num_rows, bounds):
+    if bounds == 2:
+        return -1, -1
+    bad_offset = first_bad_offset(offsets, values.shape[0])
+    if bad_offset != -1:
+        return int(bad_offset), -1
+    if bounds == 0:
+        return -1, int(_first_out_of_range(values, num_rows))
+    return -1, -1
+
+
+@intrinsic
+def fsqrt(typingctx, x):
+    """``llvm.sqrt`` (one instruction, vectorisable; NaN for x < 0), where ``math.sqrt``
+    calls libm's ``sqrtf`` for errno."""
+    if not isinstance(x, types.Float):
+        return None
+
+    def codegen(context, builder, sig, args):
+        lty = context.get_value_type(sig.args[0])
+        name = "llvm.sqrt.f32" if sig.args[0] == types.float32 else "llvm.sqrt.f64"
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(lty, [lty]), name)
+        return builder.call(fn, args)
+
+    return x(x), codegen
+
+
+# -- stochastic rounding to fp16 ----------------------------------------------------
+@njit(inline="always")
+def _fmix32(h):
+    h ^= h >> _S16
+    h = (h * _C1) & _MASK32
+    h ^= h >> _S13
+    h = (h * _C2) & _MASK32
+    h ^= h >> _S16
+    return h
+
+
+@njit(inline="always")
+def uniform(key, row, d):
+    """u in [0, 1) from (key, row, column): identical on CPU and GPU."""
+    r = np.uint64(row)
+    h = _fmix32(_fmix32((key & _MASK32) ^ (r & _MASK32)) ^ (r >> _S32) ^ (key >> _S32))
+    return np.float64(_fmix32(h ^ np.uint64(d))) * _TWO_POW_M32
+
+
+@njit(cache=True)
+def stochastic_round_fp16(value, u):
+    """``value`` rounded down or up to a neighbouring fp16 value, up with probability
+    equal to its distance from the lower one in ulps (nearest, left to the cast,
+    for non-finite values and beyond the fp16 range)."""
+    x = np.float64(value)
+    a = abs(x)
+    if math.isfinite(x) and 0.0 < a < FP16_MAX:
+        ulp = math.ldexp(1.0, max(math.frexp(a)[1] - 1, -14) - 10)
+        lo = math.floor(a / ulp) * ulp
+        x = math.copysign(lo + ulp if u < (a - lo) / ulp else lo, x)
+    return x
+
+
+def store(weights, out, row, k, d, value, stochastic, key):
+    """Write the new weight of ``(row, d)``: in place, or to the fp16 scratch ``out[k]``."""
+
+
+@overload(store, inline="always")
+def _store(weights, out, row, k, d, value, stochastic, key):
+    if isinstance(weights.dtype, types.Integer):  # uint16 bits of an fp16 table
+
+        def impl(weights, out, row, k, d, value, stochastic, key):
+            if stochastic:
+                out[k, d] = stochastic_round_fp16(value, uniform(key, row, d))
+            else:
+                out[k, d] = value
+
+        return impl
+
+    def impl(weights, out, row, k, d, value, stochastic, key):
+        weights[row, d] = value
+
+    return impl
+
+
+# -- the rules --------------------------------------------------------------------
+@njit(inline="always", fastmath=FASTMATH)
+def apply_rule(rule, dim, p, g, weights, lut, row, s1, s2, out, k, stochastic, key):
+    """Update row ``row`` of ``weights`` (and ``s1``/``s2``) from its gradient ``g``
+    ``[dim]``; every scalar of ``p`` (kernel parameters) is in the accumulator type.
+    ``s1`` is ``[E, 1]`` for the row-wise rule."""
+    lr = p[rules.LR]
+    eps = p[rules.EPS]
+    if rule == rules.SGD:
+        for d in range(dim):
+            store(weights, out, row, k, d, widen(weights[row, d], lut) - lr * g[d],
+                  stochastic, key)
+    elif rule == rules.ADAGRAD:
+        for d in range(dim):
+            s = s1[row, d] + g[d] * g[d]
+            s1[row, d] = s
+            store(weights, out, row, k, d,
+                  widen(weights[row, d], lut) - lr * g[d] / (fsqrt(s) + eps), stochastic, key)
+    elif rule == rules.ROWWISE_ADAGRAD:
+        sq = p[ZERO]
+        for d in range(dim):
+            sq += g[d] * g[d]
+        m = s1[row, 0] + sq * p[INV_DIM]
+        s1[row, 0] = m
+        step = lr / (fsqrt(m) + eps)
+        for d in range(dim):
+            store(weights, out, row, k, d, widen(weights[row, d], lut) - step * g[d],
+                  stochastic, key)
+    elif rule == rules.ADAM:
+        b1 = p[ONE_M_B1]  # 1 - beta1
+        b2 = p[ONE_M_B2]
+        step_size = p[rules.STEP_SIZE]
+        for d in range(dim):
+            m = s1[row, d]
+            v = s2[row, d]
+            m += b1 * (g[d] - m)
+            v += b2 * (g[d] * g[d] - v)
+            s1[row, d] = m
+            s2[row, d] = v
+            store(weights, out, row, k, d,
+                  widen(weights[row, d], lut) - step_size * m / (fsqrt(v) + eps),
+                  stochastic, key)
+    elif p[SQRT_POWER] != 0:  # FTRL, lr_power = -0.5: a loop of its own, so no pow is speculated
+        for d in range(dim):
+            n = s1[row, d]
+            n_new = n + g[d] * g[d]
+            ftrl_element(p, g[d], n_new, fsqrt(n_new), fsqrt(n), weights, lut, row, s1, s2, out,
+                         k, d, stochastic, key)
+    else:  # FTRL
+        q = p[NEG_POWER]  # -lr_power
+        for d in range(dim):
+            n = s1[row, d]
+            n_new = n + g[d] * g[d]
+            ftrl_element(p, g[d], n_new, n_new ** q, n ** q, weights, lut, row, s1, s2, out,
+                         k, d, stochastic, key)
+
+
+@njit(inline="always", fastmath=FASTMATH)
+def ftrl_element(p, g, n_new, pow_new, pow_old, weights, lut, row, s1, s2, out, k, d,
+                 stochastic, key):
+    """One FTRL coordinate, given n' = n + g² and n'^-p, n^-p."""
+    lr = p[rules.LR]
+    l1 = p[rules.L1]
+    w = widen(weights[row, d], lut)
+    z = s2[row, d] + g - (pow_new - pow_old) / lr * w
+    s2[row, d] = z
+    s1[row, d] = n_new
+    if z > l1:
+        w = (l1 - z) / (pow_new / lr + p[TWO_L2])
+    elif z < -l1:
+        w = (-l1 - z) / (pow_new / lr + p[TWO_L2])
+    else:
+        w = p[ZERO]
+    store(weights, out, row, k, d, w, stochastic, key)
+
+
+@njit(inline="always")
+def prefetch_row(weights, s1, s2, row, dim):
+    """Bring the table and state lines of ``row`` in ahead of its update."""
+    for c in range(0, dim, CACHE_LINE_FLOATS):
+        prefetch(weights, row, c)
+    if s1.shape[0] == weights.shape[0]:
+        for c in range(0, s1.shape[1], CACHE_LINE_FLOATS):
+            prefetch(s1, row, c)
+    if s2.shape[0] == weights.shape[0]:
+        for c in range(0, dim, CACHE_LINE_FLOATS):
+            prefetch(s2, row, c)
+
+
+@njit(inline="always")
+def all_finite(g, dim):
+    ok = True
+    for d in range(dim):
+        ok &= math.isfinite(g[d])
+    return ok
+
+
+@functools.lru_cache(maxsize=None)
+def update_kernel(dim):
+    """Kernel ``(rule, p, rows, ids, weights, lut, s1, s2, out, skip, stochastic, key,
+    updated)``: row ``ids[k]`` from ``rows[k]``, ids distinct."""
+
+    @njit(parallel=True, fastmath=FASTMATH, cache=True)
+    def update(rule, p, rows, ids, weights, lut, s1, s2, out, skip, stochastic, key, updated):
+        num_ids = ids.shape[0]
+        for k in prange(num_ids):
+            if k + PREFETCH_IDS < num_ids:
+                prefetch_row(weights, s1, s2, ids[k + PREFETCH_IDS], dim)
+            g = rows[k]
+            if skip and not all_finite(g, dim):
+                updated[k] = False
+                continue
+            updated[k] = True
+            apply_rule(rule, dim, p, g, weights, lut, ids[k], s1, s2, out, k, stochastic, key)
+
+    return update
+
+
+@functools.lru_cache(maxsize=None)
+def fused_kernel(dim):
+    """Kernel ``(rule, p, grad, starts, occ_bag, occ_coef, chunks, ids, weights, lut, s1,
+    s2, out, skip, stochastic, key, updated)``: per distinct id, its gradient summed in
+    input order into a scratch row, then the rule."""
+
+    @njit(parallel=True, fastmath=FASTMATH, cache=True)
+    def fused(rule, p, grad, starts, occ_bag, occ_coef, chunks, ids, weights, lut, s1, s2, out,
+              skip, stochastic, key, updated):
+        for c in prange(chunks.shape[0] - 1):
+            g = np.empty(dim, grad.dtype)
+            end = chunks[c + 1]
+            for k in range(chunks[c], end):
+                if k + PREFETCH_IDS < end:
+                    prefetch_row(weights, s1, s2, ids[k + PREFETCH_IDS], dim)
+                for d in range(dim):
+                    g[d] = 0
+                for s in range(starts[k], starts[k + 1]):
+                    b = occ_bag[s]
+                    coef = occ_coef[s]
+                    for d in range(dim):
+                        g[d] += coef * grad[b, d]
+                if skip and not all_finite(g, dim):
+                    updated[k] = False
+                    continue
+                updated[k] = True
+                apply_rule(rule, dim, p, g, weights, lut, ids[k], s1, s2, out, k, stochastic,
+                           key)
+
+    return fused
+
+
+# -- wrappers -----------------------------------------------------------------------
+def _kernel_params(hp, dim, acc_dtype):
+    p = np.zeros(NUM_PARAMS, np.float64)
+    p[: rules.NUM_HYPER] = hp
+    p[INV_DIM] = 1.0 / dim
+    p[TWO_L2] = 2.0 * hp[rules.L2]
+    p[NEG_POWER] = -hp[rules.LR_POWER]
+    p[SQRT_POWER] = 1.0 if hp[rules.LR_POWER] == -0.5 else 0.0
+    p[ONE_M_B1] = 1.0 - hp[rules.BETA1]
+    p[ONE_M_B2] = 1.0 - hp[rules.BETA2]
+    return p.astype(acc_dtype)
+
+
+class _Target:
+    """The table and state as the kernels see them, and the fp16 write-back."""
+
+    def __init__(self, weights, state1, state2, num_ids):
+        self.weights = weights
+        self.half = weights.dtype == np.float16
+        acc = accumulator_dtype(weights.dtype)
+        self.acc_dtype = acc
+        dummy = np.zeros((1, 1), acc)
+        if self.half:
+            self.table, self.lut = weights.view(np.uint16), HALF_TO_FLOAT
+            self.out = np.empty((num_ids, weights.shape[1]), np.float32)
+        else:
+            self.table, self.lut = weights, np.zeros(1, acc)
+            self.out = np.zeros((1, 1), acc)
+        self.s1 = dummy if state1 is None else (
+            state1[:, None] if state1.ndim == 1 else state1)  # a view: updates land in state1
+        self.s2 = dummy if state2 is None else state2
+        self.updated = np.empty(num_ids, np.bool_)
+
+    def finish(self, ids):
+        if not self.half or ids.shape[0] == 0:
+            return
+        if self.updated.all():
+            self.weights[ids] = self.out.astype(np.float16)
+        else:
+            self.weights[ids[self.updated]] = self.out[self.updated].astype(np.float16)
+
+
+def sparse_update(family, rule, weights, state1, state2, hp, ids, rows, skip_nonfinite,
+                  stochastic, key):
+    dim = weights.shape[1]
+    if ids.shape[0] == 0:
+        return
+    target = _Target(weights, state1, state2, ids.shape[0])
+    rows = np.ascontiguousarray(rows, dtype=target.acc_dtype)
+    update_kernel(dim)(
+        rule, _kernel_params(hp, dim, target.acc_dtype), rows, ids, target.table, target.lut,
+        target.s1, target.s2, target.out, bool(skip_nonfinite), bool(stochastic),
+        np.uint64(key), target.updated,
+    )
+    target.finish(ids)
+
+
+def fused_sparse_update(family, rule, weights, state1, state2, hp, grad_out, values, offsets,
+                        psw, combiner, bounds, skip_nonfinite, stochastic, key):
+    dim = weights.shape[1]
+    if values.shape[0] == 0 or offsets.shape[0] < 2:
+        return
+    acc = accumulator_dtype(weights.dtype)
+    ids, starts, occ_bag, occ_coef = group_occurrences(
+        values, offsets, psw, combiner, weights.shape[0], bounds != 2, acc)
+    if ids.shape[0] == 0:
+        return
+    target = _Target(weights, state1, state2, ids.shape[0])
+    grad = np.ascontiguousarray(grad_out, dtype=acc)
+    fused_kernel(dim)(
+        rule, _kernel_params(hp, dim, acc), grad, starts, occ_bag, occ_coef,
+        balanced_chunks(starts), ids, target.table, target.lut, target.s1, target.s2,
+        target.out, bool(skip_nonfinite), bool(stochastic), np.uint64(key), target.updated,
+    )
+    target.finish(ids)

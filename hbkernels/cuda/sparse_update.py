@@ -1,0 +1,444 @@
+"""Sparse optimizer updates on the GPU: ``sparse_update`` from materialised gradient
+rows and ``fused_sparse_update`` straight from ``embedding_bag``'s ``grad_out``.
+
+Both run one kernel, :func:`_update_kernel`, with one row group of
+``G = group_size(D)`` lanes per distinct row (as the forward: lane ``d`` owns
+columns ``d, d+G, d+2G, d+3G`` of a pass, in registers; wider rows take several
+passes). A group gets its gradient ``g`` either by loading ``rows[k]`` (plain)
+or by summing the id's occurrences in input order (fused; the grouping of
+:mod:`.embedding_bag_backward`: ``prepare`` + hash unique + ``group_positions``),
+then applies the rule of :func:`_make_rule` element-wise and writes the weight back
+(fp16 tables: nearest-even, or the stochastic rounding of :func:`_stochastic_round`,
+whose hash matches the CPU's bit for bit).
+
+Row-wide quantities, ``Σ_d g²`` (RowWiseAdagrad) and "is any g not finite"
+(``skip_nonfinite``), are reduced over the group's lanes through shared memory
+with block-wide ``cuda.syncthreads`` (no warp shuffles, so the simulator runs
+it). Every thread of a block runs the same loop trips around those barriers:
+the block walks the distinct ids in rounds of ``tpb / G`` rows and the columns
+in rounds of ``4G``; lanes past the end just carry zeros. When the row needs
+more than one pass, a first sweep computes the row statistics and the second
+sweep recomputes ``g`` (same order, same bits) and updates.
+
+The fused gradient is summed in the gradient's accumulator type and rounded to
+``grad_out``'s dtype before the rule widens it, which is what
+``sparse_update(*embedding_bag_backward(...))`` sees: both paths give the same bits.
+"""
+import functools
+import math
+
+import numpy as np
+from numba import cuda, from_dtype, int32, int64, uint64
+
+from .. import _rules as rules
+from ._launch import (
+    WIDEN,
+    accumulator_dtype,
+    blocks_for,
+    error_slots,
+    group_size,
+    read_error_slots,
+    threads_per_block,
+)
+from .embedding_bag import UNROLL, empty_batch_bad_offset
+from .embedding_bag_backward import (
+    check_bag_offsets,
+    distinct_keys,
+    group_positions,
+    make_accumulate,
+    prepare,
+)
+from .unique import _fmix32
+
+_M32 = np.uint64(0xFFFFFFFF)
+_S32 = np.uint64(32)
+_TWO_M32 = 2.0**-32
+_HALF_MAX = 65504.0
+
+
+# ---------------------------------------------------------------------------
+# checks with one read-back
+# ---------------------------------------------------------------------------
+@cuda.jit
+def _out_of_range_kernel(ids, limit, slots):
+    for i in range(cuda.grid(1), ids.shape[0], cuda.gridsize(1)):
+        v = ids[i]
+        if v < 0 or (limit >= 0 and v >= limit):
+            cuda.atomic.min(slots, 0, i)
+
+
+def first_out_of_range(family, ids, limit):
+    """First position with an id outside ``[0, limit)`` (``limit < 0``: no upper limit), -1 none."""
+    n = ids.shape[0]
+    if n == 0:
+        return -1
+    stream = family.stream()
+    slots = error_slots(1, stream)
+    tpb = threads_per_block()
+    _out_of_range_kernel[blocks_for(n, tpb), tpb, stream](family.kernel_array(ids), limit, slots)
+    return read_error_slots(slots, stream)[0]
+
+
+def _make_nonfinite_kernel(widen):
+    @cuda.jit(cache=False)
+    def nonfinite_kernel(a, slots):
+        m = a.shape[1]
+        for i in range(cuda.grid(1), a.shape[0] * m, cuda.gridsize(1)):
+            r = i // m
+            if not math.isfinite(widen(a[r, i - r * m])):
+                cuda.atomic.min(slots, 0, r)
+
+    return nonfinite_kernel
+
+
+_NONFINITE_KERNELS = {acc: _make_nonfinite_kernel(widen) for acc, widen in WIDEN.items()}
+
+
+def first_nonfinite_row(family, a):
+    """First row of the 2-D ``a`` holding NaN or Inf, -1 none."""
+    size = a.shape[0] * a.shape[1]
+    if size == 0:
+        return -1
+    stream = family.stream()
+    slots = error_slots(1, stream)
+    tpb = threads_per_block()
+    _NONFINITE_KERNELS[accumulator_dtype(a.dtype)][blocks_for(size, tpb), tpb, stream](
+        family.kernel_array(a), slots
+    )
+    return read_error_slots(slots, stream)[0]
+
+
+@cuda.jit
+def _ragged_kernel(values, offsets, n_values, num_rows, record_ids, slots):
+    num_bags = offsets.shape[0] - 1
+    for i in range(cuda.grid(1), max(num_bags, n_values), cuda.gridsize(1)):
+        if i < num_bags:
+            check_bag_offsets(slots, i, offsets[i], offsets[i + 1], num_bags, n_values)
+        if record_ids and i < n_values:
+            v = values[i]
+            if v < 0 or v >= num_rows:
+                cuda.atomic.min(slots, 1, i)
+
+
+def check_ragged(family, values, offsets, num_rows, bounds):
+    """``(first bad offset, first bad id)`` of CSR input, as the forward reports them.
+    bounds 0: offsets and ids; 1: offsets only; 2: nothing (no launch, no sync)."""
+    if bounds == 2:
+        return -1, -1
+    n = values.shape[0]
+    num_bags = offsets.shape[0] - 1
+    if num_bags == 0:
+        return empty_batch_bad_offset(family, offsets, n), -1
+    stream = family.stream()
+    slots = error_slots(2, stream)
+    tpb = threads_per_block()
+    _ragged_kernel[blocks_for(max(num_bags, n), tpb), tpb, stream](
+        family.kernel_array(values), family.kernel_array(offsets), n, num_rows, bounds == 0, slots,
+    )
+    bad_offset, bad_id = read_error_slots(slots, stream)
+    return bad_offset, (bad_id if bounds == 0 else -1)
+
+
+# ---------------------------------------------------------------------------
+# the rule, shared by both update paths
+# ---------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _make_rule(widen):
+    @cuda.jit(device=True, inline=True)
+    def rule_update(rule, g, w, s1, s2, row_step, lr, eps, one_m_b1, one_m_b2, l1, two_l2,
+                    neg_power, sqrt_power, step_size):
+        """New ``(w, s1, s2)`` of one element. ``row_step``: RowWiseAdagrad's
+        ``lr / (sqrt(m) + eps)`` of the row; ``sqrt_power``: FTRL's ``lr_power == -0.5``.
+        Expressions as the CPU backend writes them (same rounding steps)."""
+        if rule == rules.SGD:
+            return w - lr * g, s1, s2
+        if rule == rules.ADAGRAD:
+            s1 = s1 + g * g
+            return w - lr * g / (math.sqrt(s1) + eps), s1, s2
+        if rule == rules.ROWWISE_ADAGRAD:
+            return w - row_step * g, s1, s2
+        if rule == rules.ADAM:
+            s1 = s1 + one_m_b1 * (g - s1)
+            s2 = s2 + one_m_b2 * (g * g - s2)
+            return w - step_size * s1 / (math.sqrt(s2) + eps), s1, s2
+        # FTRL: s1 = n (accumulator), s2 = z (linear); w on the right is the old weight
+        n_new = s1 + g * g
+        if sqrt_power:
+            pow_new = math.sqrt(n_new)
+            pow_old = math.sqrt(s1)
+        else:
+            pow_new = math.pow(n_new, neg_power)
+            pow_old = math.pow(s1, neg_power)
+        z = s2 + g - (pow_new - pow_old) / lr * w
+        w_new = widen(0)
+        if abs(z) > l1:
+            w_new = (math.copysign(l1, z) - z) / (pow_new / lr + two_l2)
+        return w_new, n_new, z
+
+    return rule_update
+
+
+@cuda.jit(device=True, inline=True)
+def _uniform(key_lo, key_hi, row, col):
+    """u in [0, 1) from fmix32(fmix32(fmix32(key_lo ^ row_lo) ^ row_hi ^ key_hi) ^ col) / 2^32."""
+    r = uint64(row)
+    h = _fmix32(key_lo ^ (r & _M32))
+    h = _fmix32(h ^ (r >> _S32) ^ key_hi)
+    h = _fmix32(h ^ uint64(col))
+    return np.float64(h) * _TWO_M32
+
+
+@cuda.jit(device=True, inline=True)
+def _stochastic_round(x32, key_lo, key_hi, row, col):
+    """The fp16 value (as an exactly representable fp32) that stochastic rounding of
+    ``x32`` gives: up with probability equal to the distance to the lower fp16 neighbour
+    in ulps. Non-finite and ``|x| >= 65504`` values pass through (nearest on store)."""
+    x = np.float64(x32)
+    if not math.isfinite(x) or abs(x) >= _HALF_MAX:
+        return x32
+    a = abs(x)
+    if a == 0.0:
+        return x32
+    _, ex = math.frexp(a)
+    ulp = math.ldexp(1.0, max(ex - 1, -14) - 10)
+    lo = np.float64(math.floor(a / ulp)) * ulp
+    frac = (a - lo) / ulp
+    r = lo + ulp if _uniform(key_lo, key_hi, row, col) < frac else lo
+    return np.float32(math.copysign(r, x))
+
+
+# ---------------------------------------------------------------------------
+# the update kernel
+# ---------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _update_kernel(table_acc, grad_acc, round_half, fused, tpb):
+    """Update kernel for tables accumulating in ``table_acc``. ``fused``: the gradient
+    is summed from ``grad_out`` in ``grad_acc`` (rounded through fp16 when
+    ``round_half``), else loaded from ``rows`` (``grad``)."""
+    widen = WIDEN[np.dtype(table_acc)]
+    acc_type = from_dtype(np.dtype(table_acc))
+    rule_update = _make_rule(widen)
+    if fused:
+        gwiden = WIDEN[np.dtype(grad_acc)]
+        accumulate = make_accumulate(gwiden)
+
+        @cuda.jit(device=True, inline=True)
+        def load(grad, r, lo, hi, pos, bag_of, coef, c0, group):
+            a0, a1, a2, a3 = accumulate(grad, lo, hi, pos, bag_of, coef, c0, group)
+            if round_half:  # what embedding_bag_backward's fp16 rows would hold
+                return (widen(np.float16(a0)), widen(np.float16(a1)),
+                        widen(np.float16(a2)), widen(np.float16(a3)))
+            return widen(a0), widen(a1), widen(a2), widen(a3)
+    else:
+
+        @cuda.jit(device=True, inline=True)
+        def load(grad, r, lo, hi, pos, bag_of, coef, c0, group):
+            dim = grad.shape[1]
+            c1 = c0 + group
+            c2 = c1 + group
+            c3 = c2 + group
+            g0 = widen(grad[r, c0]) if c0 < dim else widen(0)
+            g1 = widen(grad[r, c1]) if c1 < dim else widen(0)
+            g2 = widen(grad[r, c2]) if c2 < dim else widen(0)
+            g3 = widen(grad[r, c3]) if c3 < dim else widen(0)
+            return g0, g1, g2, g3
+
+    @cuda.jit(device=True, inline=True)
+    def bad(g):
+        return 0 if math.isfinite(g) else 1
+
+    @cuda.jit(device=True, inline=True)
+    def apply(weights, state1, state2, row, c, g, rule, row_step, hp, stochastic, key_lo, key_hi):
+        w = widen(weights[row, c])
+        has1 = rule == rules.ADAGRAD or rule == rules.ADAM or rule == rules.FTRL
+        has2 = rule == rules.ADAM or rule == rules.FTRL
+        s1 = state1[row, c] if has1 else widen(0)
+        s2 = state2[row, c] if has2 else widen(0)
+        lr, eps, one_m_b1, one_m_b2, l1, two_l2, neg_power, sqrt_power, step_size = hp
+        w_new, s1, s2 = rule_update(rule, g, w, s1, s2, row_step, lr, eps, one_m_b1, one_m_b2,
+                                    l1, two_l2, neg_power, sqrt_power, step_size)
+        if has1:
+            state1[row, c] = s1
+        if has2:
+            state2[row, c] = s2
+        if stochastic:  # fp16 tables only (the launcher clears it otherwise)
+            weights[row, c] = _stochastic_round(w_new, key_lo, key_hi, row, c)
+        else:
+            weights[row, c] = w_new  # fp16: round to nearest even
+
+    @cuda.jit(cache=False)
+    def update_kernel(weights, state1, state2, ids, grad, starts, pos, bag_of, coef, rule,
+                      lr64, eps64, one_m_b1_64, one_m_b2_64, l1_64, two_l2_64, neg_power64,
+                      sqrt_power, step64, inv_dim64, skip_nonfinite, stochastic, key_lo, key_hi,
+                      group):
+        sh_sum = cuda.shared.array(tpb, acc_type)
+        sh_bad = cuda.shared.array(tpb, int32)
+        num_ids = ids.shape[0]
+        num_rows = weights.shape[0]
+        dim = weights.shape[1]
+        lr = widen(lr64)
+        eps = widen(eps64)
+        inv_dim = widen(inv_dim64)
+        hp = (lr, eps, widen(one_m_b1_64), widen(one_m_b2_64), widen(l1_64), widen(two_l2_64),
+              widen(neg_power64), sqrt_power, widen(step64))
+        tid = cuda.threadIdx.x
+        lane = tid % group
+        groups = tpb // group
+        chunk = UNROLL * group
+        single = dim <= chunk
+        rowwise = rule == rules.ROWWISE_ADAGRAD
+        need_row = rowwise or skip_nonfinite
+        # block-uniform rounds: every thread reaches every barrier
+        for base in range(cuda.blockIdx.x * groups, num_ids, cuda.gridDim.x * groups):
+            r = base + tid // group
+            row = int64(-1)
+            if r < num_ids:
+                row = int64(ids[r])
+                if row < 0 or row >= num_rows:  # EMPTY key (bad id) or untrusted garbage
+                    row = int64(-1)
+            active = row >= 0
+            lo = int64(0)
+            hi = int64(0)
+            if fused and active:
+                lo = starts[r]
+                hi = starts[r + 1]
+            g0 = widen(0)
+            g1 = widen(0)
+            g2 = widen(0)
+            g3 = widen(0)
+            m = widen(0)
+            row_ok = True
+            if need_row:
+                ss = widen(0)
+                nb = 0
+                if active:
+                    if rowwise:
+                        m = state1[row, 0]  # read before lane 0 writes it (barriers below)
+                    if single:
+                        g0, g1, g2, g3 = load(grad, r, lo, hi, pos, bag_of, coef, lane, group)
+                        ss = g0 * g0 + g1 * g1 + g2 * g2 + g3 * g3
+                        nb = bad(g0) | bad(g1) | bad(g2) | bad(g3)
+                    else:
+                        for cb in range(0, dim, chunk):
+                            t0, t1, t2, t3 = load(grad, r, lo, hi, pos, bag_of, coef, cb + lane,
+                                                  group)
+                            ss += t0 * t0 + t1 * t1 + t2 * t2 + t3 * t3
+                            nb |= bad(t0) | bad(t1) | bad(t2) | bad(t3)
+                sh_sum[tid] = ss
+                sh_bad[tid] = nb
+                cuda.syncthreads()
+                half = group // 2
+                while half > 0:  # tree over the group's lanes, fixed order
+                    if lane < half:
+                        sh_sum[tid] += sh_sum[tid + half]
+                        sh_bad[tid] |= sh_bad[tid + half]
+                    cuda.syncthreads()
+                    half //= 2
+                total = sh_sum[tid - lane]
+                row_ok = sh_bad[tid - lane] == 0
+                cuda.syncthreads()  # the shared slots are rewritten next round
+                m = m + total * inv_dim
+            if not active or (skip_nonfinite and not row_ok):
+                continue
+            row_step = widen(0)
+            if rowwise:
+                if lane == 0:
+                    state1[row, 0] = m
+                row_step = lr / (math.sqrt(m) + eps)
+            for cb in range(0, dim, chunk):
+                c0 = cb + lane
+                if c0 >= dim:
+                    break
+                if not (need_row and single):
+                    g0, g1, g2, g3 = load(grad, r, lo, hi, pos, bag_of, coef, c0, group)
+                apply(weights, state1, state2, row, c0, g0, rule, row_step, hp, stochastic,
+                      key_lo, key_hi)
+                c1 = c0 + group
+                if c1 < dim:
+                    apply(weights, state1, state2, row, c1, g1, rule, row_step, hp, stochastic,
+                          key_lo, key_hi)
+                    c2 = c1 + group
+                    if c2 < dim:
+                        apply(weights, state1, state2, row, c2, g2, rule, row_step, hp,
+                              stochastic, key_lo, key_hi)
+                        c3 = c2 + group
+                        if c3 < dim:
+                            apply(weights, state1, state2, row, c3, g3, rule, row_step, hp,
+                                  stochastic, key_lo, key_hi)
+
+    return update_kernel
+
+
+def _state_view(family, state, acc_dtype, stream):
+    """State as the 2-D array the kernel indexes ([E, D], or [E, 1] for per-row state);
+    a zero-size dummy when the rule has no such slot."""
+    if state is None:
+        return cuda.device_array((0, 1), acc_dtype, stream=stream)
+    k = family.kernel_array(state)
+    return k.reshape((k.shape[0], 1)) if k.ndim == 1 else k
+
+
+def _launch_update(family, rule, weights, state1, state2, hp, ids, grad, starts, pos, bag_of,
+                   coef, grad_acc, round_half, fused, skip_nonfinite, stochastic, key, stream):
+    num_ids = ids.shape[0]
+    dim = weights.shape[1]
+    table_acc = accumulator_dtype(weights.dtype)
+    stochastic = bool(stochastic) and np.dtype(weights.dtype) == np.float16
+    key = int(key)
+    group = group_size(dim)
+    tpb = threads_per_block()
+    kernel = _update_kernel(table_acc, grad_acc, round_half, fused, tpb)
+    kernel[blocks_for(num_ids, tpb // group), tpb, stream](
+        family.kernel_array(weights),
+        _state_view(family, state1, table_acc, stream),
+        _state_view(family, state2, table_acc, stream),
+        ids, grad, starts, pos, bag_of, coef, int(rule),
+        float(hp[rules.LR]), float(hp[rules.EPS]), 1.0 - float(hp[rules.BETA1]),
+        1.0 - float(hp[rules.BETA2]), float(hp[rules.L1]), 2.0 * float(hp[rules.L2]),
+        -float(hp[rules.LR_POWER]), float(hp[rules.LR_POWER]) == -0.5, float(hp[rules.STEP_SIZE]),
+        1.0 / dim,
+        bool(skip_nonfinite), stochastic,
+        np.uint64(key & 0xFFFFFFFF), np.uint64((key >> 32) & 0xFFFFFFFF), group,
+    )
+
+
+def sparse_update(family, rule, weights, state1, state2, hp, ids, rows, skip_nonfinite,
+                  stochastic, key):
+    """Update rows ``ids[k]`` (distinct, in range) of ``weights``/state from ``rows[k]``."""
+    if ids.shape[0] == 0:
+        return
+    stream = family.stream()
+    table_acc = accumulator_dtype(weights.dtype)
+    dummy_i = cuda.device_array(0, np.int64, stream=stream)
+    dummy_f = cuda.device_array(0, table_acc, stream=stream)
+    _launch_update(
+        family, rule, weights, state1, state2, hp, family.kernel_array(ids),
+        family.kernel_array(rows), dummy_i, dummy_i, dummy_i, dummy_f, table_acc, False, False,
+        skip_nonfinite, stochastic, key, stream,
+    )
+
+
+def fused_sparse_update(family, rule, weights, state1, state2, hp, grad_out, values, offsets,
+                        psw, combiner, bounds, skip_nonfinite, stochastic, key):
+    """``sparse_update(*embedding_bag_backward(...))`` without materialising the rows:
+    one row group per distinct id sums its occurrences in input order in registers
+    and applies the rule. Offsets/ids were checked by the front end (``check_ragged``):
+    bad ids are skipped under bounds 0 and 1, trusted under 2."""
+    n = values.shape[0]
+    if n == 0 or offsets.shape[0] == 1:
+        return
+    stream = family.stream()
+    # as the CPU: sum in the table's accumulator type, never rounded to grad_out's dtype
+    grad_acc = accumulator_dtype(weights.dtype)
+    keys, bag_of, coef, _ = prepare(
+        family, values, offsets, psw, combiner, weights.shape[0], grad_acc, bounds == 2,
+        False, False, stream,
+    )
+    uniq, inverse = distinct_keys(family, keys)
+    num_distinct = uniq.shape[0]
+    starts, pos = group_positions(family.kernel_array(inverse), num_distinct, stream)
+    _launch_update(
+        family, rule, weights, state1, state2, hp, family.kernel_array(uniq),
+        family.kernel_array(grad_out), starts, pos, bag_of, coef, grad_acc,
+        False, True, skip_nonfinite, stochastic, key, stream,
+    )

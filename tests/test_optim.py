@@ -1,0 +1,616 @@
+import math
+
+import numpy as np
+import pytest
+from conftest import assert_close, random_offsets
+
+import hbkernels as hbk
+from hbkernels import optim
+
+torch = pytest.importorskip("torch")
+
+# torch's sparse Adagrad warns that it skips the sparse invariant checks
+pytestmark = pytest.mark.filterwarnings("ignore:Sparse invariant checks")
+
+RULES = ["SGD", "Adagrad", "RowWiseAdagrad", "Adam", "Ftrl"]
+
+
+def make_opt(name, **options):
+    """Each optimizer with non-default hyper-parameters (so a mix-up shows)."""
+    if name == "SGD":
+        return optim.SGD(lr=0.3, **options)
+    if name == "Adagrad":
+        return optim.Adagrad(lr=0.2, eps=1e-3, initial_accumulator_value=0.1, **options)
+    if name == "RowWiseAdagrad":
+        return optim.RowWiseAdagrad(lr=0.2, eps=1e-4, **options)
+    if name == "Adam":
+        return optim.Adam(lr=0.05, betas=(0.8, 0.95), eps=1e-6, **options)
+    if name == "Ftrl":
+        return optim.Ftrl(lr=0.4, l1=0.05, l2=0.1, **options)
+    if name == "Ftrl-p0.7":
+        return optim.Ftrl(lr=0.4, l1=0.05, l2=0.1, lr_power=-0.7, initial_accumulator_value=0.3,
+                          **options)
+    if name == "Ftrl-p0":
+        return optim.Ftrl(lr=0.4, l1=0.02, l2=0.0, lr_power=0.0, **options)
+    raise AssertionError(name)
+
+
+# -- helpers ----------------------------------------------------------------------
+class Table:
+    """A table and its optimizer state on the backend under test."""
+
+    def __init__(self, backend, opt, weights):
+        self.backend, self.opt = backend, opt
+        self.w = backend.put(weights.copy())
+        self.state = opt.init_state(self.w)
+
+    def step(self, ids, rows):
+        put = self.backend.put
+        self.opt.step(self.w, self.state, hbk.SparseGrad(put(ids), put(rows)))
+
+    def bag_step(self, grad_out, values, offsets, fused, psw=None, **kw):
+        put = self.backend.put
+        if fused:
+            self.opt.fused_step(self.w, self.state, put(grad_out), put(values), put(offsets),
+                                per_sample_weights=put(psw), **kw)
+        else:
+            g = hbk.embedding_bag_backward(put(grad_out), put(values), put(offsets),
+                                           num_rows=self.w.shape[0], per_sample_weights=put(psw),
+                                           **kw)
+            self.opt.step(self.w, self.state, g)
+
+    def weights(self):
+        return np.array(self.backend.get(self.w), copy=True)
+
+    def states(self):
+        """Host copies (the step counter included) of the state arrays."""
+        return {k: np.array(v if k == "step" else self.backend.get(v), copy=True)
+                for k, v in self.state.items()}
+
+
+def reference_init(name, opt, weights):
+    w = weights.astype(np.float64)
+    shape = w.shape
+    if name == "Ftrl":
+        return w, {"accum": np.full(shape, opt.initial_accumulator_value),
+                   "linear": np.zeros(shape)}
+    if name == "Adagrad":
+        return w, {"sum": np.full(shape, opt.initial_accumulator_value)}
+    if name == "RowWiseAdagrad":
+        return w, {"momentum": np.zeros(shape[0])}
+    if name == "Adam":
+        return w, {"exp_avg": np.zeros(shape), "exp_avg_sq": np.zeros(shape)}
+    return w, {}
+
+
+def reference_step(name, opt, w, s, ids, rows, t):
+    """One float64 step on the dense copies ``w`` and ``s``: duplicates summed, then the
+    formulas of the docs row by row."""
+    uniq, inverse = np.unique(ids, return_inverse=True)
+    grads = np.zeros((len(uniq), w.shape[1]))
+    np.add.at(grads, inverse.reshape(-1), rows.astype(np.float64))
+    for i, g in zip(uniq, grads):
+        if name == "SGD":
+            w[i] = w[i] - opt.lr * g
+        elif name == "Adagrad":
+            s["sum"][i] += g * g
+            w[i] = w[i] - opt.lr * g / (np.sqrt(s["sum"][i]) + opt.eps)
+        elif name == "RowWiseAdagrad":
+            s["momentum"][i] += np.mean(g * g)
+            w[i] = w[i] - opt.lr * g / (np.sqrt(s["momentum"][i]) + opt.eps)
+        elif name == "Adam":
+            b1, b2 = opt.betas
+            s["exp_avg"][i] = b1 * s["exp_avg"][i] + (1 - b1) * g
+            s["exp_avg_sq"][i] = b2 * s["exp_avg_sq"][i] + (1 - b2) * g * g
+            bias = np.sqrt(1 - b2**t) / (1 - b1**t)
+            w[i] = w[i] - opt.lr * bias * s["exp_avg"][i] / (np.sqrt(s["exp_avg_sq"][i]) + opt.eps)
+        else:  # TF ApplyFtrl
+            p, lr = opt.lr_power, opt.lr
+            n, n_new = s["accum"][i], s["accum"][i] + g * g
+            z = s["linear"][i] + g - (n_new ** -p - n ** -p) / lr * w[i]
+            quadratic = n_new ** -p / lr + 2 * opt.l2
+            w[i] = np.where(np.abs(z) > opt.l1, (np.sign(z) * opt.l1 - z) / quadratic, 0.0)
+            s["linear"][i] = z
+            s["accum"][i] = n_new
+
+
+def sparse_grads(rng, num_rows, dim, count, steps, scale=1.0):
+    """``steps`` random (ids, rows) with repeated ids, touching only ids < num_rows - 3."""
+    out = []
+    for _ in range(steps):
+        ids = rng.integers(0, num_rows - 3, size=count)
+        ids[: count // 3] = ids[0]
+        out.append((ids, (scale * rng.standard_normal((count, dim))).astype(np.float32)))
+    return out
+
+
+def bags(rng, num_rows, dim, batch, max_len, touch_below=None):
+    """CSR bags whose ids repeat within and across bags (ids < ``touch_below``)."""
+    offsets = random_offsets(rng, batch, max_len)
+    n = int(offsets[-1])
+    values = rng.integers(0, touch_below or num_rows, size=n)
+    if n:
+        values[rng.integers(0, n, size=max(1, n // 5))] = values[0]
+    grad_out = rng.standard_normal((batch, dim)).astype(np.float32)
+    return grad_out, values, offsets
+
+
+def state_names(opt):
+    return [name for name, _ in opt.slots]
+
+
+def assert_rows_equal(a, b, rows):
+    np.testing.assert_array_equal(a[rows], b[rows])
+
+
+# -- against torch ------------------------------------------------------------------
+TORCH = {
+    "SGD": lambda p, o: torch.optim.SGD(p, lr=o.lr),
+    "Adagrad": lambda p, o: torch.optim.Adagrad(
+        p, lr=o.lr, eps=o.eps, initial_accumulator_value=o.initial_accumulator_value),
+    "Adam": lambda p, o: torch.optim.SparseAdam(p, lr=o.lr, betas=o.betas, eps=o.eps),
+}
+TORCH_STATE = {"SGD": {}, "Adagrad": {"sum": "sum"},
+               "Adam": {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}}
+
+
+@pytest.mark.parametrize("name", sorted(TORCH))
+@pytest.mark.parametrize("mode, weighted", [("sum", False), ("sum", True), ("mean", False)])
+def test_against_torch(backend, rng, name, mode, weighted):
+    num_rows, dim, batch, max_len, steps = (12, 3, 4, 3, 3) if backend.small else (60, 8, 64, 6, 4)
+    w0 = rng.standard_normal((num_rows, dim)).astype(np.float32)
+    opt = make_opt(name)
+    plain, fused = Table(backend, opt, w0), Table(backend, opt, w0)
+    emb = torch.nn.EmbeddingBag(num_rows, dim, mode=mode, sparse=True, include_last_offset=True)
+    with torch.no_grad():
+        emb.weight.copy_(torch.from_numpy(w0))
+    topt = TORCH[name](list(emb.parameters()), opt)
+    touchable = num_rows - 4  # rows >= touchable are never looked up
+    for _ in range(steps):
+        grad_out, values, offsets = bags(rng, num_rows, dim, batch, max_len, touchable)
+        psw = rng.uniform(0.2, 1.5, size=values.shape).astype(np.float32) if weighted else None
+        topt.zero_grad()
+        out = emb(torch.from_numpy(values), torch.from_numpy(offsets),
+                  per_sample_weights=None if psw is None else torch.from_numpy(psw))
+        out.backward(torch.from_numpy(grad_out))
+        topt.step()
+        plain.bag_step(grad_out, values, offsets, False, psw, combiner=mode)
+        fused.bag_step(grad_out, values, offsets, True, psw, combiner=mode)
+    expected = emb.weight.detach().numpy().astype(np.float64)
+    tstate = topt.state[emb.weight]
+    for table in (plain, fused):
+        w = table.weights()
+        assert_close(w, expected, np.float32)
+        assert_rows_equal(w, w0, np.arange(touchable, num_rows))  # untouched: same bits
+        states = table.states()
+        assert states["step"][0] == steps
+        for ours, theirs in TORCH_STATE[name].items():
+            assert states[ours].dtype == np.float32
+            assert_close(states[ours], tstate[theirs].numpy().astype(np.float64), np.float32)
+
+
+# -- against the formulas -------------------------------------------------------------
+@pytest.mark.parametrize("name", RULES + ["Ftrl-p0.7", "Ftrl-p0"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_against_formula(backend, rng, name, dtype):
+    num_rows, dim, count, steps = (10, 3, 6, 3) if backend.small else (40, 5, 60, 4)
+    w0 = rng.standard_normal((num_rows, dim)).astype(dtype)
+    opt = make_opt(name)
+    table = Table(backend, opt, w0)
+    ref_w, ref_s = reference_init(name.split("-")[0], opt, w0)
+    init_states = {k: v.copy() for k, v in table.states().items()}
+    for t, (ids, rows) in enumerate(sparse_grads(rng, num_rows, dim, count, steps), start=1):
+        table.step(ids, rows.astype(dtype))
+        reference_step(name.split("-")[0], opt, ref_w, ref_s, ids, rows.astype(dtype), t)
+    w, states = table.weights(), table.states()
+    rtol, atol = {np.float32: (1e-4, 1e-5), np.float64: (1e-11, 1e-12)}[dtype]
+    assert w.dtype == np.dtype(dtype)
+    np.testing.assert_allclose(w, ref_w, rtol=rtol, atol=atol)
+    for key, ref in ref_s.items():
+        assert states[key].dtype == np.dtype(dtype)  # fp32 state (fp64 for fp64 tables)
+        np.testing.assert_allclose(states[key], ref, rtol=rtol, atol=atol)
+    untouched = np.arange(num_rows - 3, num_rows)
+    assert_rows_equal(w, w0, untouched)
+    for key in ref_s:
+        assert_rows_equal(states[key], init_states[key], untouched)
+
+
+def test_ftrl_single_step_by_hand(backend):
+    opt = optim.Ftrl(lr=0.1, l1=0.01, l2=0.02)  # lr_power -0.5, accumulator 0.1
+    w0 = np.array([[1.0, -2.0, 0.5], [3.0, 3.0, 3.0]], np.float32)
+    table = Table(backend, opt, w0)
+    table.step(np.array([0]), np.array([[0.5, 0.0, -0.001]], np.float32))
+    # column 0: n' = 0.35, z = 0.5 - (sqrt(.35) - sqrt(.1)) / 0.1 * 1
+    z0 = 0.5 - (math.sqrt(0.35) - math.sqrt(0.1)) / 0.1
+    w_col0 = (-0.01 - z0) / (math.sqrt(0.35) / 0.1 + 0.04)
+    # column 1: g = 0 -> z = 0 -> |z| <= l1 -> 0; column 2: z = -0.001 + tiny -> |z| <= l1 -> 0
+    w = table.weights()
+    np.testing.assert_allclose(w[0], [w_col0, 0.0, 0.0], rtol=1e-5, atol=1e-7)
+    assert w_col0 == pytest.approx(0.376726, abs=1e-5)
+    np.testing.assert_array_equal(w[1], w0[1])
+    states = table.states()
+    np.testing.assert_allclose(states["accum"][0], [0.35, 0.1, 0.1 + 1e-6], rtol=1e-6)
+    np.testing.assert_allclose(states["linear"][0, 0], z0, rtol=1e-5)
+
+
+def test_adam_bias_correction_uses_the_table_step(backend, rng):
+    opt = optim.Adam(lr=0.1, betas=(0.9, 0.99), eps=1e-8)
+    w0 = rng.standard_normal((8, 2)).astype(np.float32)
+    table = Table(backend, opt, w0)
+    g = np.array([[0.3, -0.7]], np.float32)
+    table.step(np.array([0]), g)
+    table.step(np.array([0]), g)
+    table.step(np.array([5]), g)  # row 5 first touched at step 3
+    w, states = table.weights(), table.states()
+    assert states["step"][0] == 3
+    b1, b2 = 0.9, 0.99
+    m, v = (1 - b1) * g[0].astype(np.float64), (1 - b2) * g[0].astype(np.float64) ** 2
+    expected = w0[5] - 0.1 * math.sqrt(1 - b2**3) / (1 - b1**3) * m / (np.sqrt(v) + 1e-8)
+    assert_close(w[5], expected, np.float32)
+    assert_close(states["exp_avg"][5], m, np.float32)
+    first = w0[5] - 0.1 * math.sqrt(1 - b2) / (1 - b1) * m / (np.sqrt(v) + 1e-8)
+    assert not np.allclose(w[5], first, rtol=1e-3)  # step-1 correction would differ
+
+
+# -- fused == backward + step ---------------------------------------------------------
+@pytest.mark.parametrize("name", RULES)
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+def test_fused_equals_backward_plus_step(backend, rng, name, combiner):
+    num_rows, dim, batch, max_len = (12, 3, 4, 3) if backend.small else (80, 6, 100, 8)
+    w0 = rng.standard_normal((num_rows, dim)).astype(np.float32)
+    opt = make_opt(name)
+    plain, fused = Table(backend, opt, w0), Table(backend, opt, w0)
+    for _ in range(2):
+        grad_out, values, offsets = bags(rng, num_rows, dim, batch, max_len)
+        psw = rng.uniform(0.2, 1.5, size=values.shape).astype(np.float32)
+        plain.bag_step(grad_out, values, offsets, False, psw, combiner=combiner)
+        fused.bag_step(grad_out, values, offsets, True, psw, combiner=combiner)
+    wp, wf = plain.weights(), fused.weights()
+    assert_close(wf, wp.astype(np.float64), np.float32)
+    np.testing.assert_array_equal(np.any(wp != w0, axis=1), np.any(wf != w0, axis=1))
+    sp, sf = plain.states(), fused.states()
+    for key in state_names(opt):
+        assert_close(sf[key], sp[key].astype(np.float64), np.float32)
+    assert sp["step"][0] == sf["step"][0] == 2
+
+
+@pytest.mark.parametrize("grad_dtype, table_dtype", [(np.float16, np.float32),
+                                                     (np.float32, np.float64)])
+def test_fused_sums_in_the_tables_precision(backend, rng, grad_dtype, table_dtype):
+    """The fused path sums a row's gradient in the table's accumulator type and never
+    rounds it to grad_out's dtype: it equals backward + step on grad_out widened first."""
+    num_rows, dim, batch, max_len = (10, 3, 4, 3) if backend.small else (60, 5, 80, 8)
+    w0 = rng.standard_normal((num_rows, dim)).astype(table_dtype)
+    grad_out, values, offsets = bags(rng, num_rows, dim, batch, max_len)
+    grad_out = grad_out.astype(grad_dtype)
+    opt = make_opt("Adagrad")
+    fused, widened = Table(backend, opt, w0), Table(backend, opt, w0)
+    fused.bag_step(grad_out, values, offsets, True, combiner="mean")
+    widened.bag_step(grad_out.astype(table_dtype), values, offsets, False, combiner="mean")
+    assert_close(fused.weights(), widened.weights().astype(np.float64), table_dtype)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_fused_and_plain_with_bounds_zero(backend, rng, fused):
+    opt = make_opt("Adagrad")
+    w0 = rng.standard_normal((6, 3)).astype(np.float32)
+    grad_out = rng.standard_normal((3, 3)).astype(np.float32)
+    values = np.array([0, 6, 5, -3, 2, 99, 5], np.int64)
+    offsets = np.array([0, 3, 4, 7], np.int64)
+    table = Table(backend, opt, w0)
+    table.bag_step(grad_out, values, offsets, fused, combiner="mean", bounds="zero")
+    # the same step without the bad ids: bag 0 -> [0, 5], bag 1 -> [], bag 2 -> [2, 5]
+    ref = Table(backend, opt, w0)
+    ref.bag_step(grad_out, np.array([0, 5, 2, 5]), np.array([0, 2, 2, 4]), False, combiner="mean")
+    assert_close(table.weights(), ref.weights().astype(np.float64), np.float32)
+    assert_rows_equal(table.weights(), w0, [1, 3, 4])
+
+
+# -- fp16 tables ------------------------------------------------------------------------
+def within_one_fp16_ulp(actual, expected):
+    assert actual.dtype == expected.dtype == np.float16
+    gap = np.abs(actual.astype(np.float64) - expected.astype(np.float64))
+    assert np.all(gap <= np.spacing(np.abs(expected)).astype(np.float64)), np.max(gap)
+
+
+@pytest.mark.parametrize("name", RULES)
+@pytest.mark.parametrize("fused", [False, True])
+def test_fp16_nearest_is_the_fp32_update_rounded(backend, rng, name, fused):
+    num_rows, dim, batch, max_len = (10, 3, 4, 3) if backend.small else (50, 8, 40, 5)
+    w16 = rng.standard_normal((num_rows, dim)).astype(np.float16)
+    opt = make_opt(name)
+    half, single = Table(backend, opt, w16), Table(backend, opt, w16.astype(np.float32))
+    for key in state_names(opt):
+        assert half.states()[key].dtype == np.float32  # fp32 state for fp16 tables
+    grad_out, values, offsets = bags(rng, num_rows, dim, batch, max_len, num_rows - 2)
+    half.bag_step(grad_out, values, offsets, fused, combiner="mean")
+    single.bag_step(grad_out, values, offsets, fused, combiner="mean")
+    within_one_fp16_ulp(half.weights(), single.weights().astype(np.float16))
+    assert_rows_equal(half.weights(), w16, [num_rows - 2, num_rows - 1])
+    for key in state_names(opt):
+        s16, s32 = half.states()[key], single.states()[key]
+        assert s16.dtype == np.float32
+        assert_close(s16, s32.astype(np.float64), np.float32)
+
+
+def fmix32(h):
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+    h ^= h >> 16
+    return h
+
+
+def spec_stochastic_round(x, key, row, d):
+    """The rounding of the spec, in Python: the same bits on every backend."""
+    x = float(x)
+    if not math.isfinite(x) or abs(x) >= 65504:
+        return np.float16(x)
+    a = abs(x)
+    if a == 0:
+        return np.float16(x)
+    ex = math.frexp(a)[1]
+    ulp = 2.0 ** (max(ex - 1, -14) - 10)
+    lo = math.floor(a / ulp) * ulp
+    m = 0xFFFFFFFF
+    u = fmix32(fmix32(fmix32((key & m) ^ (row & m)) ^ (row >> 32) ^ (key >> 32)) ^ d) * 2.0**-32
+    return np.float16(math.copysign(lo + ulp if u < (a - lo) / ulp else lo, x))
+
+
+def exact_sgd_case(rng, num_rows, dim):
+    """fp16 weights and fp32 gradients whose SGD update (lr 0.5) is exact in fp32."""
+    sign = rng.choice([-1.0, 1.0], size=(num_rows, dim))
+    w16 = (sign * rng.uniform(0.25, 2, size=(num_rows, dim))).astype(np.float16)
+    g = (rng.integers(-4096, 4097, size=(num_rows, dim)) * 2.0**-20).astype(np.float32)
+    x = w16.astype(np.float64) - 0.5 * g.astype(np.float64)
+    assert np.array_equal(x, x.astype(np.float32))
+    return w16, g, x
+
+
+def test_stochastic_rounding_follows_the_spec_hash(backend, rng):
+    num_rows, dim = (6, 3) if backend.small else (64, 8)
+    w16, g, x = exact_sgd_case(rng, num_rows, dim)
+    opt = optim.SGD(lr=0.5, rounding="stochastic", seed=1234)
+    table = Table(backend, opt, w16)
+    ids = rng.permutation(num_rows)
+    table.step(ids, g[ids])
+    table.step(np.zeros(0, np.int64), np.zeros((0, dim), np.float32))  # step 2: no rows
+    key = optim._mix64((1234 << 32) ^ 1)
+    expected = np.array([[spec_stochastic_round(x[r, d], key, r, d) for d in range(dim)]
+                         for r in range(num_rows)])
+    np.testing.assert_array_equal(table.weights().view(np.uint16), expected.view(np.uint16))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_stochastic_rounding_is_seeded_and_picks_a_neighbour(backend, rng, fused):
+    num_rows, dim = (8, 4) if backend.small else (256, 16)
+    w16, g, x = exact_sgd_case(rng, num_rows, dim)
+    ids = np.arange(num_rows)
+    results = {}
+    for seed in (7, 7, 8):
+        table = Table(backend, optim.SGD(lr=0.5, rounding="stochastic", seed=seed), w16)
+        if fused:  # one bag per row, sum: the bag's gradient is the row's
+            table.bag_step(g, ids, np.arange(num_rows + 1), True)
+        else:
+            table.step(ids, g)
+        results.setdefault(seed, []).append(table.weights())
+    np.testing.assert_array_equal(results[7][0].view(np.uint16), results[7][1].view(np.uint16))
+    assert not np.array_equal(results[7][0], results[8][0])
+    near = x.astype(np.float16)
+    below = np.where(near > x, np.nextafter(near, np.float16(-np.inf)), near)
+    above = np.where(near < x, np.nextafter(near, np.float16(np.inf)), near)
+    for r in (results[7][0], results[8][0]):
+        assert np.all((r == below) | (r == above))
+        assert 0 < np.mean(r != near) < 1  # some rounded the other way than nearest
+
+
+@pytest.mark.parametrize("start, frac", [(1.0, 0.3), (-1.0, 0.7), (0.0, 0.6)])
+def test_stochastic_rounding_is_unbiased(backend, start, frac):
+    num_rows, dim = (64, 8) if backend.small else (2048, 16)
+    ulp = 2.0**-24 if start == 0 else 2.0**-10  # the subnormal spacing at 0
+    x = start + math.copysign(frac * ulp, start or 1.0)
+    w16 = np.full((num_rows, dim), start, np.float16)
+    g = np.full((num_rows, dim), np.float32(start - x), np.float32)  # lr = 1: w - g = x
+    x32 = np.float64(np.float32(start) - g[0, 0])
+    table = Table(backend, optim.SGD(lr=1.0, rounding="stochastic", seed=3), w16)
+    table.step(np.arange(num_rows), g)
+    r = table.weights().astype(np.float64)
+    lo, hi = (start, start + math.copysign(ulp, start or 1.0))
+    assert np.all((r == lo) | (r == hi))
+    n = r.size
+    p_up = abs(x32 - start) / ulp
+    share = np.mean(r == hi)
+    assert abs(share - p_up) < 5 * math.sqrt(p_up * (1 - p_up) / n)
+    assert abs(r.mean() - x32) < 5 * ulp * math.sqrt(p_up * (1 - p_up) / n)
+
+
+# -- non-finite gradients ------------------------------------------------------------
+@pytest.mark.parametrize("name", ["Adagrad", "Ftrl"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_nonfinite_raises_and_leaves_everything(backend, rng, name, bad):
+    w0 = rng.standard_normal((10, 3)).astype(np.float32)
+    opt = make_opt(name)
+    table = Table(backend, opt, w0)
+    before = table.states()
+    rows = rng.standard_normal((4, 3)).astype(np.float32)
+    rows[2, 1] = bad
+    with pytest.raises(ValueError, match=r"grad.rows has NaN or Inf in row 2"):
+        table.step(np.array([1, 4, 5, 7]), rows)
+    grad_out = rng.standard_normal((2, 3)).astype(np.float32)
+    grad_out[1, 0] = bad
+    values, offsets = np.array([1, 2, 3]), np.array([0, 1, 3])
+    with pytest.raises(ValueError, match=r"grad_out has NaN or Inf in row 1"):
+        table.bag_step(grad_out, values, offsets, True)
+    grad_out[1, 0] = 1.0
+    psw = np.array([1.0, bad, 1.0], np.float32)
+    with pytest.raises(ValueError, match=r"per_sample_weights has NaN or Inf in row 1"):
+        table.bag_step(grad_out, values, offsets, True, psw)
+    np.testing.assert_array_equal(table.weights(), w0)
+    after = table.states()
+    for key in before:
+        np.testing.assert_array_equal(after[key], before[key])  # the step counter too
+
+
+@pytest.mark.parametrize("name", ["SGD", "Adagrad", "RowWiseAdagrad", "Adam", "Ftrl"])
+def test_nonfinite_skip_step(backend, rng, name):
+    w0 = rng.standard_normal((10, 3)).astype(np.float32)
+    ids = np.array([1, 4, 5, 7, 4])
+    rows = rng.standard_normal((5, 3)).astype(np.float32)
+    rows[1, 2] = np.nan  # id 4 (duplicate: summed first, still NaN)
+    rows[3, 0] = -np.inf  # id 7
+    skip = Table(backend, make_opt(name, nonfinite="skip"), w0)
+    skip.step(ids, rows)
+    ref = Table(backend, make_opt(name), w0)
+    ref.step(np.array([1, 5]), rows[[0, 2]])
+    w, wr = skip.weights(), ref.weights()
+    assert_rows_equal(w, w0, [0, 2, 3, 4, 6, 7, 8, 9])
+    assert_close(w[[1, 5]], wr[[1, 5]].astype(np.float64), np.float32)
+    s, sr = skip.states(), ref.states()
+    for key in state_names(skip.opt):
+        np.testing.assert_array_equal(s[key][[4, 7]], sr[key][[4, 7]])  # untouched: initial
+        assert_close(s[key], sr[key].astype(np.float64), np.float32)
+
+
+@pytest.mark.parametrize("name", ["Adagrad", "Adam"])
+def test_nonfinite_skip_fused(backend, rng, name):
+    w0 = rng.standard_normal((10, 3)).astype(np.float32)
+    grad_out = rng.standard_normal((3, 3)).astype(np.float32)
+    grad_out[1, 1] = np.inf
+    values = np.array([0, 2, 2, 5, 6, 2, 8])  # bag 1 = [5, 6] -> rows 5 and 6 skipped
+    offsets = np.array([0, 3, 5, 7])
+    skip = Table(backend, make_opt(name, nonfinite="skip"), w0)
+    skip.bag_step(grad_out, values, offsets, True, combiner="mean")
+    g = hbk.embedding_bag_backward(grad_out, values, offsets, num_rows=10, combiner="mean")
+    finite = np.all(np.isfinite(g.rows), axis=1)
+    assert sorted(g.ids[~finite].tolist()) == [5, 6]
+    ref = Table(backend, make_opt(name), w0)
+    ref.step(g.ids[finite], g.rows[finite])
+    w = skip.weights()
+    assert_rows_equal(w, w0, [1, 3, 4, 5, 6, 7, 9])
+    assert_close(w, ref.weights().astype(np.float64), np.float32)
+    skip_plain = Table(backend, make_opt(name, nonfinite="skip"), w0)
+    skip_plain.bag_step(grad_out, values, offsets, False, combiner="mean")
+    assert_close(skip_plain.weights(), w.astype(np.float64), np.float32)
+
+
+# -- SparseGrad handling and argument checks -----------------------------------------
+def test_duplicate_ids_are_summed_first(backend, rng):
+    w0 = rng.standard_normal((6, 2)).astype(np.float32)
+    rows = rng.standard_normal((4, 2)).astype(np.float32)
+    dup = Table(backend, make_opt("Adagrad"), w0)
+    dup.step(np.array([3, 1, 3, 3]), rows)
+    summed = Table(backend, make_opt("Adagrad"), w0)
+    summed.step(np.array([3, 1]), np.stack([rows[0] + rows[2] + rows[3], rows[1]]))
+    assert_close(dup.weights(), summed.weights().astype(np.float64), np.float32)
+    assert_close(dup.states()["sum"], summed.states()["sum"].astype(np.float64), np.float32)
+
+
+def test_empty_grad_only_counts_the_step(backend):
+    w0 = np.ones((4, 2), np.float32)
+    table = Table(backend, make_opt("Adam"), w0)
+    table.step(np.zeros(0, np.int64), np.zeros((0, 2), np.float32))
+    table.bag_step(np.zeros((2, 2), np.float32), np.zeros(0, np.int64), np.zeros(3, np.int64), True)
+    np.testing.assert_array_equal(table.weights(), w0)
+    assert table.states()["step"][0] == 2
+
+
+def test_rows_in_another_float_dtype(backend, rng):
+    w0 = rng.standard_normal((6, 3)).astype(np.float32)
+    rows = rng.standard_normal((2, 3))
+    a, b = Table(backend, make_opt("Adagrad"), w0), Table(backend, make_opt("Adagrad"), w0)
+    a.step(np.array([1, 4], np.int32), rows)  # float64 rows on an fp32 table
+    b.step(np.array([1, 4]), rows.astype(np.float32))
+    assert_close(a.weights(), b.weights().astype(np.float64), np.float32)
+
+
+def test_bad_ids_raise(backend):
+    w0 = np.ones((5, 2), np.float32)
+    table = Table(backend, make_opt("SGD"), w0)
+    rows = np.ones((3, 2), np.float32)
+    with pytest.raises(hbk.BoundsError, match=r"grad.ids\[1\] = 5 .*\[0, 5\)") as info:
+        table.step(np.array([0, 5, 1]), rows)
+    assert info.value.position == 1
+    with pytest.raises(hbk.BoundsError, match=r"grad.ids\[2\] = -1 "):
+        table.step(np.array([0, 1, -1], np.int32), rows)
+    with pytest.raises(hbk.BoundsError, match=r"values\[1\] = 7 "):
+        table.bag_step(np.ones((1, 2), np.float32), np.array([0, 7]), np.array([0, 2]), True)
+    with pytest.raises(ValueError, match=r"offsets\[1\] = 3, expected len\(values\) = 2"):
+        table.bag_step(np.ones((1, 2), np.float32), np.array([0, 1]), np.array([0, 3]), True,
+                       bounds="zero")
+    np.testing.assert_array_equal(table.weights(), w0)
+    assert table.states()["step"][0] == 0
+
+
+def test_bad_arguments(backend):
+    put = backend.put
+    w = put(np.ones((5, 2), np.float32))
+    opt = make_opt("Adagrad")
+    state = opt.init_state(w)
+    ids = put(np.array([0, 1]))
+    with pytest.raises(ValueError, match=r"grad.rows must be \[len\(ids\), D\] = \[2, 2\]"):
+        opt.step(w, state, hbk.SparseGrad(ids, put(np.ones((2, 3), np.float32))))
+    with pytest.raises(ValueError, match=r"grad.rows must be \[len\(ids\), D\]"):
+        opt.step(w, state, hbk.SparseGrad(ids, put(np.ones((3, 2), np.float32))))
+    with pytest.raises(ValueError, match="grad.rows must be float16, float32 or float64"):
+        opt.step(w, state, hbk.SparseGrad(ids, put(np.ones((2, 2), np.int32))))
+    with pytest.raises(ValueError, match="grad.ids must hold int32 or int64"):
+        opt.step(w, state, hbk.SparseGrad(put(np.array([0.0, 1.0])),
+                                          put(np.ones((2, 2), np.float32))))
+    with pytest.raises(TypeError, match="SparseGrad"):
+        opt.step(w, state, (ids, put(np.ones((2, 2), np.float32))))
+    grad = hbk.SparseGrad(ids, put(np.ones((2, 2), np.float32)))
+    with pytest.raises(ValueError, match="state must be the dict"):
+        opt.step(w, {}, grad)
+    with pytest.raises(ValueError, match="state lacks 'sum'"):
+        opt.step(w, {"step": np.zeros(1, np.int64)}, grad)
+    with pytest.raises(ValueError, match=r"state\['sum'\] must be \(5, 2\) float32"):
+        opt.step(w, dict(state, sum=put(np.zeros((5, 2), np.float64))), grad)
+    with pytest.raises(ValueError, match=r"state\['sum'\] must be \(5, 2\) float32"):
+        opt.step(w, dict(state, sum=put(np.zeros((4, 2), np.float32))), grad)
+    with pytest.raises(ValueError, match=r"state\['momentum'\] must be \(5,\) float32"):
+        optim.RowWiseAdagrad(lr=0.1).step(
+            w, {"step": np.zeros(1, np.int64), "momentum": put(np.zeros((5, 2), np.float32))}, grad)
+    with pytest.raises(ValueError, match="grad_out has D = 3 columns but the table has 2"):
+        opt.fused_step(w, state, put(np.ones((1, 3), np.float32)), ids, put(np.array([0, 2])))
+    with pytest.raises(ValueError, match=r"grad_out must be \[B, D\] = \[1"):
+        opt.fused_step(w, state, put(np.ones((2, 2), np.float32)), ids, put(np.array([0, 2])))
+    with pytest.raises(ValueError, match="2-D table"):
+        opt.init_state(put(np.ones(5, np.float32)))
+    np.testing.assert_array_equal(backend.get(w), 1.0)
+    assert state["step"][0] == 0
+
+
+def test_constructor_checks():
+    with pytest.raises(ValueError, match="lr must be > 0"):
+        optim.SGD(lr=0.0)
+    with pytest.raises(ValueError, match="rounding must be one of"):
+        optim.SGD(lr=0.1, rounding="up")
+    with pytest.raises(ValueError, match="nonfinite must be one of"):
+        optim.SGD(lr=0.1, nonfinite="ignore")
+    with pytest.raises(ValueError, match="betas"):
+        optim.Adam(lr=0.1, betas=(1.0, 0.9))
+    with pytest.raises(ValueError, match="lr_power must be <= 0"):
+        optim.Ftrl(lr=0.1, lr_power=0.5)
+    with pytest.raises(ValueError, match="l1 and l2 must be >= 0"):
+        optim.Ftrl(lr=0.1, l1=-1.0)
+    with pytest.raises(ValueError, match="initial_accumulator_value must be > 0"):
+        optim.Ftrl(lr=0.1, initial_accumulator_value=0.0)
+
+
+@pytest.mark.parametrize("dtype, state_dtype", [(np.float16, np.float32), (np.float32, np.float32),
+                                                (np.float64, np.float64)])
+def test_init_state(backend, dtype, state_dtype):
+    w = backend.put(np.zeros((7, 3), dtype))
+    s = make_opt("Adagrad").init_state(w)
+    assert s["step"].tolist() == [0]
+    got = backend.get(s["sum"])
+    assert got.dtype == state_dtype and got.shape == (7, 3)
+    np.testing.assert_array_equal(got, state_dtype(0.1))
+    s = optim.RowWiseAdagrad(lr=0.1).init_state(w)
+    assert backend.get(s["momentum"]).shape == (7,)
+    s = make_opt("Ftrl").init_state(w)
+    np.testing.assert_array_equal(backend.get(s["accum"]), state_dtype(0.1))
+    np.testing.assert_array_equal(backend.get(s["linear"]), 0.0)
+    assert set(make_opt("Adam").init_state(w)) == {"step", "exp_avg", "exp_avg_sq"}
+    assert set(make_opt("SGD").init_state(w)) == {"step"}
