@@ -38,6 +38,18 @@ from ._launch import (
 UNROLL = 4  # columns per lane per pass over a bag's ids
 
 
+@cuda.jit(device=True, inline=True)
+def check_bag_offsets(slots, b, lo, hi, num_bags, n_values):
+    """Record bag ``b``'s CSR faults in error slot 0: the first bad position is 0 for
+    ``offsets[0] != 0``, ``b + 1`` for a decrease, ``B`` for ``offsets[B] != len(values)``."""
+    if b == 0 and lo != 0:
+        cuda.atomic.min(slots, 0, 0)
+    if hi < lo:
+        cuda.atomic.min(slots, 0, b + 1)
+    if b == num_bags - 1 and hi != n_values:
+        cuda.atomic.min(slots, 0, num_bags)
+
+
 def _make_pool_kernel(widen):
     """The pooling kernel accumulating in ``widen``'s float type."""
 
@@ -58,12 +70,7 @@ def _make_pool_kernel(widen):
             start = min(max(lo, 0), n_values)
             end = min(max(hi, start), n_values)
             if check_offsets and lane == 0:
-                if b == 0 and lo != 0:
-                    cuda.atomic.min(slots, 0, 0)
-                if hi < lo:
-                    cuda.atomic.min(slots, 0, b + 1)
-                if b == num_bags - 1 and hi != n_values:
-                    cuda.atomic.min(slots, 0, num_bags)
+                check_bag_offsets(slots, b, lo, hi, num_bags, n_values)
             for c0 in range(lane, dim, chunk):
                 c1 = c0 + group
                 c2 = c1 + group

@@ -52,20 +52,9 @@ from ._launch import (
     threads_per_block,
 )
 from ._scan import radix_sort
-from .embedding_bag import UNROLL, empty_batch_bad_offset
+from .embedding_bag import UNROLL, check_bag_offsets, empty_batch_bad_offset
 from .segment_sum import cast_kernel
 from .unique import EMPTY, unique
-
-
-@cuda.jit(device=True, inline=True)
-def check_bag_offsets(slots, b, lo, hi, num_bags, n_values):
-    """Record bag ``b``'s CSR faults in error slot 0 exactly as the forward kernel does."""
-    if b == 0 and lo != 0:
-        cuda.atomic.min(slots, 0, 0)
-    if hi < lo:
-        cuda.atomic.min(slots, 0, b + 1)
-    if b == num_bags - 1 and hi != n_values:
-        cuda.atomic.min(slots, 0, num_bags)
 
 
 # ---------------------------------------------------------------------------

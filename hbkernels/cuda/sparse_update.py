@@ -41,8 +41,8 @@ from ._launch import (
     threads_per_block,
 )
 from .embedding_bag import UNROLL, empty_batch_bad_offset
+from .embedding_bag import check_bag_offsets
 from .embedding_bag_backward import (
-    check_bag_offsets,
     distinct_keys,
     group_positions,
     make_accumulate,
