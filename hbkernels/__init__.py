@@ -8,7 +8,7 @@ CUDA); results come back in the caller's array family.
 >>> hbk.embedding_bag(np.eye(3, dtype=np.float32), np.array([0, 2]), np.array([0, 2])).tolist()
 [[1.0, 0.0, 1.0]]
 """
-from . import optim
+from . import dist, optim
 from .errors import BoundsError
 from .ops import (
     embedding_bag, embedding_bag_backward, lookup, partition, segment_reduce, segment_sum, unique,
@@ -22,6 +22,7 @@ __all__ = [
     "Partitioned",
     "Ragged",
     "SparseGrad",
+    "dist",
     "embedding_bag",
     "embedding_bag_backward",
     "lookup",

@@ -1,0 +1,182 @@
+"""hbk.dist across processes: the scripts in tests/mpi/ under
+``mpiexec -n 2`` and ``-n 3`` (``python -m mpi4py script.py``), each bounded
+by a wall-clock timeout (a hang is a failure, and the job is terminated).
+Every script asserts against NumPy references and prints ``OK rank r`` last.
+
+Skipped when ``mpiexec`` or mpi4py is missing (``pip install 'hbkernels[mpi]'``).
+"""
+import csv
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "tests" / "mpi"
+MPIEXEC = shutil.which("mpiexec") or next(  # the mpich wheel puts it beside the interpreter
+    (str(p) for p in [Path(sys.executable).parent / "mpiexec"] if p.exists()), None)
+HAVE_MPI4PY = importlib.util.find_spec("mpi4py") is not None
+pytestmark = pytest.mark.skipif(not (MPIEXEC and HAVE_MPI4PY),
+                                reason="needs mpiexec and mpi4py (pip install 'hbkernels[mpi]')")
+# variables of an enclosing launcher would confuse the one we start
+_LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "HYDRA_", "MPI_LOCAL")
+
+
+def _hydra():
+    if not MPIEXEC:
+        return False
+    try:
+        out = subprocess.run([MPIEXEC, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return "HYDRA" in out.stdout.upper()
+
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_PREFIXES)}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    env["HBK_COMM_TIMEOUT"] = "30"  # a hang inside a script fails it long before the test's timeout
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def mpirun(n, script, *args, timeout=120, launcher=(), env=None):
+    """Run ``script`` on ``n`` ranks; returns (returncode, output, seconds).
+    Past ``timeout`` the job is terminated and the test fails as a hang."""
+    target = script if os.path.isabs(str(script)) else SCRIPTS / script
+    cmd = [MPIEXEC, *launcher, "-n", str(n), sys.executable, "-m", "mpi4py", str(target), *args]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env or _env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # hydra forwards it and ends every rank
+        try:
+            out, _ = proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+        pytest.fail(f"hang: {' '.join(cmd)} did not finish within {timeout} s\n{out[-6000:]}")
+    return proc.returncode, out, time.perf_counter() - t0
+
+
+def assert_ok(rc, out, ranks):
+    missing = [r for r in ranks if f"OK rank {r}" not in out]
+    assert rc == 0 and not missing, f"exit status {rc}, no OK from ranks {missing}:\n{out[-6000:]}"
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_collectives(n):
+    """Every op, every dtype and reduce op, uneven/zero counts, a silent rank,
+    wire dtypes, Numba-family arrays, results equal on every rank."""
+    rc, out, _ = mpirun(n, "collectives.py")
+    assert_ok(rc, out, range(n))
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_bad_input_and_mismatches_raise_everywhere_without_hanging(n):
+    rc, out, _ = mpirun(n, "errors.py")
+    assert_ok(rc, out, range(n))
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_backend_selection(n):
+    rc, out, _ = mpirun(n, "selection.py")
+    assert_ok(rc, out, range(n))
+
+
+@pytest.mark.skipif(not _hydra(), reason="the fault test drives MPICH's hydra (-disable-auto-cleanup)")
+@pytest.mark.parametrize("n, mode", [(2, "before"), (3, "during")])
+def test_dead_peer_raises_comm_error_within_the_timeout(n, mode):
+    """The last rank exits mid-run (before alltoallv, or inside it after the
+    metadata exchange); the survivors raise CommError within HBK_COMM_TIMEOUT=5 s.
+    ``-disable-auto-cleanup`` keeps hydra from killing the survivors."""
+    rc, out, seconds = mpirun(n, "fault.py", mode, launcher=["-disable-auto-cleanup"],
+                              env=_env(HBK_COMM_TIMEOUT=5), timeout=90)
+    victim = n - 1
+    assert f"DYING rank {victim}" in out, out
+    assert f"OK rank {victim}" not in out, out
+    missing = [r for r in range(victim) if f"OK rank {r}" not in out]
+    assert not missing, f"survivors {missing} did not finish:\n{out}"
+    assert rc != 0, out  # the victim's exit status
+    assert seconds < 60, seconds
+
+
+def test_mpi_backend_without_a_launcher_is_a_world_of_one():
+    probe = ("import numpy as np, hbkernels as hbk\n"
+             "c = hbk.dist.init('mpi')\n"
+             "assert (c.backend, c.rank, c.world_size) == ('mpi', 0, 1), c\n"
+             "r, n = c.alltoallv(np.arange(6.0).reshape(3, 2), [3])\n"
+             "assert r.tolist() == [[0, 1], [2, 3], [4, 5]] and n.tolist() == [3]\n"
+             "assert c.allreduce(np.array([3]), op='prod').tolist() == [3]\n"
+             "print('fine')\n")
+    res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         env=_env(), cwd=ROOT, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "fine", res.stdout + res.stderr
+
+
+def test_bench_alltoallv_smoke(tmp_path):
+    out_csv = tmp_path / "bench.csv"
+    rc, out, _ = mpirun(2, ROOT / "bench" / "bench_alltoallv.py", "--smoke", "--out", str(out_csv))
+    assert rc == 0, out
+    assert "overhead" in out, out
+    sys.path.insert(0, str(ROOT))
+    try:
+        from bench.common import COLUMNS
+    finally:
+        sys.path.remove(str(ROOT))
+    with open(out_csv, newline="") as f:
+        reader = csv.DictReader(f)
+        assert tuple(reader.fieldnames) == COLUMNS
+        rows = list(reader)
+    assert {r["provider"] for r in rows} == {"hbkernels", "mpi4py"}
+    for r in rows:
+        assert r["op"] == "alltoallv" and r["mode"] == "mpi" and r["dtype"] == "float32"
+        assert float(r["p20_ms"]) <= float(r["median_ms"]) <= float(r["p80_ms"])
+        assert float(r["median_ms"]) > 0 and float(r["gbps"]) > 0 and r["device"]
+
+
+# -- real GPUs -----------------------------------------------------------------------------------
+def _gpu_count():
+    if importlib.util.find_spec("cupy") is None:
+        return 0
+    probe = "import cupy; print(cupy.cuda.runtime.getDeviceCount())"
+    try:
+        res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                             timeout=120, env=_env())
+        return int(res.stdout.strip() or 0)
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return 0
+
+
+@pytest.mark.gpu
+def test_mpi_backend_with_cupy_arrays():
+    """CuPy arrays over MPI: staged through pinned host memory (or direct with a
+    CUDA-aware MPI); two ranks may share one GPU here."""
+    if _gpu_count() < 1:
+        pytest.skip("needs CuPy and a GPU")
+    rc, out, _ = mpirun(2, "gpu.py", "mpi", env=_env(NUMBA_ENABLE_CUDASIM=0))
+    assert_ok(rc, out, range(2))
+
+
+@pytest.mark.gpu
+def test_nccl_backend():
+    if _gpu_count() < 2:
+        pytest.skip("the NCCL backend needs one GPU per rank: 2 GPUs")
+    rc, out, _ = mpirun(2, "gpu.py", "nccl", env=_env(NUMBA_ENABLE_CUDASIM=0))
+    assert_ok(rc, out, range(2))
+
+
+@pytest.mark.gpu
+def test_bench_alltoallv_gpu_smoke(tmp_path):
+    if _gpu_count() < 2:
+        pytest.skip("the NCCL benchmark needs one GPU per rank: 2 GPUs")
+    rc, out, _ = mpirun(2, ROOT / "bench" / "bench_alltoallv.py", "--device", "cuda", "--smoke",
+                        "--out", str(tmp_path / "bench.csv"), env=_env(NUMBA_ENABLE_CUDASIM=0))
+    assert rc == 0 and "overhead" in out, out
