@@ -135,7 +135,7 @@ def test_bench_alltoallv_smoke(tmp_path):
         reader = csv.DictReader(f)
         assert tuple(reader.fieldnames) == COLUMNS
         rows = list(reader)
-    assert {r["provider"] for r in rows} == {"hbkernels", "mpi4py"}
+    assert {r["provider"] for r in rows} == {"hbkernels", "mpi4py", "mpi4py+counts"}
     for r in rows:
         assert r["op"] == "alltoallv" and r["mode"] == "mpi" and r["dtype"] == "float32"
         assert float(r["p20_ms"]) <= float(r["median_ms"]) <= float(r["p80_ms"])
