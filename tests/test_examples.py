@@ -11,3 +11,12 @@ def test_embedding_bag_cpu_example():
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     assert "matches NumPy" in res.stdout and res.stdout.rstrip().endswith("OK")
+
+
+def test_readme_python_snippets_run():
+    """The README's Python blocks, in order, as one script (collectives on the local backend)."""
+    import re
+
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    assert len(blocks) >= 3
+    exec(compile("\n".join(blocks), "README.md", "exec"), {})
