@@ -111,9 +111,10 @@ class CudaFamily:
 
     # -- what the kernels see -------------------------------------------------
     def kernel_array(self, a):
-        """A Numba device-array view of ``a`` (no copy)."""
+        """A Numba device-array view of ``a`` (no copy). No stream synchronisation:
+        the kernels run on the stream CuPy's arrays are ordered on (:meth:`stream`)."""
         if self.name == "cupy":
-            return _numba_cuda().as_cuda_array(a)
+            return _numba_cuda().as_cuda_array(a, sync=False)
         return a
 
     def stream(self):
