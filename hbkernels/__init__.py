@@ -9,19 +9,23 @@ CUDA); results come back in the caller's array family.
 [[1.0, 0.0, 1.0]]
 """
 from . import dist, optim
-from .errors import BoundsError
+from .embedding_collection import EmbeddingCollection
+from .errors import BoundsError, CheckpointError
 from .ops import (
     embedding_bag, embedding_bag_backward, lookup, partition, segment_reduce, segment_sum, unique,
 )
-from .types import Partitioned, Ragged, SparseGrad
+from .types import Partitioned, Ragged, SparseGrad, TableSpec
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BoundsError",
+    "CheckpointError",
+    "EmbeddingCollection",
     "Partitioned",
     "Ragged",
     "SparseGrad",
+    "TableSpec",
     "dist",
     "embedding_bag",
     "embedding_bag_backward",

@@ -10,3 +10,8 @@ class BoundsError(IndexError):
         self.limit = None if limit is None else int(limit)
         allowed = "[0, inf)" if limit is None else f"[0, {self.limit})"
         super().__init__(f"{what}[{self.position}] = {self.value} is out of range {allowed}")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read: missing, truncated or corrupt file, or a
+    bad manifest; the message names the file."""

@@ -40,3 +40,62 @@ class SparseGrad(NamedTuple):
 
     ids: Any
     rows: Any
+
+
+PLACEMENTS = ("data_parallel", "table_wise", "row_wise", "column_wise")
+
+
+class TableSpec(NamedTuple):
+    """One embedding table of an :class:`hbkernels.EmbeddingCollection`.
+
+    ``num_rows`` x ``dim`` weights of ``dtype`` (float32 or float16), pooled per
+    bag with ``combiner`` (``"sum"``, ``"mean"``, ``"sqrtn"``). ``features``
+    names the input features looked up in this table (default: the table's
+    own name); several features may share one table (shared embedding
+    columns), a feature belongs to one table. ``hotness`` is the mean number of
+    ids per sample of each feature (used by ``plan="auto"``). ``device="cpu"``
+    keeps the table in host memory while the rest of the collection runs on
+    the GPU (HybridBackend's ``emb_device``); ``None`` follows the collection.
+
+    >>> import hbkernels as hbk
+    >>> hbk.TableSpec("item", num_rows=1000, dim=16, features=("item", "clicked_item")).num_rows
+    1000
+    """
+
+    name: str
+    num_rows: int
+    dim: int
+    combiner: str = "sum"
+    dtype: str = "float32"
+    features: Any = None
+    hotness: float = 1.0
+    device: Any = None
+
+
+def table_spec(spec):
+    """``spec`` checked and normalised (features a tuple, dtype a name)."""
+    import numpy as np
+
+    if not isinstance(spec, TableSpec):
+        raise TypeError(f"tables must be hbk.TableSpec, got {type(spec).__name__}")
+    if not isinstance(spec.name, str) or not spec.name:
+        raise ValueError(f"a table needs a non-empty name, got {spec.name!r}")
+    if int(spec.num_rows) != spec.num_rows or spec.num_rows < 1:
+        raise ValueError(f"table {spec.name!r}: num_rows must be an integer >= 1, got {spec.num_rows!r}")
+    if int(spec.dim) != spec.dim or spec.dim < 1:
+        raise ValueError(f"table {spec.name!r}: dim must be an integer >= 1, got {spec.dim!r}")
+    if spec.combiner not in ("sum", "mean", "sqrtn"):
+        raise ValueError(f"table {spec.name!r}: combiner must be sum, mean or sqrtn, got {spec.combiner!r}")
+    dtype = np.dtype(spec.dtype)
+    if dtype not in (np.dtype(np.float32), np.dtype(np.float16)):
+        raise ValueError(f"table {spec.name!r}: dtype must be float32 or float16, got {dtype.name}")
+    features = (spec.name,) if spec.features is None else spec.features
+    features = (features,) if isinstance(features, str) else tuple(features)
+    if not features or not all(isinstance(f, str) and f for f in features):
+        raise ValueError(f"table {spec.name!r}: features must be non-empty names, got {spec.features!r}")
+    if not float(spec.hotness) > 0:
+        raise ValueError(f"table {spec.name!r}: hotness must be > 0, got {spec.hotness!r}")
+    if spec.device not in (None, "cpu", "cuda"):
+        raise ValueError(f"table {spec.name!r}: device must be None, 'cpu' or 'cuda', got {spec.device!r}")
+    return spec._replace(num_rows=int(spec.num_rows), dim=int(spec.dim), dtype=dtype.name,
+                         features=features, hotness=float(spec.hotness))

@@ -4,12 +4,18 @@ import doctest
 import pytest
 
 import hbkernels
+import hbkernels.dist
+import hbkernels.embedding_collection
 import hbkernels.ops
 import hbkernels.optim
+import hbkernels.plan
 import hbkernels.types
 
+MODULES = [hbkernels, hbkernels.ops, hbkernels.optim, hbkernels.types, hbkernels.dist,
+           hbkernels.plan, hbkernels.embedding_collection]
 
-@pytest.mark.parametrize("module", [hbkernels, hbkernels.ops, hbkernels.optim, hbkernels.types],
+
+@pytest.mark.parametrize("module", MODULES,
                          ids=lambda m: m.__name__)
 def test_docstring_examples(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)

@@ -145,6 +145,14 @@ class Communicator:
         metas = self._agree("barrier", None, None, deadline)
         _common.check_agreement("barrier", metas)
 
+    def fail_collectively(self, op, error):
+        """Raise ``error`` here and :class:`CommError` on the peers, which are
+        inside collective ``op``: for a caller whose input failed its checks
+        before the call, so that no peer waits for it until the timeout."""
+        self._check_usable(op)
+        metas = self._agree(op, None, error, _common.now() + self.timeout)
+        _common.check_agreement(op, metas, error)
+
     # -- the protocol every backend shares ------------------------------------------------
     def _call(self, op, x, *, send_counts=None, wire_dtype=None, reduce_op=None, root=None):
         self._check_usable(op)
