@@ -152,6 +152,8 @@ def save(coll, path):
     everyone = _bytes_json(comm, {"error": error, "files": files, "steps": steps})
     errors = [r["error"] for r in everyone if r["error"]]
     if errors:
+        if me == 0:
+            shutil.rmtree(os.path.join(path, save_dir), ignore_errors=True)
         raise CheckpointError(f"saving {path} failed, the previous checkpoint is kept: "
                               + "; ".join(errors))
     if me == 0:

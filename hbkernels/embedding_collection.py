@@ -217,6 +217,8 @@ class EmbeddingCollection:
         self.tables = {}
         for spec in (tables if isinstance(tables, (list, tuple)) else [tables]):
             spec = table_spec(spec)
+            if spec.name in self.tables:
+                raise ValueError(f"two tables are named {spec.name!r}")
             self.tables[spec.name] = spec
         if not self.tables:
             raise ValueError("an EmbeddingCollection needs at least one table")
@@ -269,7 +271,10 @@ class EmbeddingCollection:
         next_base = defaultdict(int)  # (rank, group) -> rows so far
         self.shards = {}  # table -> [Shard] (every rank's)
         self.routes = {}  # table -> [_Route] by slice
-        for name, spec in self.tables.items():
+        # replicated tables first: the same rows of the fused arrays on every rank, so
+        # their gradients can travel between ranks as fused row numbers
+        for name, spec in sorted(self.tables.items(),
+                                 key=lambda item: self.plan[item[0]].kind != "data_parallel"):
             place = self.plan[name]
             cuts = place.columns
             shards, routes = [], []
@@ -419,10 +424,10 @@ class EmbeddingCollection:
                 result[f][:, c0:c1] = space.put(piece)
         return result
 
-    def _requests(self, group, inputs):
-        """(feature, route) pairs of ``group`` in a fixed order."""
-        return [(f, route) for f, feature in inputs.items()
-                for route in self.routes[feature.table] if route.group == group]
+    def _requests(self, group, inputs, replicated):
+        """(feature, route) pairs of ``group``'s replicated (or sharded) slices, in a fixed order."""
+        return [(f, route) for f, feature in inputs.items() for route in self.routes[feature.table]
+                if route.group == group and (route.kind == "data_parallel") == replicated]
 
     def _pool(self, space, group_rows, requests, starts, inputs, ids_of, outputs):
         """One ``embedding_bag`` per combiner over ``group_rows`` for the ``requests``
@@ -460,7 +465,7 @@ class EmbeddingCollection:
         width, dtype, device = group
         space = self._space(device)
         xp, n, me = space.xp, self.comm.world_size, self.comm.rank
-        requests = self._requests(group, inputs)
+        requests = self._requests(group, inputs, replicated=False)
         keys, dests, starts, total = [], [], [], 0
         for f, route in requests:
             uniq = space.put(inputs[f].uniq)
@@ -507,7 +512,7 @@ class EmbeddingCollection:
 
     def _forward_replica(self, group, inputs, outputs):
         space = self._space(group[2])
-        requests = self._requests(group, inputs)
+        requests = self._requests(group, inputs, replicated=True)
         starts = [int(route.bases[self.comm.rank]) for _, route in requests]
         pools = self._pool(space, self.groups[group]["weights"], requests, starts, inputs,
                            lambda k: inputs[requests[k][0]].values, outputs)

@@ -6,69 +6,16 @@ Every script asserts against NumPy references and prints ``OK rank r`` last.
 Skipped when ``mpiexec`` or mpi4py is missing (``pip install 'hbkernels[mpi]'``).
 """
 import csv
-import importlib.util
-import os
-import shutil
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
+from mpirun import (  # noqa: F401  (re-exported: other test modules used to import them from here)
+    HAVE_MPI4PY, MPIEXEC, ROOT, SCRIPTS, _env, _gpu_count, _hydra, assert_ok, mpirun,
+)
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ROOT / "tests" / "mpi"
-MPIEXEC = shutil.which("mpiexec") or next(  # the mpich wheel puts it beside the interpreter
-    (str(p) for p in [Path(sys.executable).parent / "mpiexec"] if p.exists()), None)
-HAVE_MPI4PY = importlib.util.find_spec("mpi4py") is not None
 pytestmark = pytest.mark.skipif(not (MPIEXEC and HAVE_MPI4PY),
                                 reason="needs mpiexec and mpi4py (pip install 'hbkernels[mpi]')")
-# variables of an enclosing launcher would confuse the one we start
-_LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "HYDRA_", "MPI_LOCAL")
-
-
-def _hydra():
-    if not MPIEXEC:
-        return False
-    try:
-        out = subprocess.run([MPIEXEC, "--version"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return "HYDRA" in out.stdout.upper()
-
-
-def _env(**extra):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_PREFIXES)}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
-    env["HBK_COMM_TIMEOUT"] = "30"  # a hang inside a script fails it long before the test's timeout
-    env.update({k: str(v) for k, v in extra.items()})
-    return env
-
-
-def mpirun(n, script, *args, timeout=120, launcher=(), env=None):
-    """Run ``script`` on ``n`` ranks; returns (returncode, output, seconds).
-    Past ``timeout`` the job is terminated and the test fails as a hang."""
-    target = script if os.path.isabs(str(script)) else SCRIPTS / script
-    cmd = [MPIEXEC, *launcher, "-n", str(n), sys.executable, "-m", "mpi4py", str(target), *args]
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env or _env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.terminate()  # hydra forwards it and ends every rank
-        try:
-            out, _ = proc.communicate(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, _ = proc.communicate()
-        pytest.fail(f"hang: {' '.join(cmd)} did not finish within {timeout} s\n{out[-6000:]}")
-    return proc.returncode, out, time.perf_counter() - t0
-
-
-def assert_ok(rc, out, ranks):
-    missing = [r for r in ranks if f"OK rank {r}" not in out]
-    assert rc == 0 and not missing, f"exit status {rc}, no OK from ranks {missing}:\n{out[-6000:]}"
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -143,18 +90,6 @@ def test_bench_alltoallv_smoke(tmp_path):
 
 
 # -- real GPUs -----------------------------------------------------------------------------------
-def _gpu_count():
-    if importlib.util.find_spec("cupy") is None:
-        return 0
-    probe = "import cupy; print(cupy.cuda.runtime.getDeviceCount())"
-    try:
-        res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                             timeout=120, env=_env())
-        return int(res.stdout.strip() or 0)
-    except (OSError, ValueError, subprocess.TimeoutExpired):
-        return 0
-
-
 @pytest.mark.gpu
 def test_mpi_backend_with_cupy_arrays():
     """CuPy arrays over MPI: staged through pinned host memory (or direct with a

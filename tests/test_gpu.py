@@ -107,3 +107,40 @@ def test_torch_cuda_tensor_through_cuda_array_interface(rng):
     np.testing.assert_array_equal(cupy.asnumpy(out), w[ids].cpu().numpy())
     with pytest.raises(TypeError, match="move them to one device"):
         hbk.lookup(w, ids.cpu().numpy())
+
+
+@pytest.mark.parametrize("plan", ["table_wise", "data_parallel", "row_wise", "column_wise"])
+def test_embedding_collection_on_the_gpu_matches_the_cpu(rng, plan):
+    """A device="cuda" collection (one host-memory table among them) trains like the
+    CPU collection on the same batches: outputs, weights and optimizer state."""
+    needs_cupy()
+    tables = [hbk.TableSpec("a", 5000, 16, "sum"), hbk.TableSpec("b", 300, 7, "mean"),
+              hbk.TableSpec("c", 1000, 16, "sqrtn", dtype="float16"),
+              hbk.TableSpec("host", 2000, 8, "sum", device="cpu")]
+    local = hbk.dist.init("local")
+
+    def make(device):
+        return hbk.EmbeddingCollection(tables, comm=local, optimizer=hbk.optim.Adagrad(lr=0.05),
+                                       plan=plan, device=device, seed=3)
+    gpu, cpu = make("cuda"), make("cpu")
+    for _ in range(3):
+        batch, grads = {}, {}
+        for t in tables:
+            offsets = random_offsets(rng, 64, 6)
+            values = rng.integers(0, t.num_rows, size=int(offsets[-1]))
+            batch[t.name] = (values, offsets)
+            grads[t.name] = rng.standard_normal((64, t.dim)).astype(np.float32)
+        out_g = gpu.forward({f: hbk.Ragged(cupy.asarray(v), cupy.asarray(o)) for f, (v, o) in batch.items()})
+        out_c = cpu.forward({f: hbk.Ragged(v, o) for f, (v, o) in batch.items()})
+        for f in batch:
+            assert isinstance(out_g[f], cupy.ndarray)
+            dtype = np.float16 if f == "c" else np.float32
+            assert_close(cupy.asnumpy(out_g[f]), out_c[f].astype(np.float64), dtype)
+        gpu.backward({f: cupy.asarray(g) for f, g in grads.items()})
+        cpu.backward(grads)
+    for t in tables:
+        dtype = np.float16 if t.name == "c" else np.float32
+        assert_close(cupy.asnumpy(cupy.asarray(gpu.full_weights(t.name))),
+                     cpu.full_weights(t.name).astype(np.float64), dtype)
+        assert_close(cupy.asnumpy(cupy.asarray(gpu.full_state(t.name)["sum"])),
+                     cpu.full_state(t.name)["sum"].astype(np.float64), np.float32)

@@ -1,0 +1,113 @@
+"""hbk.EmbeddingCollection checkpoints across world sizes (run by
+tests/test_embedding_collection.py as a chain in one work directory WORK):
+
+``checkpoint.py save WORK`` (n=2): a collection with a mixed plan and Adam
+trains 2 steps against the float64 model, saves to WORK/ckpt; rank 0 writes
+WORK/expected.npz (full weights and state of every table, plain npz).
+
+``checkpoint.py load WORK`` (n=3): ``load(WORK/ckpt)`` with plan and
+optimizer None (the saved request re-planned, the saved optimizer): full
+weights and state equal expected.npz bit for bit; one more step against the
+model started from expected.npz; saves to WORK/again and writes
+WORK/expected_again.npz.
+
+``checkpoint.py load-again WORK`` (n=1): ``load(WORK/again)`` with an explicit
+optimizer and plan "row_wise": equal to expected_again.npz bit for bit, then
+one more step against the model.
+
+Prints ``OK rank r`` at the end."""
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+import collection_reference as cr
+import hbkernels as hbk
+from harness import finish, log
+
+MODE, WORK = sys.argv[1], Path(sys.argv[2])
+comm = hbk.dist.init()
+R, W = comm.rank, comm.world_size
+TABLES = cr.table_specs(hbk)
+KEY = "checkpoint"
+SEED = 21
+
+
+def optimizer():
+    return cr.make_optimizer(hbk, "Adam")
+
+
+def snapshot(coll):
+    """Every table's full weights and state (collective)."""
+    arrays = {}
+    for t in TABLES:
+        arrays[f"w/{t.name}"] = coll.full_weights(t.name)
+        st = coll.full_state(t.name)
+        for k, v in st.items():
+            if k == "step":
+                arrays[f"step/{t.name}"] = np.array(int(np.asarray(v).reshape(-1)[0]), np.int64)
+            else:
+                arrays[f"s/{t.name}/{k}"] = np.asarray(v)
+    return arrays
+
+
+def write_expected(coll, path):
+    arrays = snapshot(coll)
+    if R == 0:
+        tmp = path.with_name(path.name + ".tmp.npz")
+        np.savez(tmp, **arrays)
+        os.replace(tmp, path)
+    comm.barrier()
+
+
+def compare_to_expected(coll, path):
+    """Bit-equal full weights and state; returns the model continuing from them."""
+    with np.load(path, allow_pickle=False) as z:
+        expected = {k: z[k] for k in z.files}
+    got = snapshot(coll)
+    assert set(got) == set(expected), (sorted(got), sorted(expected))
+    for k, e in expected.items():
+        g = got[k]
+        assert g.dtype == e.dtype and g.shape == e.shape, \
+            f"{k}: {g.dtype}{g.shape} vs {e.dtype}{e.shape}"
+        assert np.array_equal(g.reshape(-1).view(np.uint8), e.reshape(-1).view(np.uint8)), \
+            f"{k}: restored values differ"
+    weights = {t.name: expected[f"w/{t.name}"] for t in TABLES}
+    state = {t.name: {k: expected[f"s/{t.name}/{k}"] for k in cr.SLOTS["Adam"]} for t in TABLES}
+    step = {t.name: int(expected[f"step/{t.name}"]) for t in TABLES}
+    return cr.Reference(TABLES, optimizer(), weights, state, step)
+
+
+if MODE == "save":
+    assert W == 2, W
+    opt = optimizer()
+    request = cr.plan_request("mixed")
+    coll = hbk.EmbeddingCollection(TABLES, comm=comm, optimizer=opt, plan=request, seed=SEED)
+    cr.check_plan(coll, TABLES, request, W)
+    cr.check_training(hbk, coll, comm, TABLES, opt, key=KEY, steps=2, empty_at=1)
+    coll.save(str(WORK / "ckpt"))
+    write_expected(coll, WORK / "expected.npz")
+    log(comm, "saved")
+elif MODE == "load":
+    assert W == 3, W
+    coll = hbk.EmbeddingCollection.load(str(WORK / "ckpt"), comm=comm)
+    cr.check_plan(coll, TABLES, cr.plan_request("mixed"), W)  # the saved request, re-planned
+    ref = compare_to_expected(coll, WORK / "expected.npz")
+    for n, s in ref.step.items():
+        assert s == 2, (n, s)
+    cr.check_training(hbk, coll, comm, TABLES, ref.opt, key=KEY, steps=1, first_step=2, ref=ref)
+    coll.save(str(WORK / "again"))
+    write_expected(coll, WORK / "expected_again.npz")
+elif MODE == "load-again":
+    assert W == 1, W
+    coll = hbk.EmbeddingCollection.load(str(WORK / "again"), comm=comm, plan="row_wise",
+                                        optimizer=optimizer())
+    cr.check_plan(coll, TABLES, "row_wise", W)
+    ref = compare_to_expected(coll, WORK / "expected_again.npz")
+    for n, s in ref.step.items():
+        assert s == 3, (n, s)
+    cr.check_training(hbk, coll, comm, TABLES, ref.opt, key=KEY, steps=1, first_step=3, ref=ref)
+else:
+    raise SystemExit(f"unknown mode {MODE!r}")
+finish(comm)

@@ -1,0 +1,181 @@
+"""hbk.EmbeddingCollection across ranks against the float64 model of
+collection_reference.py (run by tests/test_embedding_collection.py under
+``mpiexec -n 2`` and ``-n 3``).
+
+``collection.py train``: every plan ("data_parallel", "table_wise",
+"row_wise", "column_wise", "auto", a mixed dict) with Adagrad, and SGD,
+RowWiseAdagrad, Adam, Ftrl on some plans, ``dedup=False`` and
+``wire_dtype="float16"``: the initial tables equal a world-of-one collection's
+(same seed, plan "table_wise"); three steps of fresh global batches (each rank
+its uneven slice, some rank empty), each rank's forward slice against the
+model every step, full weights and state after.
+
+``collection.py errors`` (run with a small HBK_COMM_TIMEOUT): an unknown
+feature, a backward without a feature or with a wrong gradient shape raise
+ValueError on every rank and change nothing; an out-of-range id on rank 1 only
+raises BoundsError there and CommError on the others within the timeout.
+
+Every rank builds the same global batch from the seed and takes its slice.
+Prints ``OK rank r`` at the end."""
+import os
+import sys
+import time
+
+import numpy as np
+
+import collection_reference as cr
+import hbkernels as hbk
+from harness import Timer, finish, log
+
+MODE = sys.argv[1] if len(sys.argv) > 1 else "train"
+comm = hbk.dist.init()
+R, W = comm.rank, comm.world_size
+assert comm.backend == "mpi" and W > 1, comm
+TABLES = cr.table_specs(hbk)
+_LOCAL = {}
+
+
+def local_init(seed):
+    """The initial tables of a world-of-one collection (plan "table_wise")."""
+    if seed not in _LOCAL:
+        c = hbk.EmbeddingCollection(TABLES, comm=hbk.dist.init("local"),
+                                    optimizer=cr.make_optimizer(hbk, "SGD"), plan="table_wise",
+                                    seed=seed)
+        _LOCAL[seed] = {t.name: c.full_weights(t.name) for t in TABLES}
+    return _LOCAL[seed]
+
+
+# (plan, optimizer, extra keyword arguments, loose tolerance)
+CASES = [(plan, "Adagrad", {}, False) for plan in cr.PLANS] + [
+    ("table_wise", "SGD", {}, False),
+    ("data_parallel", "Adam", {}, False),
+    ("row_wise", "Adam", {}, False),
+    ("row_wise", "RowWiseAdagrad", {}, False),
+    ("column_wise", "RowWiseAdagrad", {}, False),   # may be refused (one accumulator per whole row)
+    ("mixed", "Ftrl", {}, False),
+    ("row_wise", "Adagrad", {"dedup": False}, False),
+    ("mixed", "Adagrad", {"dedup": False}, False),
+    ("row_wise", "Adagrad", {"wire_dtype": "float16"}, True),
+    ("column_wise", "Adam", {"wire_dtype": "float16"}, True),
+]
+
+
+def train():
+    for i, (plan, kind, kw, loose) in enumerate(CASES):
+        seed = 11 + i % 2
+        opt = cr.make_optimizer(hbk, kind)
+        request = cr.plan_request(plan)
+        with Timer() as t:
+            try:
+                coll = hbk.EmbeddingCollection(TABLES, comm=comm, optimizer=opt, plan=request,
+                                               seed=seed, batch_size_hint=12, **kw)
+            except ValueError as e:
+                # a row-wise state cannot be split over column slices: refusing is fine,
+                # a wrong result is not
+                if not (kind == "RowWiseAdagrad" and plan == "column_wise"):
+                    raise
+                assert "column" in str(e), e
+                if R == 0:
+                    print(f"case {plan} {kind}: refused: {e}", flush=True)
+                continue
+            cr.check_plan(coll, TABLES, request, W)
+            cr.check_training(hbk, coll, comm, TABLES, opt, key=("train", i), steps=3,
+                              init_weights=local_init(seed), loose=loose, empty_at=1,
+                              log=lambda m: log(comm, plan, kind, kw, m))
+        if R == 0:
+            print(f"case {plan} {kind} {kw}: ok in {t.s:.2f} s", flush=True)
+
+
+def expect(exc, fn, what, match=()):
+    try:
+        fn()
+    except exc as e:
+        for m in match:
+            assert m in str(e), f"{what}: {type(e).__name__} does not mention {m!r}: {e}"
+        return e
+    except Exception as e:  # noqa: BLE001
+        raise AssertionError(f"rank {R}: {what}: expected {exc.__name__}, got {e!r}") from e
+    raise AssertionError(f"rank {R}: {what}: expected {exc.__name__}, nothing raised")
+
+
+def errors():
+    timeout = float(os.environ["HBK_COMM_TIMEOUT"])
+    assert comm.timeout == timeout <= 30, (comm.timeout, timeout)
+    opt = cr.make_optimizer(hbk, "Adagrad")
+    coll = hbk.EmbeddingCollection(TABLES, comm=comm, optimizer=opt, plan="row_wise", seed=5)
+    ref = cr.check_training(hbk, coll, comm, TABLES, opt, key="errors", steps=1)  # also warms up
+    B = 24
+    gb = cr.global_batch(TABLES, "errors", 1, B)
+    bounds = cr.split(B, W, 1)
+    lo, hi = int(bounds[R]), int(bounds[R + 1])
+    feats, psw, grads = gb.local(lo, hi)
+    with Timer() as t:
+        expect(ValueError, lambda: coll.forward({**feats, "nope": np.zeros(hi - lo, np.int64)},
+                                                per_sample_weights=psw),
+               "forward with an unknown feature", ["nope"])
+        expect(ValueError, lambda: coll.forward(
+            feats, per_sample_weights={**psw, "nope": np.ones(3, np.float32)}),
+            "per_sample_weights of an unknown feature", ["nope"])
+        out = coll.forward(feats, per_sample_weights=psw)
+        expect(ValueError, lambda: coll.backward({k: g for k, g in grads.items() if k != "user"}),
+               "backward without a feature", ["user"])
+        expect(ValueError, lambda: coll.backward({**grads, "user": np.zeros((hi - lo, 9), np.float32)}),
+               "backward with a gradient of the wrong width", ["user"])
+        expect(ValueError, lambda: coll.backward(
+            {**grads, "item": np.zeros((hi - lo + 1, 5), np.float32)}),
+            "backward with a gradient of the wrong batch size", ["item"])
+    assert t.s < timeout / 2, f"the rejected calls took {t.s:.1f} s"
+    expect_out = ref.forward(gb)
+    for f, o in out.items():
+        t_ = ref.tables[ref.feature_table[f]]
+        cr.assert_close(o, expect_out[f][lo:hi], t_.dtype, f"forward {f} after a rejected call")
+    coll.backward(grads)   # the pending forward survives the rejected backward calls
+    ref.backward(gb)
+    for t_ in TABLES:
+        cr.assert_close(coll.full_weights(t_.name), ref.w[t_.name], t_.dtype,
+                        f"{t_.name} after rejected calls")
+        cr.check_full_state(coll, ref, t_.name, what="after rejected calls ")
+    log(comm, "ValueErrors ok")
+
+    # an out-of-range id on rank 1 only
+    gb = cr.global_batch(TABLES, "errors", 2, B)
+    bounds = cr.split(B, W, 1)
+    lo, hi = int(bounds[R]), int(bounds[R + 1])
+    feats, psw, grads = gb.local(lo, hi)
+    bad_value = TABLES[0].num_rows
+    if R == 1:
+        v, o = feats["user"]
+        if len(v) == 0:
+            v, o = np.zeros(1, np.int64), np.concatenate([[0], np.ones(len(o) - 1, np.int64)])
+        v = v.copy()
+        v[len(v) // 2] = bad_value
+        feats["user"] = hbk.Ragged(v, o)
+    with Timer() as t:
+        if R == 1:
+            e = expect(hbk.BoundsError, lambda: coll.forward(feats, per_sample_weights=psw),
+                       "forward with an out-of-range id", [str(bad_value)])
+        else:
+            e = expect(hbk.dist.CommError, lambda: coll.forward(feats, per_sample_weights=psw),
+                       "forward while rank 1 has an out-of-range id")
+    print(f"rank {R}: {type(e).__name__} after {t.s:.2f} s: {e}", flush=True)
+    assert t.s < timeout + 10, f"{type(e).__name__} after {t.s:.1f} s, timeout {timeout}"
+    if R == 1:
+        assert t.s < timeout / 2, f"BoundsError after {t.s:.1f} s"
+    # wait for each other outside hbk (its communicator may hold abandoned requests)
+    from mpi4py import MPI
+
+    req = MPI.COMM_WORLD.Ibarrier()
+    deadline = time.monotonic() + timeout + 30
+    while not req.Test():
+        assert time.monotonic() < deadline, "final barrier"
+        time.sleep(0.01)
+    finish(comm, hard=True)  # MPI_Finalize could wait for the abandoned requests
+
+
+if MODE == "train":
+    train()
+    finish(comm)
+elif MODE == "errors":
+    errors()
+else:
+    raise SystemExit(f"unknown mode {MODE!r}")
