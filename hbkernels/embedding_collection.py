@@ -255,6 +255,7 @@ class EmbeddingCollection:
         self._saved = None
         self.stats = {}
         self.timings = defaultdict(float)
+        self._timing = False
 
     # -- layout -------------------------------------------------------------------------------
     def _space(self, device):
@@ -326,11 +327,14 @@ class EmbeddingCollection:
     # -- timing -----------------------------------------------------------------------------------
     @contextlib.contextmanager
     def _phase(self, name):
-        if not self.profile:
+        """Add the seconds of the block to ``timings[name]`` (under ``profile``; a
+        phase inside another counts once, in the outer one)."""
+        if not self.profile or self._timing:
             yield
             return
         for space in self._spaces.values():
             space.sync()
+        self._timing = True
         t0 = time.perf_counter()
         try:
             yield
@@ -338,6 +342,7 @@ class EmbeddingCollection:
             for space in self._spaces.values():
                 space.sync()
             self.timings[name] += time.perf_counter() - t0
+            self._timing = False
 
     def _exchange(self, x, counts, wire=False):
         """alltoallv, skipped at world size 1 (nothing leaves the rank)."""
@@ -629,7 +634,7 @@ class EmbeddingCollection:
         xp = self._space(shards[0].group[2]).xp
         if kind == "row_wise":  # rank r holds rows r, r + n, ...
             local = pick(shards[me])
-            blocks, counts = (local, [local.shape[0]]) if n == 1 else self.comm.allgatherv(local)
+            blocks, counts = (local.copy(), [local.shape[0]]) if n == 1 else self.comm.allgatherv(local)
             out = xp.empty((spec.num_rows,) + tuple(local.shape[1:]), dtype)
             start = 0
             for r, c in enumerate(np.asarray(counts).tolist()):
@@ -638,20 +643,20 @@ class EmbeddingCollection:
             return out
         if kind == "data_parallel":  # rank 0's replica
             local = pick(shards[me])
-            return local if n == 1 else self.comm.broadcast(local, root=0)
+            return local.copy() if n == 1 else self.comm.broadcast(local, root=0)
         pieces = []
         for s in shards:  # table_wise: one slice; column_wise: one per holder
             shape = (spec.num_rows, s.c1 - s.c0) if per_column else (spec.num_rows,)
             local = pick(s) if s.rank == me else xp.zeros(shape, dtype)
-            pieces.append(local if n == 1 else self.comm.broadcast(local, root=s.rank))
+            pieces.append(local.copy() if n == 1 else self.comm.broadcast(local, root=s.rank))
         return pieces[0] if len(pieces) == 1 else xp.concatenate(pieces, axis=1)
 
     def _rows_of(self, shard, array):
         return array[shard.base:shard.base + shard.num_rows]
 
     def full_weights(self, name):
-        """Table ``name`` gathered whole ([num_rows, dim]), the same on every rank.
-        Collective.
+        """Table ``name`` gathered whole ([num_rows, dim]), the same on every rank: a
+        new array (later steps do not change it). Collective.
 
         >>> import hbkernels as hbk
         >>> coll = hbk.EmbeddingCollection([hbk.TableSpec("t", num_rows=5, dim=2)],
