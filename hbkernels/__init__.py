@@ -8,7 +8,7 @@ CUDA); results come back in the caller's array family.
 >>> hbk.embedding_bag(np.eye(3, dtype=np.float32), np.array([0, 2]), np.array([0, 2])).tolist()
 [[1.0, 0.0, 1.0]]
 """
-from . import dist, optim
+from . import data, dist, optim
 from .embedding_collection import EmbeddingCollection
 from .errors import BoundsError, CheckpointError
 from .ops import (
@@ -26,6 +26,7 @@ __all__ = [
     "Ragged",
     "SparseGrad",
     "TableSpec",
+    "data",
     "dist",
     "embedding_bag",
     "embedding_bag_backward",

@@ -4,6 +4,10 @@ import doctest
 import pytest
 
 import hbkernels
+import hbkernels.data.convert
+import hbkernels.data.hashing
+import hbkernels.data.parquet
+import hbkernels.data.synthetic
 import hbkernels.dist
 import hbkernels.embedding_collection
 import hbkernels.ops
@@ -12,7 +16,8 @@ import hbkernels.plan
 import hbkernels.types
 
 MODULES = [hbkernels, hbkernels.ops, hbkernels.optim, hbkernels.types, hbkernels.dist,
-           hbkernels.plan, hbkernels.embedding_collection]
+           hbkernels.plan, hbkernels.embedding_collection, hbkernels.data.parquet,
+           hbkernels.data.hashing, hbkernels.data.convert, hbkernels.data.synthetic]
 
 
 @pytest.mark.parametrize("module", MODULES,

@@ -1,0 +1,87 @@
+"""Command line of :mod:`hbkernels.data`::
+
+    python -m hbkernels.data convert {criteo,avazu,movielens} SRC DST [--num-buckets N]
+    python -m hbkernels.data synthetic DST --rows N --table NAME:ROWS:HOTNESS[:var] ...
+                                       [--alpha A] [--seed S] [--dense K]
+
+:func:`add_commands` adds these subcommands to any argparse subparsers, so a
+larger command line can carry them; each sets ``run(args) -> WriteSummary``.
+"""
+import argparse
+import sys
+
+from ._io import ROW_GROUP_SIZE
+
+CONVERTERS = ("criteo", "avazu", "movielens")
+
+
+def add_commands(subparsers):
+    """Add the ``convert`` and ``synthetic`` subcommands to ``subparsers``."""
+    convert = subparsers.add_parser("convert", help="convert a CTR dataset's text to Parquet")
+    convert.add_argument("dataset", choices=CONVERTERS)
+    convert.add_argument("src", help="input text file (.gz / .bz2 are read as such)")
+    convert.add_argument("dst", help="output Parquet file")
+    convert.add_argument("--num-buckets", type=int, default=None,
+                         help="reduce hashed ids modulo N (default: full 63-bit ids)")
+    convert.add_argument("--row-group-size", type=int, default=ROW_GROUP_SIZE)
+    convert.set_defaults(run=run_convert)
+
+    synthetic = subparsers.add_parser("synthetic", help="write Zipf-distributed synthetic data")
+    synthetic.add_argument("dst", help="output Parquet file")
+    synthetic.add_argument("--rows", type=int, required=True, help="rows to write")
+    synthetic.add_argument("--table", dest="tables", type=parse_table, action="append",
+                           required=True, metavar="NAME:ROWS:HOTNESS[:var]",
+                           help="an id column (repeat for more); ':var' for variable bags")
+    synthetic.add_argument("--alpha", type=float, default=1.05, help="Zipf exponent")
+    synthetic.add_argument("--seed", type=int, default=0)
+    synthetic.add_argument("--dense", type=int, default=0, help="dense float columns")
+    synthetic.add_argument("--row-group-size", type=int, default=ROW_GROUP_SIZE)
+    synthetic.set_defaults(run=run_synthetic)
+
+
+def parse_table(text):
+    """``NAME:ROWS:HOTNESS[:var]`` -> :class:`~hbkernels.data.synthetic.SyntheticTable`."""
+    from .synthetic import SyntheticTable
+
+    parts = text.split(":")
+    try:
+        if len(parts) not in (3, 4) or (len(parts) == 4 and parts[3] != "var"):
+            raise ValueError
+        return SyntheticTable(parts[0], int(parts[1]), int(parts[2]), len(parts) == 4)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected NAME:ROWS:HOTNESS[:var], got {text!r}") from None
+
+
+def run_convert(args):
+    from . import convert
+
+    converter = getattr(convert, f"convert_{args.dataset}")
+    return converter(args.src, args.dst, num_buckets=args.num_buckets,
+                     row_group_size=args.row_group_size)
+
+
+def run_synthetic(args):
+    from .synthetic import write_synthetic
+
+    return write_synthetic(args.dst, args.rows, args.tables, alpha=args.alpha, seed=args.seed,
+                           row_group_size=args.row_group_size, dense=args.dense)
+
+
+def main(argv=None):
+    """Run the command line; prints the summary, returns the exit status."""
+    parser = argparse.ArgumentParser(
+        prog="python -m hbkernels.data",
+        description="Convert CTR datasets to Parquet, or write synthetic data.")
+    add_commands(parser.add_subparsers(required=True, metavar="command"))
+    args = parser.parse_args(argv)
+    try:
+        print(args.run(args))
+    except (ImportError, ValueError, OSError) as e:
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

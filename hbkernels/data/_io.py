@@ -1,0 +1,84 @@
+"""Shared by the writers of :mod:`hbkernels.data`: the pyarrow check, the
+row-group writer and the summary it returns."""
+import os
+from typing import NamedTuple
+
+ROW_GROUP_SIZE = 1 << 18
+"""Default rows per Parquet row group (about 80 MB of Criteo columns in memory)."""
+
+
+def require_pyarrow():
+    """``(pyarrow, pyarrow.compute, pyarrow.parquet)``, or ImportError naming the extra
+    that installs them."""
+    try:
+        import pyarrow
+        import pyarrow.compute
+        import pyarrow.parquet
+    except ImportError as e:
+        raise ImportError("hbkernels.data needs pyarrow: pip install 'hbkernels[data]'") from e
+    return pyarrow, pyarrow.compute, pyarrow.parquet
+
+
+class WriteSummary(NamedTuple):
+    """What a converter or :func:`~hbkernels.data.write_synthetic` wrote."""
+
+    path: str
+    num_rows: int
+    num_row_groups: int
+
+    def __str__(self):
+        return f"wrote {self.num_rows} rows in {self.num_row_groups} row groups to {self.path}"
+
+
+class RowGroupWriter:
+    """Writes record batches to Parquet in row groups of exactly ``row_group_size``
+    rows (the last one may be shorter), holding at most one row group plus one
+    batch in memory. The file appears at ``path`` only on a clean :meth:`close`
+    (it is written under a temporary name and renamed); :meth:`abort` removes it.
+    """
+
+    def __init__(self, path, schema, row_group_size):
+        import pyarrow.parquet as pq
+
+        if int(row_group_size) < 1:
+            raise ValueError(f"row_group_size must be >= 1, got {row_group_size}")
+        self.path = os.fspath(path)
+        self.row_group_size = int(row_group_size)
+        self._partial_path = f"{self.path}.partial"
+        self._writer = pq.ParquetWriter(self._partial_path, schema)
+        self._schema = schema
+        self._pending = []
+        self._pending_rows = 0
+        self.num_rows = 0
+        self.num_row_groups = 0
+
+    def write(self, batch):
+        """Queue a record batch (of this writer's schema); full row groups go to disk."""
+        self._pending.append(batch)
+        self._pending_rows += batch.num_rows
+        while self._pending_rows >= self.row_group_size:
+            self._flush(self.row_group_size)
+
+    def _flush(self, num_rows):
+        import pyarrow as pa
+
+        table = pa.Table.from_batches(self._pending, schema=self._schema)
+        self._writer.write_table(table.slice(0, num_rows), row_group_size=num_rows)
+        rest = table.slice(num_rows)
+        self._pending = rest.to_batches()
+        self._pending_rows = rest.num_rows
+        self.num_rows += num_rows
+        self.num_row_groups += 1
+
+    def close(self):
+        """Write the last short row group, finish the file and return a :class:`WriteSummary`."""
+        if self._pending_rows:
+            self._flush(self._pending_rows)
+        self._writer.close()
+        os.replace(self._partial_path, self.path)
+        return WriteSummary(self.path, self.num_rows, self.num_row_groups)
+
+    def abort(self):
+        """Close and delete the partial file."""
+        self._writer.close()
+        os.remove(self._partial_path)
