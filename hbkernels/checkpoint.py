@@ -161,7 +161,7 @@ def save(coll, path):
         manifest = {
             "format": FORMAT, "version": VERSION, "hbkernels": _version, "save": save_dir,
             "world_size": comm.world_size, "seed": coll.seed, "dedup": coll.dedup,
-            "wire_dtype": None if coll.wire_dtype is None else np.dtype(coll.wire_dtype).name,
+            "wire_dtype": coll.wire_dtype,
             "plan_request": coll.plan_request, "plan": coll.plan.to_json(),
             "batch_size_hint": coll.batch_size_hint,
             "optimizer": _optimizer_json(coll.optimizer),

@@ -46,6 +46,7 @@ import numpy as np
 
 from . import _validate as check
 from . import dist as _dist
+from .dist import _wire
 from . import optim as _optim
 from ._dispatch import NUMPY, CudaFamily, kernels, resolve, simulator_enabled
 from .ops import _raise_ragged_errors, embedding_bag, embedding_bag_backward, lookup, partition, unique
@@ -226,7 +227,7 @@ class EmbeddingCollection:
         if not isinstance(self.optimizer, _optim.SparseOptimizer):
             raise TypeError(f"optimizer must be a hbk.optim optimizer, got {type(optimizer).__name__}")
         self.seed = int(seed)
-        self.wire_dtype = wire_dtype
+        self.wire_dtype = _wire.normalize(wire_dtype)  # None, "float16" or "bfloat16"
         self.dedup = bool(dedup)
         self.profile = bool(profile)
         self.device = _device_of(device)
@@ -241,7 +242,7 @@ class EmbeddingCollection:
             batch_size_hint=batch_size_hint, memory_per_rank=memory_per_rank,
             state_floats_per_element=len(self.optimizer.slots) - per_row,
             state_floats_per_row=per_row,
-            wire_itemsize=np.dtype(wire_dtype).itemsize if wire_dtype else 4,
+            wire_itemsize=self._wire_itemsize(np.float32),
         )
         for name, place in self.plan.items():
             if place.kind == "column_wise" and per_row and len(place.ranks) > 1:
@@ -530,7 +531,8 @@ class EmbeddingCollection:
         return inv
 
     def _wire_itemsize(self, dtype):
-        return np.dtype(self.wire_dtype).itemsize if self.wire_dtype else np.dtype(dtype).itemsize
+        """Bytes per element of ``dtype`` data on the wire (2 with a wire dtype)."""
+        return 2 if self.wire_dtype else np.dtype(dtype).itemsize
 
     # -- backward ------------------------------------------------------------------------------------
     def backward(self, grads):
@@ -559,8 +561,7 @@ class EmbeddingCollection:
                     request_grads = lookup(request_grads, ctx["order"], bounds="unchecked")
             received, counts = self._exchange(request_grads, ctx["send_counts"], wire=True)
             self.stats["grads_bytes"] += (int(ctx["send_counts"].sum() - ctx["send_counts"][self.comm.rank])
-                                          * group[0] * (np.dtype(self.wire_dtype).itemsize
-                                                        if self.wire_dtype else 4))
+                                          * group[0] * self._wire_itemsize(np.float32))
             updates[group].append((ctx["recv_keys"], received))
         for ctx in self._saved["replicas"]:
             group = ctx["group"]
@@ -571,7 +572,7 @@ class EmbeddingCollection:
             rows = space.xp.concatenate([p[1] for p in parts])
             if self.comm.world_size > 1:
                 with self._phase("comm"):
-                    wire = np.dtype(self.wire_dtype).itemsize if self.wire_dtype else 4
+                    wire = self._wire_itemsize(np.float32)
                     self.stats["replica_grads_bytes"] += ((self.comm.world_size - 1) * int(ids.shape[0])
                                                           * (8 + group[0] * wire))
                     ids, _ = self.comm.allgatherv(ids)
