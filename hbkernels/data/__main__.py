@@ -5,7 +5,8 @@
                                        [--alpha A] [--seed S] [--dense K]
 
 :func:`add_commands` adds these subcommands to any argparse subparsers, so a
-larger command line can carry them; each sets ``run(args) -> WriteSummary``.
+larger command line (``hbkernels data ...``) carries them; each sets
+``run(args)``, which prints the :class:`WriteSummary` and returns 0.
 """
 import argparse
 import sys
@@ -57,15 +58,17 @@ def run_convert(args):
     from . import convert
 
     converter = getattr(convert, f"convert_{args.dataset}")
-    return converter(args.src, args.dst, num_buckets=args.num_buckets,
-                     row_group_size=args.row_group_size)
+    print(converter(args.src, args.dst, num_buckets=args.num_buckets,
+                    row_group_size=args.row_group_size))
+    return 0
 
 
 def run_synthetic(args):
     from .synthetic import write_synthetic
 
-    return write_synthetic(args.dst, args.rows, args.tables, alpha=args.alpha, seed=args.seed,
-                           row_group_size=args.row_group_size, dense=args.dense)
+    print(write_synthetic(args.dst, args.rows, args.tables, alpha=args.alpha, seed=args.seed,
+                          row_group_size=args.row_group_size, dense=args.dense))
+    return 0
 
 
 def main(argv=None):
@@ -76,11 +79,10 @@ def main(argv=None):
     add_commands(parser.add_subparsers(required=True, metavar="command"))
     args = parser.parse_args(argv)
     try:
-        print(args.run(args))
+        return args.run(args)
     except (ImportError, ValueError, OSError) as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 1
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,7 @@
+"""``python -m hbkernels``: the command line of :mod:`hbkernels.cli`."""
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

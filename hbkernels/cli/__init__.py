@@ -1,0 +1,73 @@
+"""The ``hbkernels`` command line (also ``python -m hbkernels``)::
+
+    hbkernels info                                   # versions, devices, backends
+    hbkernels bench --device cpu --out DIR           # op benchmarks vs peers: table, CSV, JSON, PNG
+    hbkernels train --steps 200                      # DLRM-style CTR model on synthetic data
+    mpiexec -n 2 hbkernels train --steps 200         # the same on 2 ranks
+    hbkernels data convert criteo SRC DST            # text -> Parquet (also: data synthetic)
+
+Each subcommand lives in its own module (``info.py``, ``bench.py``,
+``train.py``) with ``add_command(subparsers)``, which sets ``run(args) -> int``
+as the parser's default. Errors a user can cause (a missing file, a bad column,
+an unknown plan, no GPU for ``--device cuda``) print one line
+``hbkernels <command>: error: <why>`` and exit 1; ``HBK_DEBUG=1`` shows the
+traceback instead.
+"""
+import argparse
+import os
+import sys
+
+from ..errors import BoundsError, CheckpointError
+
+
+class CLIError(Exception):
+    """An error the user can fix; printed as one line, exit status 1."""
+
+
+#: exceptions shown as one line (anything else is a bug: full traceback)
+USER_ERRORS = (CLIError, ValueError, TypeError, OSError, ImportError, KeyError,
+               BoundsError, CheckpointError)
+
+
+def build_parser():
+    from . import bench, info, train
+    from ..data.__main__ import add_commands as add_data_commands
+
+    parser = argparse.ArgumentParser(
+        prog="hbkernels",
+        description="Embedding kernels for recommender systems: info, benchmarks, training.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="command")
+    info.add_command(commands)
+    bench.add_command(commands)
+    train.add_command(commands)
+    data = commands.add_parser("data", help="convert CTR datasets to Parquet, write synthetic data")
+    add_data_commands(data.add_subparsers(dest="data_command", required=True, metavar="command"))
+    return parser
+
+
+def error_line(exc):
+    """One line for a user error: ``FileNotFoundError`` as its message, the rest with its type."""
+    if isinstance(exc, CLIError):
+        return str(exc)
+    if isinstance(exc, OSError) and exc.filename is not None:
+        return f"{exc.strerror or type(exc).__name__}: {exc.filename}"
+    text = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
+    return f"{type(exc).__name__}: {text}".splitlines()[0]
+
+
+def main(argv=None):
+    """Run one subcommand; returns the exit status (0 ok, 1 error, 2 usage)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    prog = f"hbkernels {args.command}"
+    try:
+        status = args.run(args)
+    except USER_ERRORS as exc:
+        if os.environ.get("HBK_DEBUG"):
+            raise
+        print(f"{prog}: error: {error_line(exc)}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    return 0 if status is None else int(status)

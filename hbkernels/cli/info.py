@@ -1,0 +1,6 @@
+"""``hbkernels info``: placeholder until built."""
+
+
+def add_command(subparsers):
+    p = subparsers.add_parser("info", help="(not built yet)")
+    p.set_defaults(run=lambda args: 1)
