@@ -141,6 +141,33 @@ def gpu_name(cupy):
     return name.decode() if isinstance(name, bytes) else str(name)
 
 
+def cuda_problem():
+    """Why ``--device cuda`` cannot run here, in one line, or None when it can.
+
+    Needs CuPy, a GPU that CuPy sees, and Numba's real CUDA target: under
+    ``NUMBA_ENABLE_CUDASIM=1`` (the CPU-only test runs) the kernels would run
+    in the simulator, which is no GPU to benchmark.
+    """
+    cupy = optional_module("cupy")
+    if cupy is None:
+        return "--device cuda needs CuPy (pip install 'hbkernels[cuda13]')"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # CUDARuntimeError: no driver, no device
+        return f"--device cuda: CuPy finds no usable GPU ({type(exc).__name__}: {exc})".splitlines()[0]
+    if count < 1:
+        return "--device cuda: CuPy finds no GPU"
+    if os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0"):
+        return "--device cuda: NUMBA_ENABLE_CUDASIM is set; the CUDA simulator is no GPU to benchmark"
+    try:
+        from numba import cuda
+    except ImportError:
+        return "--device cuda needs numba-cuda (pip install 'hbkernels[cuda13]')"
+    if not cuda.is_available():
+        return "--device cuda: Numba finds no usable GPU"
+    return None
+
+
 def slug(name):
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "device"
 
@@ -208,9 +235,10 @@ class Context:
         self.smoke = smoke
         self.seed = seed
         if self.is_cuda:
+            problem = cuda_problem()
+            if problem:
+                raise SystemExit(problem)
             cupy = optional_module("cupy")
-            if cupy is None:
-                raise SystemExit("--device cuda needs CuPy (pip install 'hbkernels[cuda13]')")
             self.xp, self.xp_name = cupy, "cupy"
             self.device_name = gpu_name(cupy)
         else:
@@ -231,7 +259,7 @@ class Context:
         self.rows = []
         self.copy_gbps = None
         self._torch = _UNSET
-        self._notes = set()
+        self.notes = []  # in the order they came
 
     @classmethod
     def from_args(cls, args):
@@ -239,8 +267,8 @@ class Context:
                    providers=args.providers, seed=args.seed)
 
     def note(self, msg):
-        if msg not in self._notes:
-            self._notes.add(msg)
+        if msg not in self.notes:
+            self.notes.append(msg)
             print(f"note: {msg}")
 
     # -- data on this device ----------------------------------------------------
@@ -452,37 +480,13 @@ class Context:
         self.release()
         return self.copy_gbps
 
+    def results(self):
+        """The rows of this run with numbers: see :func:`results`."""
+        return results(self.rows, self.copy_gbps)
+
     def summary(self):
-        """The table of this run: one line per row, speedup vs the group's peer."""
-        groups = {}
-        for row in self.rows:
-            groups.setdefault((row["op"], row["mode"], row["size"], row["dtype"]), []).append(row)
-        show_copy = self.is_cuda and self.copy_gbps
-        head = ["op", "mode", "dtype", "provider", "median ms", "GB/s", "speedup", "vs"]
-        if show_copy:
-            head.append("% copy")
-        head.append("size")
-        table = [head]
-        for rows in groups.values():
-            ref = next((r for r in rows if r["provider"] == rows[0]["_reference"]), None)
-            for r in rows:
-                ms = float(r["median_ms"])
-                line = [r["op"], r["mode"], r["dtype"], r["provider"], f"{ms:.3f}",
-                        f"{float(r['gbps']):.1f}" if r["gbps"] else "",
-                        f"{float(ref['median_ms']) / ms:.2f}x" if ref and r is not ref else "",
-                        ref["provider"] if ref and r is not ref else ""]
-                if show_copy:
-                    line.append(f"{100 * float(r['gbps']) / self.copy_gbps:.0f}%"
-                                if r["gbps"] and r["op"] != "copy" else "")
-                line.append(r["size"])
-                table.append(line)
-        widths = [max(len(line[i]) for line in table) for i in range(len(head))]
-        text = []
-        for k, line in enumerate(table):
-            text.append("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip())
-            if k == 0:
-                text.append("  ".join("-" * w for w in widths))
-        return "\n".join(text)
+        """The table of this run: one line per row, speedup vs the case's peer."""
+        return format_table(self.results())
 
     def ratio(self, op, mode, dtype, provider=HBK, peer="torch"):
         """median(provider) / median(peer) for one op case, or None if either is missing."""
@@ -494,6 +498,63 @@ class Context:
 
         a, b = median(provider), median(peer)
         return None if a is None or b is None else a / b
+
+
+def results(rows, copy_gbps=None):
+    """``rows`` (:attr:`Context.rows`) as dicts of numbers, grouped by case
+    (op, mode, size, dtype) in the order the cases ran.
+
+    Adds ``speedup`` (the case's reference peer's median over this row's: > 1
+    is faster than the peer; None for the peer itself or when the case has
+    none), ``vs`` (that peer) and ``pct_copy`` (GB/s as % of the copy
+    bandwidth measured in the same run; None without GB/s or copy row).
+    """
+    # the copy row's own (rounded) GB/s, so that it reads exactly 100%
+    copy_gbps = next((float(r["gbps"]) for r in rows if r["op"] == "copy" and r["gbps"]), copy_gbps)
+    groups = {}
+    for row in rows:
+        groups.setdefault((row["op"], row["mode"], row["size"], row["dtype"]), []).append(row)
+    out = []
+    for case in groups.values():
+        ref = next((r for r in case if r["provider"] == case[0].get("_reference")), None)
+        for r in case:
+            ms = float(r["median_ms"])
+            gbps = float(r["gbps"]) if r["gbps"] else None
+            against = ref is not None and r is not ref and ms > 0
+            out.append({
+                "op": r["op"], "mode": r["mode"], "dtype": r["dtype"], "size": r["size"],
+                "provider": r["provider"], "median_ms": ms, "p20_ms": float(r["p20_ms"]),
+                "p80_ms": float(r["p80_ms"]), "gbps": gbps,
+                "pct_copy": 100 * gbps / copy_gbps if gbps and copy_gbps else None,
+                "speedup": float(ref["median_ms"]) / ms if against else None,
+                "vs": ref["provider"] if against else None,
+                "device": r["device"],
+            })
+    return out
+
+
+TABLE_HEAD = ("op", "mode", "dtype", "size", "provider", "median ms", "GB/s", "% copy",
+              "speedup", "vs")
+
+
+def format_table(rows):
+    """Plain-text table of :func:`results` rows (``bench/run_all.py``, ``hbkernels bench``)."""
+    table = [list(TABLE_HEAD)]
+    for r in rows:
+        table.append([
+            r["op"], r["mode"], r["dtype"], r["size"], r["provider"], f"{r['median_ms']:.3f}",
+            "" if r["gbps"] is None else f"{r['gbps']:.1f}",
+            "" if r["pct_copy"] is None else f"{r['pct_copy']:.{0 if r['pct_copy'] >= 10 else 1}f}%",
+            "" if r["speedup"] is None else f"{r['speedup']:.2f}x",
+            r["vs"] or "",
+        ])
+    widths = [max(len(line[i]) for line in table) for i in range(len(TABLE_HEAD))]
+    text = []
+    for k, line in enumerate(table):
+        text.append("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip())
+        if k == 0:
+            text.append("  ".join("-" * w for w in widths))
+    return "\n".join(text)
 
 
 def append_csv(path, row):
@@ -516,20 +577,12 @@ def append_csv(path, row):
 
 # -- command line -------------------------------------------------------------
 def parser(description):
+    from hbkernels.cli.bench import add_run_arguments
+
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="cpu: NumPy arrays (Numba CPU kernels); cuda: CuPy arrays (Numba CUDA kernels)")
+    add_run_arguments(p)
     p.add_argument("--out", default=None,
                    help="CSV to append rows to (default: bench/results/<device-slug>.csv)")
-    p.add_argument("--smoke", action="store_true",
-                   help="tiny sizes and two repetitions: proves the benchmark runs")
-    p.add_argument("--reps", type=int, default=None,
-                   help="timed repetitions per provider (default: fill about a second)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed calls before timing")
-    p.add_argument("--providers", default=None,
-                   help="comma-separated providers to time, e.g. hbkernels,torch "
-                        "(hbkernels is still verified against a peer)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the generated data")
     return p
 
 

@@ -33,20 +33,33 @@ BENCHMARKS = {
 }
 
 
-def main(argv=None):
-    p = parser(__doc__.splitlines()[0])
-    p.add_argument("--ops", default=None,
-                   help=f"comma-separated subset of {','.join(BENCHMARKS)} (default: all)")
-    args = p.parse_args(argv)
-    ops = [o.strip() for o in args.ops.split(",")] if args.ops else list(BENCHMARKS)
+def select_ops(spec=None):
+    """The ops named in ``spec`` ("a,b", None: all), in the order given; ValueError on an unknown one."""
+    ops = [o.strip() for o in spec.split(",") if o.strip()] if spec else list(BENCHMARKS)
     unknown = [o for o in ops if o not in BENCHMARKS]
     if unknown:
-        p.error(f"unknown ops {unknown}; choose from {list(BENCHMARKS)}")
-    ctx = Context.from_args(args)
-    print(f"device: {ctx.device_name} ({ctx.device}); rows -> {ctx.out}")
+        raise ValueError(f"unknown op{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
+                         f"choose from {', '.join(BENCHMARKS)}")
+    if not ops:
+        raise ValueError(f"no op named in {spec!r}; choose from {', '.join(BENCHMARKS)}")
+    return ops
+
+
+def run_ops(ctx, ops, progress=None):
+    """Measure the copy bandwidth, then run ``ops`` on ``ctx``; returns the failures.
+
+    An op that raises is reported (traceback on stderr, one line in the
+    returned list) and the others still run. ``progress(step, done)`` is
+    called before (``done=False``) and after (``done=True``) each step:
+    "copy", then every op.
+    """
+    progress = progress or (lambda step, done: None)
+    progress("copy", False)
     ctx.copy_bandwidth()
+    progress("copy", True)
     failed = []
     for op in ops:
+        progress(op, False)
         print(f"\n== {op}")
         try:
             BENCHMARKS[op].run(ctx)
@@ -54,6 +67,22 @@ def main(argv=None):
             traceback.print_exc()
             failed.append(f"{op}: {type(exc).__name__}: {exc}".splitlines()[0])
             ctx.release()
+        progress(op, True)
+    return failed
+
+
+def main(argv=None):
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--ops", default=None,
+                   help=f"comma-separated subset of {','.join(BENCHMARKS)} (default: all)")
+    args = p.parse_args(argv)
+    try:
+        ops = select_ops(args.ops)
+    except ValueError as exc:
+        p.error(str(exc))
+    ctx = Context.from_args(args)
+    print(f"device: {ctx.device_name} ({ctx.device}); rows -> {ctx.out}")
+    failed = run_ops(ctx, ops)
     print()
     print(ctx.summary())
     print(f"\nrows appended to {ctx.out}")

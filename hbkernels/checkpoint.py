@@ -51,7 +51,7 @@ class _CrcWriter:
         return self.f.write(view)
 
 
-def _fsync_dir(path):
+def fsync_dir(path):
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -64,7 +64,7 @@ def _fsync_dir(path):
         os.close(fd)
 
 
-def _write_atomic(path, write):
+def write_atomic(path, write):
     """``write(fileobj)`` into ``path`` via a temp file, fsync and rename."""
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
     try:
@@ -86,7 +86,7 @@ def _save_array(path, array):
         w = _CrcWriter(f)
         np.save(w, np.ascontiguousarray(array), allow_pickle=False)
         return w.crc, w.size
-    return _write_atomic(path, write)
+    return write_atomic(path, write)
 
 
 def _bytes_json(comm, obj):
@@ -146,7 +146,7 @@ def save(coll, path):
                               "row_step": shard.row_step, "num_rows": shard.num_rows,
                               "c0": shard.c0, "c1": shard.c1, "dtype": part.dtype.name,
                               "shape": list(part.shape), "crc32": crc, "bytes": size})
-        _fsync_dir(os.path.join(path, save_dir))
+        fsync_dir(os.path.join(path, save_dir))
     except Exception as e:  # noqa: BLE001 - every rank learns of it below
         error = f"rank {me}: {type(e).__name__}: {e}"
     everyone = _bytes_json(comm, {"error": error, "files": files, "steps": steps})
@@ -170,8 +170,8 @@ def save(coll, path):
             "files": [f for r in everyone for f in r["files"]],
         }
         text = json.dumps(manifest, indent=1).encode()
-        _write_atomic(os.path.join(path, MANIFEST), lambda f: f.write(text))
-        _fsync_dir(path)
+        write_atomic(os.path.join(path, MANIFEST), lambda f: f.write(text))
+        fsync_dir(path)
         for entry in os.listdir(path):  # older saves and leftovers of crashed ones
             if entry.startswith("save-") and entry != save_dir:
                 shutil.rmtree(os.path.join(path, entry), ignore_errors=True)

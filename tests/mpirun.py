@@ -42,13 +42,17 @@ def _env(**extra):
     return env
 
 
-def mpirun(n, script, *args, timeout=120, launcher=(), env=None):
-    """Run ``script`` on ``n`` ranks; returns (returncode, output, seconds).
-    Past ``timeout`` the job is terminated and the test fails as a hang."""
-    target = script if os.path.isabs(str(script)) else SCRIPTS / script
-    cmd = [MPIEXEC, *launcher, "-n", str(n), sys.executable, "-m", "mpi4py", str(target), *args]
+def mpirun(n, script, *args, timeout=120, launcher=(), env=None, cwd=ROOT):
+    """Run ``script`` (a path, or ``"-m module"``) on ``n`` ranks; returns
+    (returncode, output, seconds). Past ``timeout`` the job is terminated and
+    the test fails as a hang."""
+    if str(script).startswith("-m "):
+        target = ["-m", str(script)[3:]]
+    else:
+        target = [str(script if os.path.isabs(str(script)) else SCRIPTS / script)]
+    cmd = [MPIEXEC, *launcher, "-n", str(n), sys.executable, "-m", "mpi4py", *target, *map(str, args)]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env or _env(), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env or _env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
         out, _ = proc.communicate(timeout=timeout)

@@ -4,12 +4,16 @@ import doctest
 import pytest
 
 import hbkernels
+import hbkernels.cli.info
+import hbkernels.cli.progress
 import hbkernels.data.convert
+import hbkernels.data.ctr
 import hbkernels.data.hashing
 import hbkernels.data.parquet
 import hbkernels.data.synthetic
 import hbkernels.dist
 import hbkernels.embedding_collection
+import hbkernels.metrics
 import hbkernels.ops
 import hbkernels.optim
 import hbkernels.plan
@@ -17,7 +21,16 @@ import hbkernels.types
 
 MODULES = [hbkernels, hbkernels.ops, hbkernels.optim, hbkernels.types, hbkernels.dist,
            hbkernels.plan, hbkernels.embedding_collection, hbkernels.data.parquet,
-           hbkernels.data.hashing, hbkernels.data.convert, hbkernels.data.synthetic]
+           hbkernels.data.hashing, hbkernels.data.convert, hbkernels.data.synthetic,
+           hbkernels.data.ctr, hbkernels.metrics, hbkernels.cli.info, hbkernels.cli.progress]
+
+
+def test_dlrm_docstring_example():
+    pytest.importorskip("torch")
+    import hbkernels.models.dlrm
+
+    result = doctest.testmod(hbkernels.models.dlrm, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
 
 
 @pytest.mark.parametrize("module", MODULES,

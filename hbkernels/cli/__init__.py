@@ -46,13 +46,23 @@ def build_parser():
 
 
 def error_line(exc):
-    """One line for a user error: ``FileNotFoundError`` as its message, the rest with its type."""
-    if isinstance(exc, CLIError):
-        return str(exc)
+    """One line for a user error: the message (with the exception's type where that helps)."""
+    if type(exc) in (CLIError, ValueError):
+        return str(exc).splitlines()[0]
     if isinstance(exc, OSError) and exc.filename is not None:
         return f"{exc.strerror or type(exc).__name__}: {exc.filename}"
     text = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
     return f"{type(exc).__name__}: {text}".splitlines()[0]
+
+
+def launcher_rank():
+    """This process's rank as an MPI launcher set it, or None outside one."""
+    from ..dist import LAUNCHER_ENV_VARS
+
+    for var in LAUNCHER_ENV_VARS:
+        if var in os.environ and os.environ[var].isdigit():
+            return int(os.environ[var])
+    return None
 
 
 def main(argv=None):
@@ -65,7 +75,8 @@ def main(argv=None):
     except USER_ERRORS as exc:
         if os.environ.get("HBK_DEBUG"):
             raise
-        print(f"{prog}: error: {error_line(exc)}", file=sys.stderr)
+        if launcher_rank() in (None, 0):  # under mpiexec every rank meets it: rank 0 says it
+            print(f"{prog}: error: {error_line(exc)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)

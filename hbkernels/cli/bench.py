@@ -1,6 +1,237 @@
-"""``hbkernels bench``: placeholder until built."""
+"""``hbkernels bench``: the op benchmarks of ``bench/`` against their peers.
+
+    hbkernels bench                                     # CPU, every op -> ./hbkernels-bench/
+    hbkernels bench --device cuda --ops embedding_bag,unique --out results/
+    hbkernels bench --smoke                             # tiny sizes: proves it runs
+
+It runs the ops of ``bench/run_all.py`` through one ``bench.common.Context``:
+first the device's own copy bandwidth, then every op, each verified against
+its peers (NumPy or CuPy, torch, JAX where installed) and timed next to them.
+The benchmarks live in the source checkout's ``bench/`` package, not in the
+wheel: it is found as an importable ``bench`` (run from the repository root)
+or next to the installed package (``pip install -e .``).
+
+The console shows a progress bar, then the table (op, mode, dtype, size,
+provider, median ms, GB/s, % of the copy bandwidth, speedup vs the case's
+peer); what the benchmarks print goes to the log. Files in ``--out`` (a
+folder, default ``./hbkernels-bench/``), ``<device>`` being the slug of the
+CPU or GPU name:
+
+* ``bench-<device>.csv``: the rows (``bench.common.COLUMNS``), a fresh file each run;
+* ``bench-<device>.json``: device, copy GB/s, versions, arguments, timestamp and
+  every row with its speedup and % of copy bandwidth as numbers;
+* ``bench-<device>.png``: hbkernels' speedup vs its peer per case (matplotlib);
+* ``bench-<device>.log``: the benchmarks' output and the tracebacks of failed ops.
+
+An op that fails is reported in one line and the others still run; the exit
+status is then 1.
+"""
+import argparse
+import contextlib
+import datetime
+import importlib
+import importlib.util
+import json
+import platform
+import sys
+from pathlib import Path
+
+from . import CLIError
+from .progress import Progress
+
+DEFAULT_OUT = "hbkernels-bench"
+VERSIONS_OF = ("hbkernels", "numba", "numba_cuda", "numpy", "torch", "jax", "cupy")
 
 
 def add_command(subparsers):
-    p = subparsers.add_parser("bench", help="(not built yet)")
-    p.set_defaults(run=lambda args: 1)
+    p = subparsers.add_parser(
+        "bench", help="op benchmarks vs peers (torch, NumPy, CuPy, JAX): table, CSV, JSON, PNG",
+        description=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_run_arguments(p)
+    p.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
+                   help=f"folder of the CSV, JSON, PNG and log (default: ./{DEFAULT_OUT}/)")
+    p.add_argument("--ops", default=None,
+                   help="comma-separated ops of bench/run_all.py, e.g. embedding_bag,unique "
+                        "(default: all)")
+    p.set_defaults(run=run)
+
+
+def add_run_arguments(p):
+    """The options of a benchmark run, shared with the scripts of ``bench/`` (bench.common.parser)."""
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu: NumPy arrays (Numba CPU kernels); cuda: CuPy arrays (Numba CUDA "
+                        "kernels), needs a GPU (default: cpu)")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny sizes and two repetitions: proves the benchmarks run")
+    p.add_argument("--reps", type=_positive, default=None,
+                   help="timed repetitions per provider (default: fill about a second)")
+    p.add_argument("--warmup", type=_positive, default=None, help="untimed calls before timing")
+    p.add_argument("--providers", default=None,
+                   help="comma-separated providers to time, e.g. hbkernels,torch "
+                        "(hbkernels is still verified against a peer)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the generated data")
+
+
+def _positive(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def import_bench(checkout=None):
+    """``(bench.common, bench.run_all)`` of the source checkout; CLIError without one.
+
+    An importable ``bench`` with ``common.py`` wins (the repository root on
+    ``sys.path``); else ``checkout`` (default: ``bench/`` next to the installed
+    ``hbkernels`` package, true for an editable install).
+    """
+    try:
+        spec = importlib.util.find_spec("bench")
+    except (ImportError, ValueError):
+        spec = None
+    locations = (spec.submodule_search_locations or ()) if spec else ()
+    if not any((Path(loc) / "common.py").is_file() for loc in locations):
+        if checkout is None:
+            import hbkernels
+
+            checkout = Path(hbkernels.__file__).resolve().parents[1] / "bench"
+        checkout = Path(checkout)
+        if not (checkout / "common.py").is_file() or not (checkout / "run_all.py").is_file():
+            raise CLIError("the benchmarks are in the source checkout's bench/ folder, not in the "
+                           "installed package: run from a clone's root, or pip install -e . there")
+        loaded = getattr(sys.modules.get("bench"), "__file__", None)
+        if "bench" in sys.modules and (not loaded or Path(loaded).resolve().parent != checkout.resolve()):
+            raise CLIError(f"another module named 'bench' is loaded ({sys.modules['bench']!r}); "
+                           f"run from {checkout.parent}")
+        sys.path.insert(0, str(checkout.parent))
+        importlib.invalidate_caches()
+    return importlib.import_module("bench.common"), importlib.import_module("bench.run_all")
+
+
+def run(args):
+    common, run_all = import_bench()
+    try:
+        ops = run_all.select_ops(args.ops)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    if args.device == "cuda":
+        problem = common.cuda_problem()
+        if problem:
+            raise CLIError(problem)
+    out_dir = Path(args.out)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise CLIError(f"--out {out_dir} is a file, not a folder")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        ctx = common.Context(args.device, None, smoke=args.smoke, reps=args.reps,
+                             warmup=args.warmup, providers=args.providers, seed=args.seed)
+    except SystemExit as exc:  # what the scripts exit with (e.g. no CuPy)
+        raise CLIError(str(exc.code)) from None
+    stem = out_dir / f"bench-{common.slug(ctx.device_name)}"
+    paths = {ext: Path(f"{stem}.{ext}") for ext in ("csv", "json", "png", "log")}
+    ctx.out = paths["csv"]
+    paths["csv"].unlink(missing_ok=True)  # Context appends: start a fresh file
+    paths["png"].unlink(missing_ok=True)  # never leave an old chart beside new rows
+
+    print(f"hbkernels bench: {ctx.device_name} ({args.device}), {len(ops)} ops"
+          f"{' (smoke sizes)' if args.smoke else ''}; benchmark output -> {paths['log']}",
+          flush=True)
+    console = sys.stderr
+
+    def progress(step, done):
+        bar.update(1 if done else 0, op=step)
+
+    with open(paths["log"], "w") as log, Progress(len(ops) + 1, "bench", stream=console) as bar:
+        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            print(f"device: {ctx.device_name} ({ctx.device}); rows -> {ctx.out}")
+            failed = run_all.run_ops(ctx, ops, progress)
+
+    rows = ctx.results()
+    print()
+    print(common.format_table(rows))
+    for note in ctx.notes:
+        print(f"note: {note}")
+    write_json(paths["json"], ctx, rows, args, ops, failed)
+    chart_note = write_chart(paths["png"], rows, ctx.device_name, args.smoke)
+    if chart_note:
+        print(f"note: {chart_note}")
+    print()
+    for ext in ("csv", "json", "png"):
+        if paths[ext].exists():
+            print(f"{ext:>4}: {paths[ext]}")
+    if failed:
+        print(f"\n{len(failed)} of {len(ops)} ops failed (tracebacks in {paths['log']}):")
+        for line in failed:
+            print(f"  FAILED {line}")
+        return 1
+    return 0
+
+
+def versions():
+    """``__version__`` of the libraries this run loaded (None: not used)."""
+    found = {"python": platform.python_version()}
+    for name in VERSIONS_OF:
+        module = sys.modules.get(name)
+        found[name] = getattr(module, "__version__", None) if module is not None else None
+    return found
+
+
+def write_json(path, ctx, rows, args, ops, failed):
+    doc = {
+        "device": {"name": ctx.device_name, "kind": ctx.device},
+        "copy_gbps": ctx.copy_gbps,
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "versions": versions(),
+        "platform": platform.platform(),
+        "args": {"device": args.device, "out": str(args.out), "ops": ops, "smoke": args.smoke,
+                 "reps": args.reps, "warmup": args.warmup, "providers": args.providers,
+                 "seed": args.seed},
+        "failed": failed,
+        "notes": list(ctx.notes),
+        "rows": rows,
+    }
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+
+
+def write_chart(path, rows, device_name, smoke=False):
+    """Horizontal bars of hbkernels' speedup vs its peer per case, log x, line at 1x.
+    Returns a note when there is no chart to draw."""
+    bars = [r for r in rows if r["provider"] == "hbkernels" and r["speedup"]]
+    if not bars:
+        return "no hbkernels-vs-peer speedup was measured: no chart"
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.ticker import FuncFormatter
+    except ImportError:
+        return "matplotlib is not installed: no chart (pip install 'hbkernels[bench]')"
+
+    labels = [f"{r['op']} {r['mode']} {r['dtype']}" for r in bars]
+    if len(set(labels)) < len(labels):  # one case at several sizes: tell them apart
+        labels = [f"{label} [{r['size']}]" for label, r in zip(labels, bars)]
+    speedups = [r["speedup"] for r in bars]
+    lo, hi = min(min(speedups), 1.0), max(max(speedups), 1.0)
+
+    fig = Figure(figsize=(9, 1.2 + 0.4 * len(bars)))
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    y = range(len(bars))
+    ax.barh(y, [s - 1 for s in speedups], left=1, height=0.6,
+            color=["tab:green" if s >= 1 else "tab:red" for s in speedups])
+    for i, (s, r) in enumerate(zip(speedups, bars)):
+        ax.text(max(s, 1) * 1.08, i, f"{s:.2f}x vs {r['vs']}", va="center", fontsize=8)
+    ax.axvline(1.0, color="black", linewidth=1)
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
+    ax.set_xlim(lo / 1.6, hi * 3.5)
+    ax.set_yticks(list(y), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("speedup of hbkernels (peer time / hbkernels time, log scale)")
+    ax.set_title(f"hbkernels vs peers on {device_name}{' (smoke sizes)' if smoke else ''}",
+                 fontsize=10)
+    ax.grid(axis="x", which="both", alpha=0.3)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    return None

@@ -1,6 +1,170 @@
-"""``hbkernels info``: placeholder until built."""
+"""``hbkernels info``: versions, devices, and which backends will run and why.
+
+Versions come from the installed distributions' metadata (no heavy imports);
+CuPy, NCCL and the MPI library are asked directly, since their versions are
+what the collectives will use. ``--json`` prints the same as one JSON object.
+
+>>> info = collect_info(probe_mpi=False)
+>>> info["versions"]["hbkernels"] == __import__("hbkernels").__version__
+True
+>>> info["backends"]["numpy"]["available"]
+True
+"""
+import importlib
+import importlib.metadata as metadata
+import json
+import os
+import platform
+import sys
+
+#: label -> distributions that provide it (the first one installed is reported)
+DISTRIBUTIONS = {
+    "numpy": ("numpy",),
+    "numba": ("numba",),
+    "numba-cuda": ("numba-cuda",),
+    "cupy": ("cupy-cuda13x", "cupy-cuda12x", "cupy"),
+    "mpi4py": ("mpi4py",),
+    "torch": ("torch",),
+    "jax": ("jax",),
+    "jaxlib": ("jaxlib",),
+    "tensorflow": ("tensorflow", "tensorflow-cpu"),
+    "pyarrow": ("pyarrow",),
+}
+
+
+def distribution_version(names):
+    for name in names:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def cpu_description():
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {"name": name, "cores": os.cpu_count()}
+
+
+def probe_cuda():
+    """(devices, reason): the CUDA devices CuPy sees, or why there are none."""
+    from .._dispatch import simulator_enabled
+
+    if simulator_enabled():
+        return [], "NUMBA_ENABLE_CUDASIM=1: CUDA kernels run in Numba's simulator on the CPU"
+    try:
+        cupy = importlib.import_module("cupy")
+    except ImportError:
+        return [], "CuPy is not installed (pip install 'hbkernels[cuda12]' or '[cuda13]')"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # noqa: BLE001 - no driver, no device: say so
+        return [], f"CuPy finds no CUDA device ({type(exc).__name__}: {exc})".splitlines()[0]
+    devices = []
+    for i in range(count):
+        props = cupy.cuda.runtime.getDeviceProperties(i)
+        name = props["name"]
+        devices.append({
+            "id": i,
+            "name": name.decode() if isinstance(name, bytes) else str(name),
+            "memory_gib": round(props["totalGlobalMem"] / 2**30, 1),
+            "compute_capability": f"{props['major']}.{props['minor']}",
+        })
+    return devices, None if devices else "CuPy finds no CUDA device"
+
+
+def nccl_version():
+    try:
+        from cupy.cuda import nccl
+    except Exception:  # noqa: BLE001 - CuPy without NCCL
+        return None
+    try:
+        v = nccl.get_version()
+    except Exception:  # noqa: BLE001
+        return None
+    return f"{v // 10000}.{v // 100 % 100}.{v % 100}" if v >= 10000 else f"{v // 1000}.{v // 100 % 10}.{v % 100}"
+
+
+def mpi_library():
+    """The MPI library's own version line, or None without mpi4py (imports mpi4py.MPI)."""
+    try:
+        from mpi4py import MPI
+    except Exception:  # noqa: BLE001 - no mpi4py or no MPI library
+        return None
+    return MPI.Get_library_version().strip().splitlines()[0]
+
+
+def collect_info(probe_mpi=True):
+    """Everything ``hbkernels info`` reports, as a dict."""
+    import numba
+
+    import hbkernels
+    from ..dist import LAUNCHER_ENV_VARS
+
+    versions = {"hbkernels": hbkernels.__version__, "python": platform.python_version()}
+    versions.update({label: distribution_version(names) for label, names in DISTRIBUTIONS.items()})
+    devices, cuda_reason = probe_cuda()
+    versions["nccl"] = nccl_version() if devices else None
+    versions["mpi library"] = mpi_library() if probe_mpi else None
+
+    under_launcher = any(v in os.environ for v in LAUNCHER_ENV_VARS)
+    if not under_launcher:
+        dist_choice = "local: not started by an MPI launcher (mpiexec -n N sets PMI_RANK)"
+    elif devices:
+        dist_choice = "nccl if every rank has a GPU of its own, else mpi (the ranks agree)"
+    else:
+        dist_choice = "mpi: no CUDA device here"
+    simulator = bool(cuda_reason and cuda_reason.startswith("NUMBA_ENABLE_CUDASIM"))
+    return {
+        "versions": versions,
+        "cpu": cpu_description(),
+        "cuda_devices": devices,
+        "backends": {
+            "numpy": {"available": True,
+                      "why": f"NumPy arrays -> Numba CPU kernels on {numba.config.NUMBA_NUM_THREADS} "
+                             f"threads (threading layer: {numba.config.THREADING_LAYER})"},
+            "cuda": {"available": bool(devices) or simulator,
+                     "why": ("CuPy / CUDA arrays -> Numba CUDA kernels on "
+                             + ", ".join(d["name"] for d in devices)) if devices else cuda_reason},
+            "dist": {"available": True, "why": f"hbk.dist.init('auto') -> {dist_choice}"},
+        },
+        "executable": sys.executable,
+    }
+
+
+def format_info(info):
+    lines = ["versions:"]
+    width = max(len(k) for k in info["versions"])
+    for name, version in info["versions"].items():
+        lines.append(f"  {name:<{width}}  {version or '-'}")
+    cpu = info["cpu"]
+    lines.append("devices:")
+    lines.append(f"  cpu   {cpu['name']} ({cpu['cores']} cores)")
+    for d in info["cuda_devices"]:
+        lines.append(f"  cuda:{d['id']} {d['name']} ({d['memory_gib']} GiB, sm {d['compute_capability']})")
+    if not info["cuda_devices"]:
+        lines.append("  cuda  none")
+    lines.append("backends:")
+    for name, b in info["backends"].items():
+        lines.append(f"  {name:<6} {'yes' if b['available'] else 'no ':<4} {b['why']}")
+    return "\n".join(lines)
+
+
+def run(args):
+    info = collect_info()
+    print(json.dumps(info, indent=2) if args.json else format_info(info))
+    return 0
 
 
 def add_command(subparsers):
-    p = subparsers.add_parser("info", help="(not built yet)")
-    p.set_defaults(run=lambda args: 1)
+    p = subparsers.add_parser("info", help="versions, devices, and which backends will be used")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=run)

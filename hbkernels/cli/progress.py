@@ -18,15 +18,16 @@ import time
 
 
 class Progress:
-    """``Progress(total, desc)``; ``update(n=1, **postfix)`` after each unit of work."""
+    """``Progress(total, desc, initial=0)``; ``update(n=1, **postfix)`` after each
+    unit of work (``initial``: units done before, e.g. by a resumed run)."""
 
-    def __init__(self, total, desc="", *, stream=None, enabled=True):
+    def __init__(self, total, desc="", *, initial=0, stream=None, enabled=True):
         self.total = max(int(total), 0)
         self.desc = desc
         self.stream = sys.stderr if stream is None else stream
         self.enabled = enabled and os.environ.get("HBK_PROGRESS", "1") != "0"
         self.tty = self.enabled and getattr(self.stream, "isatty", lambda: False)()
-        self.done = 0
+        self.done = self.initial = int(initial)
         self.postfix = ""
         self.start = time.perf_counter()
         self._drawn_at = 0.0
@@ -50,7 +51,7 @@ class Progress:
 
     def line(self, now=None):
         elapsed = (now or time.perf_counter()) - self.start
-        rate = self.done / elapsed if elapsed > 0 else 0.0
+        rate = (self.done - self.initial) / elapsed if elapsed > 0 else 0.0
         if self.total:
             frac = min(self.done / self.total, 1.0)
             bar = "#" * int(20 * frac)

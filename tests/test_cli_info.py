@@ -1,0 +1,80 @@
+"""``hbkernels info`` and the command line's entry points."""
+import importlib.metadata
+import json
+import shutil
+import subprocess
+import sys
+
+import numba
+import pytest
+
+import hbkernels
+from hbkernels.cli import main
+from hbkernels.cli.info import collect_info, format_info
+
+from mpirun import ROOT, _env
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "hbkernels", *args], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_info_prints_versions_devices_backends():
+    res = run_cli("info")
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    for heading in ("versions:", "devices:", "backends:"):
+        assert heading in out
+    assert f"hbkernels    {hbkernels.__version__}" in out
+    assert f"numba        {numba.__version__}" in out
+    assert "NumPy arrays -> Numba CPU kernels" in out
+
+
+def test_info_json_matches_installed_versions():
+    res = run_cli("info", "--json")
+    assert res.returncode == 0, res.stderr
+    info = json.loads(res.stdout)
+    assert info["versions"]["hbkernels"] == hbkernels.__version__
+    assert info["versions"]["numpy"] == importlib.metadata.version("numpy")
+    torch = info["versions"]["torch"]
+    try:
+        assert torch == importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        assert torch is None
+    assert info["backends"]["numpy"]["available"] is True
+    assert info["cpu"]["cores"] >= 1
+
+
+def test_info_says_why_cuda_runs_where_it_does(monkeypatch):
+    monkeypatch.setenv("NUMBA_ENABLE_CUDASIM", "1")
+    info = collect_info(probe_mpi=False)
+    assert info["cuda_devices"] == []
+    assert info["backends"]["cuda"]["available"] is True    # the simulator runs the CUDA kernels
+    assert "simulator" in info["backends"]["cuda"]["why"]
+    assert "local" in info["backends"]["dist"]["why"]      # not under mpiexec
+    assert "cuda  none" in format_info(info)
+
+
+def test_help_lists_every_command(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    for command in ("info", "bench", "train", "data"):
+        assert f"    {command}" in out
+
+
+def test_data_commands_run_under_hbkernels(tmp_path, capsys):
+    pytest.importorskip("pyarrow")
+    dst = tmp_path / "synthetic.parquet"
+    assert main(["data", "synthetic", str(dst), "--rows", "50", "--table", "user:100:1"]) == 0
+    assert dst.exists() and "wrote 50 rows" in capsys.readouterr().out
+    assert main(["data", "convert", "criteo", str(tmp_path / "missing.txt"), str(dst)]) == 1
+    assert "hbkernels data: error:" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(shutil.which("hbkernels") is None, reason="the console script is not installed")
+def test_console_script():
+    res = subprocess.run(["hbkernels", "info"], capture_output=True, text=True, timeout=120, env=_env())
+    assert res.returncode == 0 and "versions:" in res.stdout

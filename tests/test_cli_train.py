@@ -1,0 +1,170 @@
+"""``hbkernels train``: one process and two ranks follow the same trajectory,
+resume continues exactly, the Criteo sample learns, user errors are one line.
+
+Single-process runs go through ``hbkernels.cli.main`` in this process (the
+kernels are compiled once); the two-rank runs and the error-format checks
+start ``python -m hbkernels`` (under ``mpiexec -n 2`` for the former).
+"""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from mpirun import ROOT, _env, mpirun, needs_mpi
+
+pytest.importorskip("torch")
+pytest.importorskip("pyarrow")
+
+from hbkernels.cli import main  # noqa: E402
+
+SMALL = ["--table", "a:5000:1", "--table", "b:2000:4:var", "--table", "c:300:1",
+         "--dense-features", "5", "--batch-size", "128", "--eval-samples", "512",
+         "--dim", "7", "--bottom", "16", "--top", "16", "--seed", "3"]
+
+
+def train(tmp_path, name, *args):
+    metrics = tmp_path / f"{name}.json"
+    assert main(["train", *SMALL, *map(str, args), "--metrics", str(metrics)]) == 0
+    return json.loads(metrics.read_text())
+
+
+def losses(metrics):
+    return np.array([h["loss"] for h in metrics["train"]])
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """20 steps in one process, no checkpoint: the trajectory the others must follow."""
+    return train(tmp_path_factory.mktemp("straight"), "straight", "--steps", 20)
+
+
+def test_one_process_metrics(straight):
+    assert straight["world_size"] == 1 and straight["backend"] == "local"
+    assert [h["step"] for h in straight["train"]] == list(range(1, 21))
+    assert all(h["samples"] == 128 for h in straight["train"])
+    assert np.isfinite(losses(straight)).all() and straight["samples_per_s"] > 0
+    final = straight["final"]
+    assert final["eval_samples"] == 512 and 0.0 <= final["eval_auc"] <= 1.0
+    assert final["eval_logloss"] > 0 and final["train_loss"] == straight["train"][-1]["loss"]
+    # the planted model is learnable: the training loss falls
+    assert losses(straight)[-5:].mean() < losses(straight)[:5].mean()
+
+
+def test_resume_continues_exactly(tmp_path, straight):
+    ckpt = tmp_path / "ckpt"
+    first = train(tmp_path, "first", "--steps", 10, "--checkpoint", ckpt)
+    np.testing.assert_array_equal(losses(first), losses(straight)[:10])
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step-00000010"]
+    resumed = train(tmp_path, "resumed", "--steps", 20, "--checkpoint", ckpt, "--resume")
+    np.testing.assert_array_equal(losses(resumed), losses(straight))
+    assert resumed["final"] == straight["final"]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step-00000020"]
+
+
+def test_periodic_checkpoints_keep_only_the_latest(tmp_path, straight):
+    ckpt = tmp_path / "ckpt"
+    run = train(tmp_path, "periodic", "--steps", 12, "--checkpoint", ckpt, "--checkpoint-every", 5,
+                "--eval-every", 6)
+    np.testing.assert_array_equal(losses(run), losses(straight)[:12])
+    assert [e["step"] for e in run["eval"]] == [6, 12]
+    assert (ckpt / "latest").read_text() == "step-00000012"
+    assert sorted(p.name for p in ckpt.glob("step-*")) == ["step-00000012"]
+
+
+@needs_mpi
+def test_two_ranks_follow_one_process(tmp_path, straight):
+    """Same seed, same global batches: 2 ranks (row-wise tables, summed gradients)
+    reach the one-process losses, and resume a one-process checkpoint."""
+    m2 = tmp_path / "two.json"
+    rc, out, _ = mpirun(2, "-m hbkernels", "train", *SMALL, "--steps", 20, "--plan", "row_wise",
+                        "--metrics", m2, timeout=240, cwd=tmp_path)
+    assert rc == 0, out[-4000:]
+    two = json.loads(m2.read_text())
+    assert two["world_size"] == 2 and two["plan"]["placements"]["a"]["kind"] == "row_wise"
+    np.testing.assert_allclose(losses(two), losses(straight), rtol=2e-5, atol=1e-6)
+    for key in ("eval_logloss", "eval_auc"):
+        assert two["final"][key] == pytest.approx(straight["final"][key], rel=1e-4)
+    assert two["final"]["eval_samples"] == 512
+
+    ckpt = tmp_path / "ckpt"
+    train(tmp_path, "first", "--steps", 10, "--checkpoint", ckpt)
+    m3 = tmp_path / "resumed.json"
+    rc, out, _ = mpirun(2, "-m hbkernels", "train", *SMALL, "--steps", 20, "--checkpoint", ckpt,
+                        "--resume", "--metrics", m3, timeout=240, cwd=tmp_path)
+    assert rc == 0, out[-4000:]
+    np.testing.assert_allclose(losses(json.loads(m3.read_text())), losses(straight),
+                               rtol=2e-5, atol=1e-6)
+
+
+def test_criteo_sample_logloss_falls(tmp_path):
+    from hbkernels.data import convert_criteo
+
+    data = tmp_path / "criteo.parquet"
+    convert_criteo(ROOT / "tests" / "data" / "criteo_sample.txt", data)
+    metrics = tmp_path / "criteo.json"
+    # 200 rows, batches of 64: 4 steps per epoch; evaluate after each of 5 epochs
+    assert main(["train", "--data", str(data), "--epochs", "5", "--batch-size", "64",
+                 "--num-rows", "1000", "--eval-every", "4", "--metrics", str(metrics)]) == 0
+    run = json.loads(metrics.read_text())
+    evals = [e["logloss"] for e in run["eval"]]
+    assert [e["step"] for e in run["eval"]] == [4, 8, 12, 16, 20]
+    assert all(e["samples"] == 200 for e in run["eval"])
+    assert all(b < a for a, b in zip(evals, evals[1:])), evals
+    assert evals[-1] < 0.8 * evals[0]
+    assert sum(h["samples"] for h in run["train"][:4]) == 200   # one epoch is every row once
+
+
+def run_cli(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "hbkernels", *map(str, args)], cwd=cwd,
+                          env=_env(), capture_output=True, text=True, timeout=180)
+
+
+def cuda_gpu_present():
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0 and os.environ.get("NUMBA_ENABLE_CUDASIM") != "1"
+    except Exception:  # noqa: BLE001
+        return False
+
+
+@pytest.fixture(scope="module")
+def criteo_parquet(tmp_path_factory):
+    from hbkernels.data import convert_criteo
+
+    path = tmp_path_factory.mktemp("criteo") / "criteo.parquet"
+    convert_criteo(ROOT / "tests" / "data" / "criteo_sample.txt", path)
+    return path
+
+
+@pytest.mark.parametrize("case", ["missing file", "bad column", "bad label", "unknown plan",
+                                  "no gpu", "nothing to resume", "epochs on synthetic"])
+def test_user_errors_are_one_line(tmp_path, criteo_parquet, case):
+    if case == "no gpu" and cuda_gpu_present():
+        pytest.skip("a CUDA GPU is present")
+    args, expected = {
+        "missing file": (["--data", tmp_path / "nope.parquet"], "no such file"),
+        "bad column": (["--data", criteo_parquet, "--sparse-columns", "C1,C99"], "no column 'C99'"),
+        "bad label": (["--data", criteo_parquet, "--label", "click"], "no label column 'click'"),
+        "unknown plan": (["--plan", "everywhere"], "unknown plan 'everywhere'"),
+        "no gpu": (["--device", "cuda"], "--device cuda: no CUDA GPU"),
+        "nothing to resume": (["--checkpoint", tmp_path / "ck", "--resume"], "no checkpoint to resume"),
+        "epochs on synthetic": (["--epochs", "2"], "need Parquet --data"),
+    }[case]
+    res = run_cli("train", *args, "--steps", 2, cwd=tmp_path)
+    assert res.returncode == 1, res.stdout + res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hbkernels train: error: "), res.stderr
+    assert expected in lines[0] and "Traceback" not in res.stderr
+
+
+def test_resume_with_another_configuration_is_refused(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    train(tmp_path, "first", "--steps", 2, "--checkpoint", ckpt)
+    res = run_cli("train", *SMALL[:-2], "--seed", "4", "--steps", 4, "--checkpoint", ckpt,
+                  "--resume", cwd=tmp_path)
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    assert "another configuration" in res.stderr and "seed: 3 -> 4" in res.stderr
