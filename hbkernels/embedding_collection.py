@@ -568,8 +568,12 @@ class EmbeddingCollection:
             space = self._space(group[2])
             num_rows = int(self.groups[group]["weights"].shape[0])
             parts = self._pool_backward(space, ctx["pools"], grads, num_rows)
-            ids = space.xp.concatenate([p[0].astype(np.int64) for p in parts])
-            rows = space.xp.concatenate([p[1] for p in parts])
+            if parts:
+                ids = space.xp.concatenate([p[0].astype(np.int64) for p in parts])
+                rows = space.xp.concatenate([p[1] for p in parts])
+            else:  # none of the group's features was in the forward: nothing to add
+                ids = space.xp.zeros(0, np.int64)
+                rows = space.xp.zeros((0, group[0]), np.float32)
             if self.comm.world_size > 1:
                 with self._phase("comm"):
                     wire = self._wire_itemsize(np.float32)

@@ -329,6 +329,22 @@ def test_empty_global_batch_counts_a_step_and_moves_nothing(plan):
         np.testing.assert_array_equal(st["exp_avg"], 0.0)
 
 
+def test_a_forward_without_a_replicated_tables_features():
+    """A forward that leaves out every feature of a data_parallel table: its
+    backward adds nothing to it (it used to concatenate an empty list)."""
+    tables = [hbk.TableSpec("small", num_rows=10, dim=3), hbk.TableSpec("big", num_rows=50, dim=3)]
+    coll = hbk.EmbeddingCollection(tables, comm=local(), optimizer=hbk.optim.SGD(lr=0.5),
+                                   plan={"small": "data_parallel", "big": "row_wise"}, seed=2)
+    small, big = coll.full_weights("small").copy(), coll.full_weights("big").copy()
+    out = coll.forward({"big": np.array([4, 49])})
+    assert set(out) == {"big"}
+    coll.backward({"big": np.ones((2, 3), np.float32)})
+    np.testing.assert_array_equal(coll.full_weights("small"), small)
+    expected = big.copy()
+    expected[[4, 49]] -= 0.5
+    np.testing.assert_allclose(coll.full_weights("big"), expected, rtol=1e-6)
+
+
 # -- checkpoints in one process -----------------------------------------------------------------
 def _trained(tmp_path, kind="Adam", plan="mixed", steps=2, key="ckpt-local"):
     opt = cr.make_optimizer(hbk, kind)

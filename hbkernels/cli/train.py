@@ -66,7 +66,8 @@ def add_command(subparsers):
 
     p = subparsers.add_parser(
         "train", help="train a DLRM-style CTR model (synthetic data or Parquet; mpiexec for N ranks)",
-        description=__doc__.split("\n\n")[2].replace("\n", " "))
+        description="\n\n".join(__doc__.split("\n\n")[1:3]),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     data = p.add_argument_group("data")
     data.add_argument("--data", default="synthetic",
                       help="'synthetic' (made on the fly) or Parquet file(s)/directory")

@@ -1,0 +1,131 @@
+"""The user guide in docs/ runs: every ```python block of a page, in order, as one
+script in a fresh namespace, with the current directory a fresh temporary one
+(files the examples write land there; ``tests/data`` is linked into it, so the
+examples name the sample data as a user at the repository root would).
+
+Fences other than exactly ```python (``python-gpu`` for GPU-only snippets,
+``bash``, ``text``) are shown, not run -- except the commands these tests pick
+out of the pages: the ``python3 -m hbkernels.data`` command lines of data.md,
+and the ``mpiexec -n N python -m mpi4py examples/...`` line of collectives.md,
+which runs under mpiexec with a wall-clock limit (skipped without mpiexec /
+mpi4py). A page whose examples import an optional package (torch, jax,
+tensorflow, pyarrow) is skipped when it is missing.
+"""
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mpirun import HAVE_MPI4PY, MPIEXEC, assert_ok, mpirun
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+PAGES = sorted(DOCS.glob("*.md"))
+FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.M | re.S)
+OPTIONAL = ("torch", "jax", "tensorflow", "pyarrow", "keras")
+IMPORT = re.compile(r"^\s*(?:import|from)\s+(" + "|".join(OPTIONAL) + r")\b", re.M)
+# packages a page needs without importing them itself (hbk.data reads Parquet with pyarrow)
+INDIRECT = {"data.md": ("pyarrow",)}
+
+
+def blocks(page, lang):
+    """``(first line number, code)`` of each block fenced exactly as ```lang."""
+    text = page.read_text()
+    return [(text.count("\n", 0, m.start(2)) + 1, m.group(2))
+            for m in FENCE.finditer(text) if m.group(1).strip() == lang]
+
+
+def script(page):
+    """The page's python blocks as one script whose line numbers are the page's own
+    (every other line blank), so a traceback points at the line of the .md file."""
+    lines = [""] * (page.read_text().count("\n") + 1)
+    for first, code in blocks(page, "python"):
+        for i, line in enumerate(code.splitlines()):
+            lines[first - 1 + i] = line
+    return "\n".join(lines) + "\n"
+
+
+RUNNABLE = [p for p in PAGES if blocks(p, "python")]
+
+
+@pytest.fixture
+def user_dir(tmp_path, monkeypatch):
+    """A fresh working directory that looks like the repository root to the examples."""
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "data").symlink_to(ROOT / "tests" / "data", target_is_directory=True)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))  # for the examples' subprocesses
+    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "2")
+    return tmp_path
+
+
+def test_the_guide_has_its_pages():
+    names = {p.name for p in PAGES}
+    expected = {"README.md", "kernels.md", "optimizers.md", "collectives.md", "sharding.md",
+                "data.md", "adapters.md"}
+    assert expected <= names, f"missing pages: {sorted(expected - names)}"
+    index = (DOCS / "README.md").read_text()
+    for name in sorted(names - {"README.md"}):
+        assert f"]({name})" in index, f"docs/README.md does not link {name}"
+        assert blocks(DOCS / name, "python"), f"{name} has no runnable example"
+
+
+def _anchors(page):
+    """GitHub's ids of the headings of ``page``: lower case, punctuation dropped, spaces -> '-'."""
+    text = FENCE.sub("", page.read_text())
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            for h in re.findall(r"^#+ (.*)$", text, re.M)}
+
+
+def test_links_between_pages_resolve():
+    for page in PAGES:
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", page.read_text()):
+            resolved = (page.parent / target).resolve() if target else page
+            if "://" in target or ROOT not in resolved.parents:
+                continue  # the web, or outside the repository
+            assert resolved.exists(), f"{page.name} links to a missing {target}"
+            if anchor and resolved.suffix == ".md":
+                assert anchor in _anchors(resolved), f"{page.name}: no #{anchor} in {target or page.name}"
+
+
+@pytest.mark.parametrize("page", RUNNABLE, ids=lambda p: p.name)
+def test_page_examples_run(page, user_dir):
+    code = script(page)
+    for module in sorted(set(IMPORT.findall(code)) | set(INDIRECT.get(page.name, ()))):
+        pytest.importorskip(module)
+    exec(compile(code, str(page), "exec"), {"__name__": "__main__"})
+
+
+def _data_commands():
+    """The ``python3 -m hbkernels.data ...`` command lines of data.md's bash blocks."""
+    return [line.strip() for _, code in blocks(DOCS / "data.md", "bash")
+            for line in code.splitlines() if line.strip().startswith("python3 -m hbkernels.data")]
+
+
+def test_data_command_lines_run(user_dir):
+    pytest.importorskip("pyarrow")
+    commands = _data_commands()
+    assert commands, "data.md shows no python3 -m hbkernels.data command"
+    for command in commands:
+        argv = shlex.split(command.split("#")[0])
+        res = subprocess.run([sys.executable, *argv[1:]], capture_output=True, text=True,
+                             timeout=120)
+        assert res.returncode == 0, f"{command}\n{res.stdout}\n{res.stderr}"
+        assert res.stdout.startswith("wrote "), res.stdout
+
+
+@pytest.mark.skipif(not (MPIEXEC and HAVE_MPI4PY),
+                    reason="needs mpiexec and mpi4py (pip install 'hbkernels[mpi]')")
+def test_two_rank_example_runs_under_mpiexec():
+    """The launch line collectives.md shows, run as shown (bounded: a hang fails)."""
+    launches = [re.match(r"mpiexec -n (\d+) python -m mpi4py (examples/\S+\.py)\s*$", line.strip())
+                for _, code in blocks(DOCS / "collectives.md", "bash") for line in code.splitlines()]
+    launches = [m for m in launches if m]
+    assert launches, "collectives.md shows no `mpiexec -n N python -m mpi4py examples/...` line"
+    for m in launches:
+        n, script_path = int(m.group(1)), ROOT / m.group(2)
+        assert script_path.exists(), script_path
+        rc, out, _ = mpirun(n, script_path, timeout=180)
+        assert_ok(rc, out, range(n))
