@@ -4,6 +4,7 @@
 ``[1e-7, 1 - 1e-7]``; ``roc_auc`` is the Mann-Whitney statistic: the
 probability that a random positive scores above a random negative, ties
 counting one half (average ranks), as ``sklearn.metrics.roc_auc_score``.
+Labels and scores of different lengths, or NaN scores, raise ``ValueError``.
 
 >>> import numpy as np
 >>> roc_auc(np.array([0, 0, 1, 1]), np.array([0.1, 0.4, 0.35, 0.8]))
@@ -16,9 +17,19 @@ import numpy as np
 EPS = 1e-7
 
 
+def _checked(labels, scores, what):
+    y = np.asarray(labels, np.float64).reshape(-1)
+    s = np.asarray(scores, np.float64).reshape(-1)
+    if y.shape != s.shape:
+        raise ValueError(f"{len(y)} labels but {len(s)} {what}")
+    if np.isnan(s).any():
+        raise ValueError(f"{what} contain NaN")
+    return y, s
+
+
 def logloss(labels, probs):
-    y = np.asarray(labels, np.float64)
-    p = np.clip(np.asarray(probs, np.float64), EPS, 1 - EPS)
+    y, p = _checked(labels, probs, "probabilities")
+    p = np.clip(p, EPS, 1 - EPS)
     if y.size == 0:
         return float("nan")
     return float(-np.mean(y * np.log(p) + (1 - y) * np.log1p(-p)))
@@ -26,8 +37,8 @@ def logloss(labels, probs):
 
 def roc_auc(labels, scores):
     """Area under the ROC curve; NaN when there are no positives or no negatives."""
-    y = np.asarray(labels, np.float64) > 0.5
-    s = np.asarray(scores, np.float64)
+    y, s = _checked(labels, scores, "scores")
+    y = y > 0.5
     positives = int(y.sum())
     negatives = y.size - positives
     if positives == 0 or negatives == 0:

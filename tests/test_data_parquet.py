@@ -29,11 +29,12 @@ def make_table(rng, first_row, n):
     })
 
 
-def write_files(tmp_path, rng, sizes, row_group_size):
-    """Files of ``sizes`` rows (0 = an empty file) in row groups of ``row_group_size``."""
+def write_files(tmp_path, rng, sizes, row_group_size, make=None):
+    """Files of ``sizes`` rows (0 = an empty file) in row groups of ``row_group_size``;
+    ``make(rng, first_row, n)`` builds each table (default: :func:`make_table`)."""
     paths, tables, first = [], [], 0
     for i, n in enumerate(sizes):
-        t = make_table(rng, first, n)
+        t = (make or make_table)(rng, first, n)
         path = tmp_path / f"part-{i:02d}.parquet"
         pq.write_table(t, path, row_group_size=row_group_size)
         paths.append(str(path))

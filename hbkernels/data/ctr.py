@@ -18,7 +18,7 @@ with ``v ~ N(0, 0.25 / K)`` and ``h_t ~ N(0, 2 / T)`` per row, drawn from the se
 
 :class:`ParquetClicks` reads a rank's batches of a Parquet data set through
 :class:`hbkernels.data.ParquetDataset`: a label column, float columns as dense
-features (nulls 0, then ``log1p(max(x, 0))`` as DLRM does for Criteo) and
+features (nulls and NaN 0, then ``log1p(max(x, 0))`` as DLRM does for Criteo) and
 integer, string or list columns as ids taken modulo ``num_rows`` (the hashing
 trick: hashed Criteo ids are 63-bit).
 
@@ -113,7 +113,9 @@ class SyntheticClicks:
 
 
 def _kind(pa, t):
-    """'dense', 'sparse' or None for one Arrow column type."""
+    """'dense', 'sparse' or None for one Arrow column type (dictionary-encoded: its values')."""
+    if pa.types.is_dictionary(t):
+        t = t.value_type
     if pa.types.is_list(t) or pa.types.is_large_list(t):
         v = t.value_type
         return "sparse" if pa.types.is_integer(v) or pa.types.is_string(v) or pa.types.is_large_string(v) else None
@@ -171,6 +173,12 @@ class ParquetClicks:
                 raise ValueError(f"column {c!r} cannot be a {kind} feature; columns: {listing}")
         return list(names)
 
+    def _bucket(self, ids):
+        """``ids % num_rows`` as int64, exact for unsigned ids too."""
+        if ids.dtype.kind == "u":
+            return (ids.astype(np.uint64) % np.uint64(self.num_rows)).astype(np.int64)
+        return ids.astype(np.int64) % self.num_rows
+
     @property
     def features(self):
         return list(self.sparse)
@@ -185,13 +193,13 @@ class ParquetClicks:
         for b in self.dataset:
             n = len(b[self.label])
             dense = np.empty((n, len(self.dense)), np.float32)
-            for j, c in enumerate(self.dense):
-                dense[:, j] = np.log1p(np.maximum(b[c], 0))
+            for j, c in enumerate(self.dense):   # NaN counts as missing, like a null
+                dense[:, j] = np.log1p(np.maximum(np.nan_to_num(b[c], nan=0.0), 0))
             sparse = {}
             for c in self.sparse:
                 ids = b[c]
                 if isinstance(ids, Ragged):
-                    sparse[c] = Ragged(ids.values.astype(np.int64) % self.num_rows, ids.offsets.copy())
+                    sparse[c] = Ragged(self._bucket(ids.values), ids.offsets.copy())
                 else:
-                    sparse[c] = ids.astype(np.int64) % self.num_rows
+                    sparse[c] = self._bucket(ids)
             yield ClickBatch(np.array(b[self.label], np.float32), dense, sparse)
