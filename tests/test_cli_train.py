@@ -168,3 +168,25 @@ def test_resume_with_another_configuration_is_refused(tmp_path):
                   "--resume", cwd=tmp_path)
     assert res.returncode == 1 and "Traceback" not in res.stderr
     assert "another configuration" in res.stderr and "seed: 3 -> 4" in res.stderr
+
+
+@needs_mpi
+def test_an_error_on_one_rank_ends_every_rank(tmp_path):
+    """A null label in rank 1's rows only: rank 1 fails mid-epoch, says so in one
+    line, and the job ends (MPI_Abort) instead of rank 0 waiting in a collective."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    n = 64
+    label = [float(i % 2) for i in range(n)]
+    label[50] = None                                   # rows 32..63 are rank 1's
+    path = tmp_path / "bad.parquet"
+    pq.write_table(pa.table({"label": pa.array(label, pa.float32()),
+                             "x": np.arange(n, dtype=np.float32),
+                             "id": np.arange(n) % 7}), path)
+    rc, out, seconds = mpirun(2, "-m hbkernels", "train", "--data", path, "--batch-size", 16,
+                              "--num-rows", 10, "--steps", 8, "--metrics", tmp_path / "m.json",
+                              timeout=120, cwd=tmp_path)
+    assert rc != 0, out[-3000:]
+    assert "hbkernels train: error on rank 1: column 'label' has a null at row 50" in out, out[-3000:]
+    assert "Traceback" not in out and not (tmp_path / "m.json").exists()

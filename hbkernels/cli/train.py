@@ -190,9 +190,9 @@ def run(args):
     try:
         import torch  # noqa: F401
     except ImportError:
-        raise CLIError("hbkernels train needs PyTorch: pip install 'hbkernels[torch]'") from None
+        raise CLIError("hbkernels train needs PyTorch: pip install 'hbkernels[train]'") from None
     device = resolve_device(args.device)
-    if args.data != "synthetic":  # bad paths and columns: one line on every rank, before MPI
+    if args.data != "synthetic":  # bad paths and columns: one line (rank 0's) before MPI starts
         for path in filter(None, (args.data, args.eval_data)):
             parquet_clicks(args, path, 0, 1, 0)
     comm = open_communicator(device)
@@ -331,6 +331,8 @@ class Trainer:
                 yield step, self.train_data.batch(step, a.batch_size).rows(lo, hi), a.batch_size
             return
         per_epoch = len(self.train_data)
+        if per_epoch == 0 and self.step < self.steps:
+            raise CLIError(f"no rows to train on in {a.data}")
         step = self.step
         while step < self.steps:
             epoch, skip = divmod(step, per_epoch)
