@@ -22,7 +22,6 @@ import csv
 import importlib
 import math
 import os
-import platform
 import re
 import time
 from dataclasses import dataclass
@@ -30,6 +29,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import numpy as np
+
+from hbkernels.cli.info import cpu_name
 
 COLUMNS = (
     "op", "provider", "mode", "size", "dtype",
@@ -125,17 +126,6 @@ def assert_same(got, expected, rtol, atol, what):
 
 
 # -- device -------------------------------------------------------------------
-def cpu_name():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "cpu"
-
-
 def gpu_name(cupy):
     name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"]
     return name.decode() if isinstance(name, bytes) else str(name)

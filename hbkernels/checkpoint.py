@@ -80,6 +80,13 @@ def write_atomic(path, write):
     return out
 
 
+def write_json_atomic(path, obj):
+    """``obj`` as indented JSON (non-JSON numbers such as NumPy floats as float) in
+    ``path``, atomically (:func:`write_atomic`)."""
+    text = (json.dumps(obj, indent=1, default=float) + "\n").encode()
+    write_atomic(path, lambda f: f.write(text))
+
+
 def _save_array(path, array):
     """``np.save`` (no pickle) atomically; returns (crc32, bytes)."""
     def write(f):
@@ -169,8 +176,7 @@ def save(coll, path):
                        for name, spec in coll.tables.items()],
             "files": [f for r in everyone for f in r["files"]],
         }
-        text = json.dumps(manifest, indent=1).encode()
-        write_atomic(os.path.join(path, MANIFEST), lambda f: f.write(text))
+        write_json_atomic(os.path.join(path, MANIFEST), manifest)
         fsync_dir(path)
         for entry in os.listdir(path):  # older saves and leftovers of crashed ones
             if entry.startswith("save-") and entry != save_dir:

@@ -31,12 +31,12 @@ import contextlib
 import datetime
 import importlib
 import importlib.util
-import json
 import platform
 import sys
 from pathlib import Path
 
 from . import CLIError
+from ..checkpoint import write_json_atomic
 from .progress import Progress
 
 DEFAULT_OUT = "hbkernels-bench"
@@ -191,9 +191,7 @@ def write_json(path, ctx, rows, args, ops, failed):
         "notes": list(ctx.notes),
         "rows": rows,
     }
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1)
-        f.write("\n")
+    write_json_atomic(path, doc)
 
 
 def write_chart(path, rows, device_name, smoke=False):

@@ -41,17 +41,16 @@ def distribution_version(names):
     return None
 
 
-def cpu_description():
-    name = platform.processor() or platform.machine()
+def cpu_name():
+    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("model name"):
-                    name = line.split(":", 1)[1].strip()
-                    break
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return {"name": name, "cores": os.cpu_count()}
+    return platform.processor() or platform.machine() or "cpu"
 
 
 def probe_cuda():
@@ -125,7 +124,7 @@ def collect_info(probe_mpi=True):
     simulator = bool(cuda_reason and cuda_reason.startswith("NUMBA_ENABLE_CUDASIM"))
     return {
         "versions": versions,
-        "cpu": cpu_description(),
+        "cpu": {"name": cpu_name(), "cores": os.cpu_count()},
         "cuda_devices": devices,
         "backends": {
             "numpy": {"available": True,

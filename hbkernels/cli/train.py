@@ -513,9 +513,9 @@ class Trainer:
 
 
 def write_json(path, obj):
-    from ..checkpoint import write_atomic
+    from ..checkpoint import write_json_atomic
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, lambda f: f.write(json.dumps(obj, indent=1, default=float).encode()))
+    write_json_atomic(path, obj)
 
