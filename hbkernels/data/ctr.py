@@ -138,22 +138,24 @@ class ParquetClicks:
 
     def __init__(self, paths, batch_size, *, num_rows, label="label", dense=None, sparse=None,
                  rank=0, world_size=1, shuffle_buffer=0, seed=0):
-        from . import ParquetDataset
         from ._io import require_pyarrow
+        from .parquet import ParquetDataset, _close, _expand_paths, _open
 
         pa, _, pq = require_pyarrow()
-        probe = ParquetDataset(paths, batch_size, rank=rank, world_size=world_size, prefetch=0)
-        schema = pq.read_schema(probe.files[0])
+        first = _expand_paths(paths)[0]
+        handle = _open(pq, first)
+        schema = handle.schema_arrow   # the dataset checks that the other files agree
+        _close(handle)
         kinds = {f.name: _kind(pa, f.type) for f in schema}
         listing = ", ".join(f"{f.name} ({f.type})" for f in schema)
         if label not in kinds:
-            raise ValueError(f"no label column {label!r} in {probe.files[0]}; columns: {listing}")
+            raise ValueError(f"no label column {label!r} in {first}; columns: {listing}")
         self.label = label
         self.dense = self._columns(dense, "dense", kinds, listing)
         self.sparse = self._columns(sparse, "sparse", kinds, listing)
         if not self.sparse:
             raise ValueError(f"no categorical (integer, string or list) columns in "
-                             f"{probe.files[0]}; columns: {listing}")
+                             f"{first}; columns: {listing}")
         self.num_rows = int(num_rows)
         strings = {c for c in self.sparse if "string" in str(schema.field(c).type)}
         fill = {c: 0.0 for c in self.dense}
