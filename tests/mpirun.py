@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -45,14 +46,27 @@ def _env(**extra):
 def mpirun(n, script, *args, timeout=120, launcher=(), env=None, cwd=ROOT):
     """Run ``script`` (a path, or ``"-m module"``) on ``n`` ranks; returns
     (returncode, output, seconds). Past ``timeout`` the job is terminated and
-    the test fails as a hang."""
+    the test fails as a hang. The ``OK rank r`` lines the ranks left as marker
+    files (tests/mpi/harness.finish) are added to the output where mpiexec's
+    forwarding lost them."""
     if str(script).startswith("-m "):
         target = ["-m", str(script)[3:]]
     else:
         target = [str(script if os.path.isabs(str(script)) else SCRIPTS / script)]
     cmd = [MPIEXEC, *launcher, "-n", str(n), sys.executable, "-m", "mpi4py", *target, *map(str, args)]
+    with tempfile.TemporaryDirectory(prefix="hbk-ok-") as ok_dir:
+        env = {**(env or _env()), "HBK_TEST_OK_DIR": ok_dir}
+        rc, out, seconds = _launch(cmd, cwd, env, timeout)
+        for marker in sorted(Path(ok_dir).iterdir()):
+            line = marker.read_text().strip()
+            if line not in out:
+                out += f"\n{line} (from its marker file; mpiexec lost the printed line)\n"
+    return rc, out, seconds
+
+
+def _launch(cmd, cwd, env, timeout):
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env or _env(), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
