@@ -345,40 +345,63 @@ class Context:
     # -- timing -----------------------------------------------------------------
     def measure(self, run, copies, block=None):
         """Time ``run(copy)`` rotating over ``copies``: warm-up, then repetitions."""
-        n = len(copies)
+        return self.measure_together([(run, copies, block)])[0]
 
+    def measure_together(self, cases):
+        """Time each ``(run, copies, block)`` of ``cases`` (providers of one op):
+        warm-up, then repetitions, a number per case filling about ``budget_s``.
+
+        On a GPU each case runs its repetitions back to back between CUDA events.
+        On the CPU the cases take turns, each case's calls spread evenly over
+        the rounds, so that what drifts on a shared machine (other tenants,
+        clocks) hits every provider alike and their ratio is fair."""
+        calls = [self._caller(*case) for case in cases]
+        reps = []
+        for call in calls:
+            warm = []
+            for i in range(self.warmup):
+                t0 = time.perf_counter()
+                call(i)
+                self.sync()
+                warm.append(time.perf_counter() - t0)
+            reps.append(self.reps or int(np.clip(self.budget_s / max(min(warm), 1e-6),
+                                                 self.min_reps, self.max_reps)))
+        start = self.warmup  # go on rotating: the first timed copy is not the last warm one
+        if self.is_cuda:
+            return [Timing.of(self._ms_on_stream(call, start, n) if case[2] is None
+                              else [self._ms_wall(call, start + i) for i in range(n)])
+                    for call, case, n in zip(calls, cases, reps)]
+        times = [[] for _ in calls]
+        rounds = max(reps)
+        for r in range(rounds):
+            for call, n, t in zip(calls, reps, times):
+                if (r + 1) * n // rounds > r * n // rounds:  # n calls spread over the rounds
+                    t.append(self._ms_wall(call, start + len(t)))
+        return [Timing.of(t) for t in times]
+
+    def _caller(self, run, copies, block):
         def call(i):
-            result = run(copies[i % n])
+            result = run(copies[i % len(copies)])
             if block is not None:
                 block(result)
+        return call
 
-        warm = []
-        for i in range(self.warmup):
-            t0 = time.perf_counter()
-            call(i)
-            self.sync()
-            warm.append(time.perf_counter() - t0)
-        reps = self.reps or int(np.clip(self.budget_s / max(min(warm), 1e-6),
-                                        self.min_reps, self.max_reps))
-        start = self.warmup  # go on rotating: the first timed copy is not the last warm one
-        if self.is_cuda and block is None:
-            cp = self.xp
-            events = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(reps)]
-            for i, (begin, end) in enumerate(events):
-                begin.record()
-                call(start + i)
-                end.record()
-            events[-1][1].synchronize()
-            times = [cp.cuda.get_elapsed_time(begin, end) for begin, end in events]
-        else:
-            times = []
-            for i in range(reps):
-                self.sync()
-                t0 = time.perf_counter()
-                call(start + i)
-                self.sync()
-                times.append((time.perf_counter() - t0) * 1e3)
-        return Timing.of(times)
+    def _ms_on_stream(self, call, start, reps):
+        cp = self.xp
+        events = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(reps)]
+        for i, (begin, end) in enumerate(events):
+            begin.record()
+            call(start + i)
+            end.record()
+        events[-1][1].synchronize()
+        return [cp.cuda.get_elapsed_time(begin, end) for begin, end in events]
+
+    def _ms_wall(self, call, i):
+        self.sync()
+        t0 = time.perf_counter()
+        call(i)
+        self.sync()
+        return (time.perf_counter() - t0) * 1e3
 
     # -- one case: verify, then time every provider -------------------------------
     def compare(self, op, mode, size, dtype, inputs, providers, *, nbytes,
@@ -421,8 +444,8 @@ class Context:
 
         moved = nbytes(hbk_result) if callable(nbytes) else nbytes
         ref_name = next((r for r in reference if any(p.name == r for p in timed)), None)
-        for p in timed:
-            timing = self.measure(p.run, prepared[p.name], p.block)
+        timings = self.measure_together([(p.run, prepared[p.name], p.block) for p in timed])
+        for p, timing in zip(timed, timings):
             self.record(op, p.name, mode, size, dtype, timing, moved, reference=ref_name)
         del prepared, copies
         self.release()

@@ -5,6 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hbkernels as hbk
+from hbkernels.cpu._common import STACK_ROW_MAX_BYTES
 
 
 def reference_embedding_bag(weights, values, offsets, combiner, psw=None, skip_bad=False):
@@ -48,6 +49,21 @@ def test_matches_reference(backend, rng, combiner, dim, dtype):
     out = backend.get(out)
     assert out.shape == (batch, dim)
     assert_close(out, reference_embedding_bag(weights, values, offsets, combiner), dtype)
+
+
+@pytest.mark.parametrize("dtype, dim", [
+    (np.float32, STACK_ROW_MAX_BYTES // 4), (np.float32, STACK_ROW_MAX_BYTES // 4 + 1),
+    (np.float16, STACK_ROW_MAX_BYTES // 4 + 1), (np.float64, STACK_ROW_MAX_BYTES // 8 + 1)])
+def test_rows_on_both_sides_of_the_stack_row_limit_cpu(rng, dtype, dim):
+    """The CPU kernel sums a bag in a stack row up to STACK_ROW_MAX_BYTES of
+    accumulator, in the output row itself beyond (fp16 accumulates in fp32)."""
+    weights, values, offsets = make_case(rng, None, 40, dim, 6, 9, dtype, np.int64, np.int32)
+    psw = rng.uniform(0.1, 2.0, size=values.shape).astype(np.float32)
+    values[1] = 40  # skipped under bounds="zero"
+    out = hbk.embedding_bag(weights, values, offsets, combiner="mean", per_sample_weights=psw,
+                            bounds="zero")
+    assert_close(out, reference_embedding_bag(weights, values, offsets, "mean", psw, skip_bad=True),
+                 dtype)
 
 
 @pytest.mark.parametrize("id_dtype", [np.int32, np.int64])

@@ -59,6 +59,43 @@ def first_out_of_range(ids, limit):
     return -1
 
 
+STACK_ROW_MAX_BYTES = 1 << 14
+
+
+@intrinsic
+def scratch_row(typingctx, size, out, index):
+    """A row to accumulate ``out[index]`` in: ``size`` (a compile-time constant,
+    e.g. a closure constant of the kernel factory) elements of ``out``'s dtype
+    on the calling kernel's stack (``alloca`` in its entry block, so one per
+    thread in a ``prange`` body), or ``out[index]`` itself when the row would
+    take more than ``STACK_ROW_MAX_BYTES``. LLVM keeps a stack row in vector
+    registers across a loop that adds table rows into it, where a row of
+    ``out``, which might alias the table, is loaded and stored on every add.
+    Uninitialised; it must not outlive the kernel (never return or store it)."""
+    if not (isinstance(size, types.IntegerLiteral) and isinstance(out, types.Array)
+            and out.ndim == 2 and out.layout == "C" and isinstance(index, types.Integer)):
+        return None
+    row_type = types.Array(out.dtype, 1, "C")
+    length, itemsize = size.literal_value, np.dtype(str(out.dtype)).itemsize
+    sig = row_type(size, out, index)
+    if length * itemsize > STACK_ROW_MAX_BYTES:
+        def row_of_out(context, builder, sig, args):
+            return context.compile_internal(builder, lambda size, out, index: out[index], sig, args)
+        return sig, row_of_out
+
+    def row_on_stack(context, builder, sig, args):
+        elem = context.get_data_type(out.dtype)
+        row = context.make_array(row_type)(context, builder)
+        intp = context.get_value_type(types.intp)
+        context.populate_array(row, data=cgutils.alloca_once(builder, elem, size=length),
+                               shape=[ir.Constant(intp, length)],
+                               strides=[ir.Constant(intp, itemsize)],
+                               itemsize=ir.Constant(intp, itemsize), meminfo=None)
+        return row._getvalue()
+
+    return sig, row_on_stack
+
+
 @intrinsic
 def prefetch(typingctx, array, row, col):
     """Hint the CPU to bring ``array[row, col]``'s cache line in (``llvm.prefetch``, read)."""
