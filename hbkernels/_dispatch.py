@@ -17,6 +17,8 @@ import os
 
 import numpy as np
 
+from . import _validate
+
 _DLPACK_CUDA_DEVICES = (2, 13)  # kDLCUDA, kDLCUDAManaged
 
 
@@ -209,6 +211,12 @@ def resolve(optional=(), **arrays):
                 f"{_describe(family)} array; move them to one device and library first"
             )
         out[name] = arr
+    if family is not None and family is not NUMPY:
+        bf16 = next((n for n, a in out.items() if a is not None and _validate.is_bfloat16(a.dtype)),
+                    None)
+        if bf16 is not None:
+            raise ValueError(f"{bf16} is a bfloat16 CUDA array: bfloat16 runs on the CPU only "
+                             "(NumPy arrays of ml_dtypes.bfloat16) in this version")
     return (family or NUMPY), out
 
 

@@ -5,6 +5,7 @@ from .errors import BoundsError
 
 ID_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 TABLE_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+FLOAT_NAMES = "float16, bfloat16, float32 or float64"
 COMBINERS = {"sum": 0, "mean": 1, "sqrtn": 2}
 BOUNDS = {"raise": 0, "zero": 1, "unchecked": 2}
 
@@ -28,9 +29,19 @@ def table(name, a):
     floating(name, a)
 
 
+def is_bfloat16(dtype):
+    """NumPy has no bfloat16: it comes from ml_dtypes (as JAX and TF use it), a
+    2-byte dtype named ``bfloat16``; matched by name, so no import is needed."""
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError:
+        return False
+    return dtype.name == "bfloat16" and dtype.itemsize == 2
+
+
 def floating(name, a):
-    if np.dtype(a.dtype) not in TABLE_DTYPES:
-        raise ValueError(f"{name} must be float16, float32 or float64, got {_dtype_name(a)}")
+    if np.dtype(a.dtype) not in TABLE_DTYPES and not is_bfloat16(a.dtype):
+        raise ValueError(f"{name} must be {FLOAT_NAMES}, got {_dtype_name(a)}")
 
 
 def offsets(a):

@@ -15,10 +15,11 @@ Options of every optimizer:
 * ``nonfinite="raise"`` (default): a gradient with NaN/Inf raises
   ``ValueError`` before anything is written; ``"skip"``: rows whose gradient
   is not finite are left untouched (weights and state), the others update.
-* ``rounding="nearest"`` (default) or ``"stochastic"`` for fp16 tables: the
-  fp32 update is rounded up or down with probability proportional to its
-  distance to the two neighbouring fp16 values, from a counter-based hash of
-  ``(seed, step, row, column)`` (same bits on CPU and GPU, run to run).
+* ``rounding="nearest"`` (default) or ``"stochastic"`` for fp16 and bf16
+  tables (bf16 on the CPU only): the fp32 update is rounded up or down with
+  probability proportional to its distance to the two neighbouring fp16 (bf16)
+  values, from a counter-based hash of ``(seed, step, row, column)`` (same
+  bits on CPU and GPU, run to run).
 
 Update rules (g is a row's summed gradient; all element-wise unless noted):
 

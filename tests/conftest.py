@@ -113,6 +113,12 @@ TOLERANCE = {
     np.dtype(np.float32): (1e-5, 1e-5),
     np.dtype(np.float64): (1e-12, 1e-12),
 }
+try:  # bfloat16 (8 significant bits) when ml_dtypes is installed
+    import ml_dtypes
+
+    TOLERANCE[np.dtype(ml_dtypes.bfloat16)] = (1e-2, 1e-2)
+except ImportError:
+    pass
 
 
 def assert_close(actual, expected, dtype):

@@ -275,7 +275,7 @@ def test_malformed_offsets_raise_jax_runtime_error(path):
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(weight=jnp.ones(4)), "2-D table"),
-    (dict(weight=jnp.ones((4, 2), jnp.int32)), "float16, float32 or float64"),
+    (dict(weight=jnp.ones((4, 2), jnp.int32)), "float16, bfloat16, float32 or float64"),
     (dict(values=jnp.array([0.0, 1.0])), "int32 or int64"),
     (dict(offsets=jnp.zeros((0,), jnp.int32)), "B \\+ 1 >= 1"),
     (dict(per_sample_weights=jnp.ones(3)), "shape of values"),

@@ -151,7 +151,7 @@ def test_bad_arguments():
         hbk.embedding_bag(w, v, o.astype(np.uint8))
     with pytest.raises(ValueError, match="2-D table"):
         hbk.embedding_bag(w[0], v, o)
-    with pytest.raises(ValueError, match="float16, float32 or float64"):
+    with pytest.raises(ValueError, match="float16, bfloat16, float32 or float64"):
         hbk.embedding_bag(w.astype(np.int32), v, o)
     with pytest.raises(ValueError, match="combiner must be one of"):
         hbk.embedding_bag(w, v, o, combiner="max")

@@ -222,7 +222,7 @@ def test_bad_arguments(backend):
         call(np.ones(2, np.float32))
     with pytest.raises(ValueError, match=r"grad_out must be \[B, D\]"):
         call(np.ones((2, 0), np.float32))
-    with pytest.raises(ValueError, match="float16, float32 or float64"):
+    with pytest.raises(ValueError, match="float16, bfloat16, float32 or float64"):
         call(g.astype(np.int32))
     with pytest.raises(ValueError, match="num_rows must be >= 0"):
         call(g, num_rows=-1)

@@ -552,7 +552,7 @@ def test_bad_arguments(backend):
         opt.step(w, state, hbk.SparseGrad(ids, put(np.ones((2, 3), np.float32))))
     with pytest.raises(ValueError, match=r"grad.rows must be \[len\(ids\), D\]"):
         opt.step(w, state, hbk.SparseGrad(ids, put(np.ones((3, 2), np.float32))))
-    with pytest.raises(ValueError, match="grad.rows must be float16, float32 or float64"):
+    with pytest.raises(ValueError, match="grad.rows must be float16, bfloat16, float32 or float64"):
         opt.step(w, state, hbk.SparseGrad(ids, put(np.ones((2, 2), np.int32))))
     with pytest.raises(ValueError, match="grad.ids must hold int32 or int64"):
         opt.step(w, state, hbk.SparseGrad(put(np.array([0.0, 1.0])),

@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from .. import ops as _ops
-from .._validate import BOUNDS, COMBINERS
+from .._validate import BOUNDS, COMBINERS, is_bfloat16
 
 __all__ = ["EmbeddingCollectionModule", "embedding_bag", "kernel_array", "from_kernel_array",
            "cuda_stream_of"]
@@ -78,13 +78,17 @@ def kernel_array(t):
         return None
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(t).__module__}.{type(t).__name__}")
-    if t.dtype not in _TORCH_DTYPES:
-        raise ValueError(f"hbkernels takes float16/float32/float64 tables and int32/int64 ids, "
-                         f"got a {t.dtype} tensor (NumPy has no {t.dtype})")
+    bf16 = t.dtype == torch.bfloat16
+    if t.dtype not in _TORCH_DTYPES and not (bf16 and t.is_cpu):
+        raise ValueError(f"hbkernels takes float16/bfloat16/float32/float64 tables (bfloat16 "
+                         f"on the CPU only) and int32/int64 ids, got a {t.dtype} tensor on "
+                         f"{t.device}")
     if t.requires_grad:
         t = t.detach()
     if not t.is_contiguous():
         t = t.contiguous()
+    if bf16:  # NumPy knows bfloat16 through ml_dtypes only: cross as its bits
+        return t.view(torch.int16).numpy().view(_numpy_bfloat16())
     if t.is_cpu:
         return t.numpy()
     if t.is_cuda:
@@ -101,8 +105,19 @@ def kernel_array(t):
 def from_kernel_array(a):
     """A tensor sharing the memory of a kernel result (NumPy or CuPy)."""
     if isinstance(a, np.ndarray):
+        if is_bfloat16(a.dtype):
+            return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
         return torch.from_numpy(a)
     return torch.from_dlpack(a)
+
+
+def _numpy_bfloat16():
+    try:
+        import ml_dtypes
+    except ImportError as error:
+        raise ValueError("bfloat16 tensors need ml_dtypes (pip install ml-dtypes), NumPy's "
+                         "bfloat16") from error
+    return np.dtype(ml_dtypes.bfloat16)
 
 
 @contextlib.contextmanager
@@ -160,7 +175,7 @@ def _dense_grad_kernel(grad, values, offsets, num_rows, combiner, per_sample_wei
     if isinstance(sg.rows, np.ndarray):  # NumPy's zeros and scatter: the cheapest on the CPU
         dense = np.zeros((num_rows, sg.rows.shape[1]), sg.rows.dtype)
         dense[sg.ids] = sg.rows
-        return torch.from_numpy(dense)
+        return from_kernel_array(dense)
     ids, rows = from_kernel_array(sg.ids).to(torch.int64), from_kernel_array(sg.rows)
     dense = torch.zeros((num_rows, rows.shape[1]), dtype=rows.dtype, device=rows.device)
     return dense.index_copy_(0, ids, rows)

@@ -1,7 +1,9 @@
-"""Helpers shared by the CPU kernels: fp16 loads and the checks of ids and offsets.
+"""Helpers shared by the CPU kernels: 2-byte float loads and the checks of ids and offsets.
 
-Numba's CPU target has no float16 arithmetic, so fp16 tables are passed as
-their uint16 bits and widened through an exact 65536-entry table.
+Numba's CPU target has no float16 or bfloat16 arithmetic, so fp16 and bf16
+tables are passed as their uint16 bits and widened through an exact
+65536-entry table (fp16: the IEEE half values; bf16: the bits shifted into the
+top half of a float32). The kernels see one type either way.
 """
 import numpy as np
 from llvmlite import ir
@@ -9,7 +11,10 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
+from .._validate import is_bfloat16
+
 HALF_TO_FLOAT = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+BFLOAT16_TO_FLOAT = (np.arange(1 << 16, dtype=np.uint32) << 16).view(np.float32)
 NO_LUT = np.zeros(1, np.float32)
 
 
@@ -17,6 +22,8 @@ def kernel_table(a):
     """(array the kernel reads, widening table) for a float table."""
     if a.dtype == np.float16:
         return a.view(np.uint16), HALF_TO_FLOAT
+    if is_bfloat16(a.dtype):
+        return a.view(np.uint16), BFLOAT16_TO_FLOAT
     return a, NO_LUT
 
 

@@ -22,7 +22,7 @@ def lookup(family, weights, ids, bounds):
         if bad != -1:
             return None, bad
     out = np.empty((ids.shape[0], weights.shape[1]), weights.dtype)
-    if weights.dtype == np.float16:  # copied as bits: Numba has no CPU float16
+    if weights.dtype.itemsize == 2:  # fp16/bf16 copied as bits: Numba has no CPU float16
         gather_rows(weights.view(np.uint16), ids, bounds == 1, out.view(np.uint16))
     else:
         gather_rows(weights, ids, bounds == 1, out)

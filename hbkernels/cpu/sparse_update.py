@@ -13,13 +13,13 @@ Arithmetic runs in the accumulator type (fp32; fp64 for fp64 tables): the
 hyper-parameters, the gradient rows and the per-sample weights are cast to it
 before the kernels run, so no fp32 kernel silently widens to fp64.
 
-fp16 tables: Numba's CPU target has no float16, so the kernels read the table
-as its uint16 bits (widened through :data:`._common.HALF_TO_FLOAT`) and write
-each new row, in fp32, to a scratch ``[K, D]``; the wrapper casts it with
-``astype(float16)`` (round to nearest even) and scatters it. Stochastic
-rounding is done in the kernel in float64 and gives exact fp16 values, so the
-cast keeps them. Its uniform ``u`` comes from a murmur3 ``fmix32`` chain of
-``(key, row, column)``, the same bits as the CUDA kernels.
+fp16 and bf16 tables: Numba's CPU target has neither, so the kernels read the
+table as its uint16 bits (widened through :func:`._common.kernel_table`'s
+lookup table) and write each new row, in fp32, to a scratch ``[K, D]``; the
+wrapper casts it with ``astype`` (round to nearest even) and scatters it.
+Stochastic rounding is done in the kernel in float64 and gives exact fp16 (or
+bf16) values, so the cast keeps them. Its uniform ``u`` comes from a murmur3
+``fmix32`` chain of ``(key, row, column)``, the same bits as the CUDA kernels.
 """
 import functools
 import math
@@ -32,9 +32,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from .. import _rules as rules
-from ._common import (
-    HALF_TO_FLOAT, accumulator_dtype, first_bad_offset, kernel_table, prefetch, widen,
-)
+from .._validate import is_bfloat16
+from ._common import accumulator_dtype, first_bad_offset, kernel_table, prefetch, widen
 from ._common import first_out_of_range as _first_out_of_range
 from .embedding_bag_backward import FASTMATH, balanced_chunks, group_occurrences
 
@@ -47,7 +46,11 @@ _MASK32 = np.uint64(0xFFFFFFFF)
 _S13, _S16, _S32 = np.uint64(13), np.uint64(16), np.uint64(32)
 _C1, _C2 = np.uint64(0x85EBCA6B), np.uint64(0xC2B2AE35)
 _TWO_POW_M32 = 2.0 ** -32
-FP16_MAX = 65504.0
+# stochastic rounding targets (the kernels' ``stochastic`` code):
+# (smallest normal exponent, stored significand bits, largest finite value)
+ROUND_NEAREST, ROUND_FP16, ROUND_BF16 = 0, 1, 2
+FP16_MIN_EXP, FP16_BITS, FP16_MAX = -14, 10, 65504.0
+BF16_MIN_EXP, BF16_BITS, BF16_MAX = -126, 7, (2.0 - 2.0 ** -7) * 2.0 ** 127
 PREFETCH_IDS = 8  # distinct ids ahead whose rows are prefetched
 CACHE_LINE_FLOATS = 16
 
@@ -112,7 +115,7 @@ def fsqrt(typingctx, x):
     return x(x), codegen
 
 
-# -- stochastic rounding to fp16 ----------------------------------------------------
+# -- stochastic rounding to fp16 and bf16 -------------------------------------------
 @njit(inline="always")
 def _fmix32(h):
     h ^= h >> _S16
@@ -132,30 +135,36 @@ def uniform(key, row, d):
 
 
 @njit(cache=True)
-def stochastic_round_fp16(value, u):
-    """``value`` rounded down or up to a neighbouring fp16 value, up with probability
-    equal to its distance from the lower one in ulps (nearest, left to the cast,
-    for non-finite values and beyond the fp16 range)."""
+def stochastic_round(value, u, min_exp, bits, max_value):
+    """``value`` rounded down or up to a neighbouring value of the 2-byte format
+    (fp16: ``FP16_*``, bf16: ``BF16_*``), up with probability equal to its
+    distance from the lower one in ulps (nearest, left to the cast, for
+    non-finite values and beyond the format's range)."""
     x = np.float64(value)
     a = abs(x)
-    if math.isfinite(x) and 0.0 < a < FP16_MAX:
-        ulp = math.ldexp(1.0, max(math.frexp(a)[1] - 1, -14) - 10)
+    if math.isfinite(x) and 0.0 < a < max_value:
+        ulp = math.ldexp(1.0, max(math.frexp(a)[1] - 1, min_exp) - bits)
         lo = math.floor(a / ulp) * ulp
         x = math.copysign(lo + ulp if u < (a - lo) / ulp else lo, x)
     return x
 
 
 def store(weights, out, row, k, d, value, stochastic, key):
-    """Write the new weight of ``(row, d)``: in place, or to the fp16 scratch ``out[k]``."""
+    """Write the new weight of ``(row, d)``: in place, or to the fp16/bf16 scratch
+    ``out[k]`` (``stochastic``: a ``ROUND_*`` code)."""
 
 
 @overload(store, inline="always")
 def _store(weights, out, row, k, d, value, stochastic, key):
-    if isinstance(weights.dtype, types.Integer):  # uint16 bits of an fp16 table
+    if isinstance(weights.dtype, types.Integer):  # uint16 bits of an fp16/bf16 table
 
         def impl(weights, out, row, k, d, value, stochastic, key):
-            if stochastic:
-                out[k, d] = stochastic_round_fp16(value, uniform(key, row, d))
+            if stochastic == ROUND_FP16:
+                out[k, d] = stochastic_round(value, uniform(key, row, d), FP16_MIN_EXP,
+                                             FP16_BITS, FP16_MAX)
+            elif stochastic == ROUND_BF16:
+                out[k, d] = stochastic_round(value, uniform(key, row, d), BF16_MIN_EXP,
+                                             BF16_BITS, BF16_MAX)
             else:
                 out[k, d] = value
 
@@ -331,19 +340,22 @@ def _kernel_params(hp, dim, acc_dtype):
 
 
 class _Target:
-    """The table and state as the kernels see them, and the fp16 write-back."""
+    """The table and state as the kernels see them, and the fp16/bf16 write-back."""
 
-    def __init__(self, weights, state1, state2, num_ids):
+    def __init__(self, weights, state1, state2, num_ids, stochastic):
         self.weights = weights
-        self.half = weights.dtype == np.float16
+        self.half = weights.dtype.itemsize == 2
         acc = accumulator_dtype(weights.dtype)
         self.acc_dtype = acc
         dummy = np.zeros((1, 1), acc)
+        self.table, self.lut = kernel_table(weights)
+        self.lut = self.lut.astype(acc, copy=False)
+        self.rounding = ROUND_NEAREST
         if self.half:
-            self.table, self.lut = weights.view(np.uint16), HALF_TO_FLOAT
             self.out = np.empty((num_ids, weights.shape[1]), np.float32)
+            if stochastic:
+                self.rounding = ROUND_BF16 if is_bfloat16(weights.dtype) else ROUND_FP16
         else:
-            self.table, self.lut = weights, np.zeros(1, acc)
             self.out = np.zeros((1, 1), acc)
         self.s1 = dummy if state1 is None else (
             state1[:, None] if state1.ndim == 1 else state1)  # a view: updates land in state1
@@ -354,9 +366,9 @@ class _Target:
         if not self.half or ids.shape[0] == 0:
             return
         if self.updated.all():
-            self.weights[ids] = self.out.astype(np.float16)
+            self.weights[ids] = self.out.astype(self.weights.dtype)
         else:
-            self.weights[ids[self.updated]] = self.out[self.updated].astype(np.float16)
+            self.weights[ids[self.updated]] = self.out[self.updated].astype(self.weights.dtype)
 
 
 def sparse_update(family, rule, weights, state1, state2, hp, ids, rows, skip_nonfinite,
@@ -364,11 +376,11 @@ def sparse_update(family, rule, weights, state1, state2, hp, ids, rows, skip_non
     dim = weights.shape[1]
     if ids.shape[0] == 0:
         return
-    target = _Target(weights, state1, state2, ids.shape[0])
+    target = _Target(weights, state1, state2, ids.shape[0], stochastic)
     rows = np.ascontiguousarray(rows, dtype=target.acc_dtype)
     update_kernel(dim)(
         rule, _kernel_params(hp, dim, target.acc_dtype), rows, ids, target.table, target.lut,
-        target.s1, target.s2, target.out, bool(skip_nonfinite), bool(stochastic),
+        target.s1, target.s2, target.out, bool(skip_nonfinite), target.rounding,
         np.uint64(key), target.updated,
     )
     target.finish(ids)
@@ -384,11 +396,11 @@ def fused_sparse_update(family, rule, weights, state1, state2, hp, grad_out, val
         values, offsets, psw, combiner, weights.shape[0], bounds != 2, acc)
     if ids.shape[0] == 0:
         return
-    target = _Target(weights, state1, state2, ids.shape[0])
+    target = _Target(weights, state1, state2, ids.shape[0], stochastic)
     grad = np.ascontiguousarray(grad_out, dtype=acc)
     fused_kernel(dim)(
         rule, _kernel_params(hp, dim, acc), grad, starts, occ_bag, occ_coef,
         balanced_chunks(starts), ids, target.table, target.lut, target.s1, target.s2,
-        target.out, bool(skip_nonfinite), bool(stochastic), np.uint64(key), target.updated,
+        target.out, bool(skip_nonfinite), target.rounding, np.uint64(key), target.updated,
     )
     target.finish(ids)
