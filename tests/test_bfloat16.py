@@ -8,13 +8,15 @@ import numpy as np
 import pytest
 from conftest import Backend, assert_close, random_offsets
 from test_embedding_bag import reference_embedding_bag
-from test_optim import RULES, Table, bags, fmix32, make_opt, state_names
+from test_optim import (RULES, Table, bags, make_opt, spec_stochastic_round, state_names,
+                        within_one_ulp)
 
 import hbkernels as hbk
 from hbkernels import optim
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 BF16 = np.dtype(ml_dtypes.bfloat16)
+BF16_MAX = float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)
 
 
 def bf16_table(rng, num_rows, dim):
@@ -90,13 +92,6 @@ def test_backward(rng):
     assert_close(g.rows, expected[g.ids], BF16)
 
 
-def within_one_bf16_ulp(actual, expected):
-    assert actual.dtype == expected.dtype == BF16
-    gap = np.abs(as64(actual) - as64(expected))
-    ulp = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(as64(expected)), 2.0**-126))) - 7)
-    assert np.all(gap <= ulp), np.max(gap / ulp)
-
-
 @pytest.mark.parametrize("name", RULES)
 @pytest.mark.parametrize("fused", [False, True])
 def test_optimizer_nearest_is_the_fp32_update_rounded(rng, name, fused):
@@ -108,26 +103,13 @@ def test_optimizer_nearest_is_the_fp32_update_rounded(rng, name, fused):
     grad_out, values, offsets = bags(rng, num_rows, dim, 40, 5, num_rows - 2)
     half.bag_step(grad_out, values, offsets, fused, combiner="mean")
     single.bag_step(grad_out, values, offsets, fused, combiner="mean")
-    within_one_bf16_ulp(half.weights(), single.weights().astype(BF16))
+    within_one_ulp(half.weights(), single.weights().astype(BF16), BF16)
     untouched = [num_rows - 2, num_rows - 1]
     np.testing.assert_array_equal(half.weights()[untouched].view(np.uint16),
                                   w16[untouched].view(np.uint16))
     for key in state_names(opt):  # fp32 state for bf16 tables, as for fp16
         assert half.states()[key].dtype == np.float32
         assert_close(half.states()[key], single.states()[key].astype(np.float64), np.float32)
-
-
-def spec_stochastic_round_bf16(x, key, row, d):
-    """The optimizers' stochastic rounding for bf16, in Python (8-bit significand,
-    exponents down to -126 as float32)."""
-    a = abs(x)
-    if not math.isfinite(x) or a == 0:
-        return x
-    ulp = 2.0 ** (max(math.frexp(a)[1] - 1, -126) - 7)
-    lo = math.floor(a / ulp) * ulp
-    m = 0xFFFFFFFF
-    u = fmix32(fmix32(fmix32((key & m) ^ (row & m)) ^ (row >> 32) ^ (key >> 32)) ^ d) * 2.0**-32
-    return math.copysign(lo + ulp if u < (a - lo) / ulp else lo, x)
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -147,7 +129,8 @@ def test_stochastic_rounding_follows_the_spec_hash(rng, fused):
     else:
         opt.step(w, state, hbk.SparseGrad(ids, g))
     key = optim._mix64((99 << 32) ^ 1)
-    expected = np.array([[spec_stochastic_round_bf16(x[r, d], key, r, d) for d in range(dim)]
+    expected = np.array([[spec_stochastic_round(x[r, d], key, r, d, np.float64, -126, 7, BF16_MAX)
+                          for d in range(dim)]
                          for r in range(num_rows)])
     np.testing.assert_array_equal(as64(w), expected)
     nearest = x.astype(np.float32).astype(BF16)

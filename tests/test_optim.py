@@ -307,8 +307,9 @@ def test_fused_and_plain_with_bounds_zero(backend, rng, fused):
 
 
 # -- fp16 tables ------------------------------------------------------------------------
-def within_one_fp16_ulp(actual, expected):
-    assert actual.dtype == expected.dtype == np.float16
+def within_one_ulp(actual, expected, dtype):
+    """|actual - expected| <= one ulp of ``dtype`` (fp16, or bf16 of ml_dtypes) at expected."""
+    assert actual.dtype == expected.dtype == np.dtype(dtype)
     gap = np.abs(actual.astype(np.float64) - expected.astype(np.float64))
     assert np.all(gap <= np.spacing(np.abs(expected)).astype(np.float64)), np.max(gap)
 
@@ -325,7 +326,7 @@ def test_fp16_nearest_is_the_fp32_update_rounded(backend, rng, name, fused):
     grad_out, values, offsets = bags(rng, num_rows, dim, batch, max_len, num_rows - 2)
     half.bag_step(grad_out, values, offsets, fused, combiner="mean")
     single.bag_step(grad_out, values, offsets, fused, combiner="mean")
-    within_one_fp16_ulp(half.weights(), single.weights().astype(np.float16))
+    within_one_ulp(half.weights(), single.weights().astype(np.float16), np.float16)
     assert_rows_equal(half.weights(), w16, [num_rows - 2, num_rows - 1])
     for key in state_names(opt):
         s16, s32 = half.states()[key], single.states()[key]
@@ -342,20 +343,21 @@ def fmix32(h):
     return h
 
 
-def spec_stochastic_round(x, key, row, d):
-    """The rounding of the spec, in Python: the same bits on every backend."""
+def spec_stochastic_round(x, key, row, d, dtype=np.float16, min_exp=-14, bits=10, max_value=65504):
+    """The rounding of the spec, in Python: the same bits on every backend. Defaults:
+    fp16; bf16 is ``min_exp=-126, bits=7`` (float32's exponents, 8-bit significand)."""
     x = float(x)
-    if not math.isfinite(x) or abs(x) >= 65504:
-        return np.float16(x)
+    if not math.isfinite(x) or abs(x) >= max_value:
+        return dtype(x)
     a = abs(x)
     if a == 0:
-        return np.float16(x)
+        return dtype(x)
     ex = math.frexp(a)[1]
-    ulp = 2.0 ** (max(ex - 1, -14) - 10)
+    ulp = 2.0 ** (max(ex - 1, min_exp) - bits)
     lo = math.floor(a / ulp) * ulp
     m = 0xFFFFFFFF
     u = fmix32(fmix32(fmix32((key & m) ^ (row & m)) ^ (row >> 32) ^ (key >> 32)) ^ d) * 2.0**-32
-    return np.float16(math.copysign(lo + ulp if u < (a - lo) / ulp else lo, x))
+    return dtype(math.copysign(lo + ulp if u < (a - lo) / ulp else lo, x))
 
 
 def exact_sgd_case(rng, num_rows, dim):
