@@ -354,7 +354,9 @@ class Context:
         On a GPU each case runs its repetitions back to back between CUDA events.
         On the CPU the cases take turns, each case's calls spread evenly over
         the rounds, so that what drifts on a shared machine (other tenants,
-        clocks) hits every provider alike and their ratio is fair."""
+        clocks) hits every provider alike and their ratio is fair; each round
+        runs them in a fresh (seeded) order, so that the cache a slow peer
+        leaves cold does not always greet the same provider."""
         calls = [self._caller(*case) for case in cases]
         reps = []
         for call in calls:
@@ -373,10 +375,12 @@ class Context:
                     for call, case, n in zip(calls, cases, reps)]
         times = [[] for _ in calls]
         rounds = max(reps)
+        order = np.random.default_rng(self.seed)
         for r in range(rounds):
-            for call, n, t in zip(calls, reps, times):
+            for k in order.permutation(len(calls)):  # no provider always runs after the same one
+                n, t = reps[k], times[k]
                 if (r + 1) * n // rounds > r * n // rounds:  # n calls spread over the rounds
-                    t.append(self._ms_wall(call, start + len(t)))
+                    t.append(self._ms_wall(calls[k], start + len(t)))
         return [Timing.of(t) for t in times]
 
     def _caller(self, run, copies, block):

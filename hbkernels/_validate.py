@@ -29,6 +29,12 @@ def table(name, a):
     floating(name, a)
 
 
+def accumulator_dtype(dtype):
+    """The dtype sums and optimizer state use: fp64 for fp64 tables, else fp32
+    (fp16 and bf16 tables accumulate in fp32)."""
+    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+
+
 def is_bfloat16(dtype):
     """NumPy has no bfloat16: it comes from ml_dtypes (as JAX and TF use it), a
     2-byte dtype named ``bfloat16``; matched by name, so no import is needed."""

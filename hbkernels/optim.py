@@ -93,7 +93,7 @@ class SparseOptimizer:
         family, a = resolve(weights=weights)
         weights = a["weights"]
         check.table("weights", weights)
-        dtype = _state_dtype(weights)
+        dtype = check.accumulator_dtype(weights.dtype)
         state = {"step": np.zeros(1, np.int64)}
         for name, per_row in self.slots:
             shape = (weights.shape[0],) if per_row else tuple(weights.shape)
@@ -110,9 +110,9 @@ class SparseOptimizer:
             fam, s = resolve(weights=weights, **{name: state[name]})
             s = s[name]
             shape = (weights.shape[0],) if per_row else tuple(weights.shape)
-            if tuple(s.shape) != shape or np.dtype(s.dtype) != _state_dtype(weights):
+            if tuple(s.shape) != shape or np.dtype(s.dtype) != check.accumulator_dtype(weights.dtype):
                 raise ValueError(
-                    f"state[{name!r}] must be {shape} {_state_dtype(weights).name}, "
+                    f"state[{name!r}] must be {shape} {check.accumulator_dtype(weights.dtype).name}, "
                     f"got {tuple(s.shape)} {np.dtype(s.dtype).name}"
                 )
             arrays.append(s)
@@ -197,10 +197,6 @@ class SparseOptimizer:
             family, self.rule, weights, s1, s2, hp, grad_out, values, offsets, psw, comb,
             mode, self.nonfinite == "skip", self.rounding == "stochastic", key,
         )
-
-
-def _state_dtype(weights):
-    return np.dtype(np.float64) if np.dtype(weights.dtype) == np.float64 else np.dtype(np.float32)
 
 
 def _raise_nonfinite(family, backend, name, a):

@@ -108,14 +108,17 @@ def test_bounds_raise_names_first_bad_position(backend):
     assert isinstance(info.value, IndexError) and info.value.position == 1
 
 
+@pytest.mark.parametrize("weighted", [True, False])
 @pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
-def test_bounds_zero_skips_bad_ids(backend, rng, combiner):
+def test_bounds_zero_skips_bad_ids(backend, rng, combiner, weighted):
+    """A skipped id adds nothing and is not counted by mean or sqrtn."""
     weights = rng.standard_normal((6, 3)).astype(np.float32)
     values = np.array([0, 6, 5, -3, 2, 99], np.int64)
     offsets = np.array([0, 3, 4, 6], np.int64)
-    psw = rng.uniform(0.5, 1.5, size=6).astype(np.float32)
+    psw = rng.uniform(0.5, 1.5, size=6).astype(np.float32) if weighted else None
     out = hbk.embedding_bag(backend.put(weights), backend.put(values), backend.put(offsets),
-                            combiner=combiner, per_sample_weights=backend.put(psw), bounds="zero")
+                            combiner=combiner, bounds="zero",
+                            per_sample_weights=None if psw is None else backend.put(psw))
     expected = reference_embedding_bag(weights, values, offsets, combiner, psw, skip_bad=True)
     assert_close(backend.get(out), expected, np.float32)
 

@@ -11,7 +11,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from .._validate import is_bfloat16
+from .._validate import accumulator_dtype, is_bfloat16  # noqa: F401 (accumulator_dtype: for the kernels)
 
 HALF_TO_FLOAT = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 BFLOAT16_TO_FLOAT = (np.arange(1 << 16, dtype=np.uint32) << 16).view(np.float32)
@@ -25,10 +25,6 @@ def kernel_table(a):
     if is_bfloat16(a.dtype):
         return a.view(np.uint16), BFLOAT16_TO_FLOAT
     return a, NO_LUT
-
-
-def accumulator_dtype(dtype):
-    return np.float64 if dtype == np.float64 else np.float32
 
 
 def widen(value, lut):
@@ -121,3 +117,27 @@ def prefetch(typingctx, array, row, col):
         return context.get_dummy_value()
 
     return types.void(array, row, col), codegen
+
+
+CACHE_LINE_BYTES = 64
+
+
+def elements_per_line(array):
+    """Elements of ``array`` in a cache line (a compile-time constant)."""
+
+
+@overload(elements_per_line, inline="always")
+def _elements_per_line(array):
+    per_line = CACHE_LINE_BYTES * 8 // array.dtype.bitwidth
+    return lambda array: per_line
+
+
+@njit(inline="always")
+def prefetch_row(table, row, width):
+    """Prefetch every cache line of ``table[row, :width]``: one per line's
+    worth of elements and one at the last element, which is a line of its own
+    when rows do not start on a line (NumPy's large arrays start 16 bytes
+    into a page, so a 256-byte row spans 5 lines)."""
+    step = elements_per_line(table)
+    for c in range(0, width + step - 1, step):
+        prefetch(table, row, min(c, width - 1))

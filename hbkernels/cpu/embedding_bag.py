@@ -5,8 +5,10 @@ compiles one kernel per ``(D, weighted, check_ids, identity)``: with D a
 compile-time constant LLVM unrolls and vectorises the row loop, and the
 flags cost nothing when off. Ids are checked inside the parallel loop: a bad
 id is skipped and the first bad position of each bag is kept in
-``first_bad`` (-1 where none), so ``bounds="raise"`` costs no extra pass. Rows
-``PREFETCH_DISTANCE`` ids ahead are prefetched, and each bag is summed in a
+``first_bad`` (-1 where none), so ``bounds="raise"`` costs no extra pass.
+Every cache line of the row ``PREFETCH_DISTANCE`` ids ahead is prefetched
+(clamped into the table, so no check is needed), indices are unsigned so
+Numba adds no negative-index wraparound, and each bag is summed in a
 stack row (:func:`._common.scratch_row`) that LLVM keeps in vector registers
 (4 zmm registers at D = 64) and stores once. Kernels are cached on disk
 (Numba keys closures by their constants), so each D compiles once per machine.
@@ -17,51 +19,61 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from ._common import accumulator_dtype, first_bad_offset, kernel_table, prefetch, scratch_row, widen
+from ._common import accumulator_dtype, first_bad_offset, kernel_table, prefetch_row, scratch_row, widen
 
 PREFETCH_DISTANCE = 16
-CACHE_LINE_FLOATS = 16
 NO_WEIGHTS = np.ones(1, np.float32)
 NO_IDS = np.zeros(1, np.int64)
 
 
 @functools.lru_cache(maxsize=None)
 def pool_kernel(dim, weighted, check_ids, identity):
-    """Kernel ``(table, lut, values, offsets, weights, one, combiner, out, first_bad)``:
+    """Kernel ``(table, lut, values, offsets, weights, combiner, out, first_bad)``:
     out[b] = combine_j w_j * table[row_j] over j in [offsets[b], offsets[b+1]),
     row_j = values[j] (or j when ``identity``); combiner 0 sum, 1 mean, 2 sqrtn."""
 
     @njit(parallel=True, fastmath=True, cache=True)
-    def pool(table, lut, values, offsets, weights, one, combiner, out, first_bad):
+    def pool(table, lut, values, offsets, weights, combiner, out, first_bad):
         num_rows = table.shape[0]
-        num_ids = offsets[offsets.shape[0] - 1]
+        last_id = offsets[offsets.shape[0] - 1] - 1
         for b in prange(offsets.shape[0] - 1):
             acc = scratch_row(dim, out, b)
             for d in range(dim):
                 acc[d] = 0
             w_sum = 0.0
             w_sq = 0.0
+            num_good = offsets[b + 1] - offsets[b]
             for j in range(offsets[b], offsets[b + 1]):
-                if j + PREFETCH_DISTANCE < num_ids:
-                    ahead = j + PREFETCH_DISTANCE if identity else values[j + PREFETCH_DISTANCE]
-                    if 0 <= ahead < num_rows:
-                        for c in range(0, dim, CACHE_LINE_FLOATS):
-                            prefetch(table, ahead, c)
-                row = j if identity else values[j]
-                if check_ids and np.uint64(row) >= np.uint64(num_rows):  # negatives wrap high
+                # Indices are cast to unsigned so that Numba emits no negative-index wraparound.
+                ahead = min(j + PREFETCH_DISTANCE, last_id)
+                ahead_row = ahead if identity else values[np.uint64(ahead)]
+                prefetch_row(table, min(np.uint64(ahead_row), np.uint64(num_rows - 1)), dim)
+                row = np.uint64(j if identity else values[np.uint64(j)])
+                if check_ids and row >= np.uint64(num_rows):  # negatives wrap high
                     if first_bad[b] < 0:
                         first_bad[b] = j
+                    num_good -= 1
                     continue
-                w = weights[j] if weighted else one
-                w_sum += w
-                w_sq += w * w
+                if weighted:
+                    w = weights[np.uint64(j)]
+                    w_sum += w
+                    w_sq += w * w
+                    for d in range(dim):
+                        acc[d] += w * widen(table[row, d], lut)
+                else:
+                    for d in range(dim):
+                        acc[d] += widen(table[row, d], lut)
+            if combiner == 0:
                 for d in range(dim):
-                    acc[d] += w * widen(table[row, d], lut)
-            scale = 1.0
-            if combiner == 1:
-                scale = 1.0 / w_sum if w_sum != 0.0 else 0.0
-            elif combiner == 2:
-                scale = 1.0 / math.sqrt(w_sq) if w_sq != 0.0 else 0.0
+                    out[b, d] = acc[d]
+                continue
+            if not weighted:
+                w_sum = w_sq = num_good
+            scale = 0.0
+            if combiner == 1 and w_sum != 0.0:
+                scale = 1.0 / w_sum
+            elif combiner == 2 and w_sq != 0.0:
+                scale = 1.0 / math.sqrt(w_sq)
             for d in range(dim):
                 out[b, d] = acc[d] * scale
 
@@ -81,8 +93,7 @@ def pool(table, values, offsets, weights, combiner, check_ids, identity):
     weighted = weights is not None
     weights = weights.astype(acc_dtype, copy=False) if weighted else NO_WEIGHTS.astype(acc_dtype)
     kernel = pool_kernel(table.shape[1], weighted, check_ids, identity)
-    kernel(kernel_tab, lut, NO_IDS if identity else values, offsets, weights, acc_dtype(1),
-           combiner, acc, first_bad)
+    kernel(kernel_tab, lut, NO_IDS if identity else values, offsets, weights, combiner, acc, first_bad)
     bad = first_bad[first_bad >= 0]
     out = acc if acc.dtype == table.dtype else acc.astype(table.dtype)
     return out, (int(bad.min()) if bad.size else -1)

@@ -33,7 +33,7 @@ from numba.extending import intrinsic, overload
 
 from .. import _rules as rules
 from .._validate import is_bfloat16
-from ._common import accumulator_dtype, first_bad_offset, kernel_table, prefetch, widen
+from ._common import accumulator_dtype, first_bad_offset, kernel_table, prefetch_row, widen
 from ._common import first_out_of_range as _first_out_of_range
 from .embedding_bag_backward import FASTMATH, balanced_chunks, group_occurrences
 
@@ -52,7 +52,6 @@ ROUND_NEAREST, ROUND_FP16, ROUND_BF16 = 0, 1, 2
 FP16_MIN_EXP, FP16_BITS, FP16_MAX = -14, 10, 65504.0
 BF16_MIN_EXP, BF16_BITS, BF16_MAX = -126, 7, (2.0 - 2.0 ** -7) * 2.0 ** 127
 PREFETCH_IDS = 8  # distinct ids ahead whose rows are prefetched
-CACHE_LINE_FLOATS = 16
 
 
 # -- checks ---------------------------------------------------------------------
@@ -253,16 +252,13 @@ def ftrl_element(p, g, n_new, pow_new, pow_old, weights, lut, row, s1, s2, out, 
 
 
 @njit(inline="always")
-def prefetch_row(weights, s1, s2, row, dim):
+def prefetch_update_rows(weights, s1, s2, row, dim):
     """Bring the table and state lines of ``row`` in ahead of its update."""
-    for c in range(0, dim, CACHE_LINE_FLOATS):
-        prefetch(weights, row, c)
+    prefetch_row(weights, row, dim)
     if s1.shape[0] == weights.shape[0]:
-        for c in range(0, s1.shape[1], CACHE_LINE_FLOATS):
-            prefetch(s1, row, c)
+        prefetch_row(s1, row, s1.shape[1])
     if s2.shape[0] == weights.shape[0]:
-        for c in range(0, dim, CACHE_LINE_FLOATS):
-            prefetch(s2, row, c)
+        prefetch_row(s2, row, dim)
 
 
 @njit(inline="always")
@@ -283,7 +279,7 @@ def update_kernel(dim):
         num_ids = ids.shape[0]
         for k in prange(num_ids):
             if k + PREFETCH_IDS < num_ids:
-                prefetch_row(weights, s1, s2, ids[k + PREFETCH_IDS], dim)
+                prefetch_update_rows(weights, s1, s2, ids[k + PREFETCH_IDS], dim)
             g = rows[k]
             if skip and not all_finite(g, dim):
                 updated[k] = False
@@ -308,7 +304,7 @@ def fused_kernel(dim):
             end = chunks[c + 1]
             for k in range(chunks[c], end):
                 if k + PREFETCH_IDS < end:
-                    prefetch_row(weights, s1, s2, ids[k + PREFETCH_IDS], dim)
+                    prefetch_update_rows(weights, s1, s2, ids[k + PREFETCH_IDS], dim)
                 for d in range(dim):
                     g[d] = 0
                 for s in range(starts[k], starts[k + 1]):

@@ -10,6 +10,7 @@ import numpy as np
 from numba import cuda
 
 from .._dispatch import simulator_enabled
+from .._validate import accumulator_dtype  # noqa: F401 (the kernels import it from here)
 
 NO_ERROR_SLOT = np.iinfo(np.int64).max
 _SIM_MAX_BLOCKS = 2
@@ -38,11 +39,6 @@ def group_size(dim):
     while g < min(int(dim), WARP):
         g *= 2
     return g
-
-
-def accumulator_dtype(dtype):
-    """fp64 sums in fp64; fp16 and fp32 sum in fp32."""
-    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
 
 
 @cuda.jit(device=True)
