@@ -104,15 +104,16 @@ class SparseOptimizer:
         if not isinstance(state, dict) or "step" not in state:
             raise ValueError(f"state must be the dict made by {type(self).__name__}.init_state")
         arrays = []
+        dtype = check.accumulator_dtype(weights.dtype)
         for name, per_row in self.slots:
             if name not in state:
                 raise ValueError(f"state lacks {name!r}; make it with init_state")
             fam, s = resolve(weights=weights, **{name: state[name]})
             s = s[name]
             shape = (weights.shape[0],) if per_row else tuple(weights.shape)
-            if tuple(s.shape) != shape or np.dtype(s.dtype) != check.accumulator_dtype(weights.dtype):
+            if tuple(s.shape) != shape or np.dtype(s.dtype) != dtype:
                 raise ValueError(
-                    f"state[{name!r}] must be {shape} {check.accumulator_dtype(weights.dtype).name}, "
+                    f"state[{name!r}] must be {shape} {dtype.name}, "
                     f"got {tuple(s.shape)} {np.dtype(s.dtype).name}"
                 )
             arrays.append(s)
