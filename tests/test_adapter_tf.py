@@ -265,7 +265,7 @@ def test_errors_eager_and_graph():
         hbtf.embedding_bag(table, np.array([0]), np.array([0, 1]), combiner="max")
     with pytest.raises(ValueError, match="int32 or int64"):
         hbtf.embedding_bag(table, np.array([0.0]), np.array([0, 1]))
-    with pytest.raises(ValueError, match="float16, float32 or float64"):
+    with pytest.raises(ValueError, match="float16, bfloat16, float32 or float64"):
         hbtf.embedding_bag(tf.ones((4, 2), tf.int32), np.array([0]), np.array([0, 1]))
     with pytest.raises(ValueError, match="offsets"):
         hbtf.embedding_bag(table, np.array([0, 1]), np.array([1, 2]))

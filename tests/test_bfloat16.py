@@ -1,7 +1,7 @@
 """bfloat16 tables and data (NumPy arrays of ``ml_dtypes.bfloat16``) on the CPU:
 every op against the float64 reference of its float32 test, the optimizers'
-rounding (nearest: the fp32 update rounded; stochastic: the spec's hash), and
-the clear refusal of bf16 CUDA arrays."""
+rounding (nearest: the fp32 update rounded; stochastic: the spec's hash), the
+torch, JAX and TF adapters, and the clear refusal of bf16 CUDA arrays."""
 import math
 
 import numpy as np
@@ -208,6 +208,42 @@ def test_jax_adapter_bf16_under_jit(rng):
     assert out.dtype == jnp.bfloat16
     assert_close(np.asarray(out), reference_embedding_bag(np.asarray(w), values, offsets, "sum"),
                  BF16)
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_tf_adapter_bf16_cpu_tensors(rng, mode):
+    """tf.bfloat16 tensors cross as their bits (tf.bitcast: TF's DLPack gives NumPy
+    no bf16) in eager mode, natively in tf.function; forward, per-sample weights
+    and the IndexedSlices gradient against float64 references on the same values."""
+    tf = pytest.importorskip("tensorflow")
+    import hbkernels.adapters.tf as hbtf
+
+    w = bf16_table(rng, 20, 5)
+    offsets = random_offsets(rng, 8, 5)
+    values = rng.integers(0, 20, size=int(offsets[-1]))
+    psw = rng.uniform(0.5, 2, size=values.shape).astype(BF16)
+    grad = rng.standard_normal((8, 5)).astype(BF16)
+    table = tf.Variable(tf.constant(w))
+
+    def step():
+        with tf.GradientTape() as tape:
+            out = hbtf.embedding_bag(table, values, offsets, combiner="mean",
+                                     per_sample_weights=tf.constant(psw))
+            loss = tf.reduce_sum(tf.cast(out, tf.float32) * tf.cast(grad, tf.float32))
+        return out, tape.gradient(loss, table)
+
+    out, g = tf.function(step)() if mode == "graph" else step()
+    assert out.dtype == tf.bfloat16 and g.values.dtype == tf.bfloat16
+    assert_close(out.numpy(), reference_embedding_bag(w, values, offsets, "mean", psw), BF16)
+    expected = np.zeros((20, 5))
+    for b in range(8):
+        lo, hi = offsets[b], offsets[b + 1]
+        for j in range(lo, hi):
+            expected[values[j]] += as64(psw[j]) / as64(psw[lo:hi]).sum() * as64(grad[b])
+    np.testing.assert_array_equal(np.sort(g.indices.numpy()), np.unique(values))
+    got = np.zeros((20, 5))
+    got[g.indices.numpy()] = as64(g.values.numpy())
+    assert_close(got.astype(BF16), expected, BF16)
 
 
 def test_other_dtypes_are_still_refused():

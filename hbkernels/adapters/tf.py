@@ -18,7 +18,9 @@ Gradients
 
 Eager mode
     Tensors cross to the kernels through DLPack without copies: a CPU tensor
-    (a variable's value included) becomes a read-only NumPy view, the kernels
+    (a variable's value included) becomes a read-only NumPy view (a bfloat16
+    tensor: a view of its bits, ``tf.bitcast`` to uint16, as
+    ``ml_dtypes.bfloat16``; bfloat16 runs on the CPU only), the kernels
     run, and the result comes back as a TF tensor over the NumPy buffer (over
     a 64-byte-aligned copy of it when it is not aligned, as TF requires). A
     GPU tensor becomes a CuPy view (``tf.experimental.dlpack.to_dlpack`` ->
@@ -78,12 +80,12 @@ except ImportError:  # pragma: no cover - TF always brings Keras 3 since 2.16
     keras = None
 
 from .. import ops as _ops
-from .._validate import BOUNDS, COMBINERS
+from .._validate import BOUNDS, COMBINERS, FLOAT_NAMES, is_bfloat16
 
 __all__ = ["embedding_bag", "EmbeddingBag", "kernel_array", "from_kernel_array"]
 
 _ID_DTYPES = (tf.int32, tf.int64)
-_TABLE_DTYPES = (tf.float16, tf.float32, tf.float64)
+_TABLE_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
 _KDLCPU, _KDLCUDA = 1, 2
 _TF_ALIGN = 64  # EIGEN_MAX_ALIGN_BYTES on AVX-512 builds (32 on AVX2): the stricter
 
@@ -126,6 +128,12 @@ def kernel_array(t):
     stays ``None``). The caller must keep ``t`` alive while the view is used."""
     if t is None:
         return None
+    if t.dtype == tf.bfloat16:  # NumPy takes no bf16 over DLPack: the bits cross instead
+        bits = kernel_array(tf.bitcast(t, tf.uint16))  # bitcast shares the buffer
+        if not isinstance(bits, np.ndarray):
+            raise ValueError("a bfloat16 GPU tensor: bfloat16 runs on the CPU only in this "
+                             "version (keep the table on the CPU, or use float16/float32)")
+        return bits.view(tf.bfloat16.as_numpy_dtype)
     if hasattr(t, "__dlpack_device__"):  # TF >= 2.18 says where the buffer really is
         kind, index = t.__dlpack_device__()
         device = (int(kind), int(index))
@@ -143,6 +151,8 @@ def from_kernel_array(a):
     does not check, and its kernels abort on a misaligned buffer), else over an
     aligned copy (NumPy's small allocations are only 16-byte aligned)."""
     if isinstance(a, np.ndarray):
+        if is_bfloat16(a.dtype):
+            return tf.bitcast(from_kernel_array(a.view(np.uint16)), tf.bfloat16)
         if a.size == 0:
             return tf.convert_to_tensor(a)
         if not a.flags.c_contiguous or a.ctypes.data % _TF_ALIGN:
@@ -183,7 +193,7 @@ def _check(combiner, bounds, w, values, offsets, psw):
     if bounds not in BOUNDS:
         raise ValueError(f"bounds must be one of {sorted(BOUNDS)}, got {bounds!r}")
     if w.dtype not in _TABLE_DTYPES:
-        raise ValueError(f"weight must be float16, float32 or float64, got {w.dtype.name}")
+        raise ValueError(f"weight must be {FLOAT_NAMES}, got {w.dtype.name}")
     if w.shape.rank is not None and w.shape.rank != 2:
         raise ValueError(f"weight must be a 2-D table [num_rows, D], got shape {w.shape}")
     if w.shape.rank == 2 and w.shape[1] is None:
@@ -194,8 +204,7 @@ def _check(combiner, bounds, w, values, offsets, psw):
         if t.shape.rank is not None and t.shape.rank != 1:
             raise ValueError(f"{name} must be 1-D, got shape {t.shape}")
     if psw is not None and psw.dtype not in _TABLE_DTYPES:
-        raise ValueError(f"per_sample_weights must be float16, float32 or float64, "
-                         f"got {psw.dtype.name}")
+        raise ValueError(f"per_sample_weights must be {FLOAT_NAMES}, got {psw.dtype.name}")
 
 
 def _watched(t):
