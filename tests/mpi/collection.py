@@ -19,13 +19,12 @@ Every rank builds the same global batch from the seed and takes its slice.
 Prints ``OK rank r`` at the end."""
 import os
 import sys
-import time
 
 import numpy as np
 
 import collection_reference as cr
 import hbkernels as hbk
-from harness import Timer, finish, log
+from harness import Timer, finish, log, wait_for_all
 
 MODE = sys.argv[1] if len(sys.argv) > 1 else "train"
 comm = hbk.dist.init()
@@ -161,14 +160,7 @@ def errors():
     assert t.s < timeout + 10, f"{type(e).__name__} after {t.s:.1f} s, timeout {timeout}"
     if R == 1:
         assert t.s < timeout / 2, f"BoundsError after {t.s:.1f} s"
-    # wait for each other outside hbk (its communicator may hold abandoned requests)
-    from mpi4py import MPI
-
-    req = MPI.COMM_WORLD.Ibarrier()
-    deadline = time.monotonic() + timeout + 30
-    while not req.Test():
-        assert time.monotonic() < deadline, "final barrier"
-        time.sleep(0.01)
+    wait_for_all(timeout + 30)  # every rank's checks are done
     finish(comm, hard=True)  # MPI_Finalize could wait for the abandoned requests
 
 
