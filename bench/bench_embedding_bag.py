@@ -1,7 +1,7 @@
 """embedding_bag: hbk.embedding_bag vs torch.nn.functional.embedding_bag (and a
 plain gather-then-reduce in NumPy/CuPy), combiners sum and mean, fixed bag length.
 
-CPU: E=1e6 rows, D=64, B=16384 bags of L=32 Zipf(1.1) ids, fp32.
+CPU: E=1e6 rows, D=64, B=16384 bags of L=32 Zipf(1.1) ids, fp32 and fp16.
 GPU: E=1e7, D=128, B=65536, L=32, Zipf(1.05), fp32 and fp16.
 GB/s counts rows read (B*L*D*itemsize) + ids and offsets read + output written.
 
@@ -21,7 +21,7 @@ def configs(ctx):
         return [dict(E=1000, D=8, B=64, L=4, alpha=1.1, dtypes=("float32",))]
     if ctx.is_cuda:
         return [dict(E=10**7, D=128, B=65536, L=32, alpha=1.05, dtypes=("float32", "float16"))]
-    return [dict(E=10**6, D=64, B=16384, L=32, alpha=1.1, dtypes=("float32",))]
+    return [dict(E=10**6, D=64, B=16384, L=32, alpha=1.1, dtypes=("float32", "float16"))]
 
 
 def gather_reduce(xp, mode, B, L):

@@ -37,8 +37,9 @@ def configs(ctx):
     return [dict(E=10**6, D=64, B=16384, L=32, alpha=1.1)]
 
 
-def hbk_provider(ctx, name, *, fused, forward=True):
-    opt = hbk.optim.Adagrad(lr=LR)
+def hbk_provider(ctx, name, *, fused, forward=True, optimizer=None):
+    """hbk's step with ``optimizer`` (default ``Adagrad(lr=LR)``) on a copy of the table."""
+    opt = optimizer or hbk.optim.Adagrad(lr=LR)
 
     def prepare(a):
         w = a["w"].copy()

@@ -28,16 +28,6 @@ def as64(a):
     return np.asarray(a).astype(np.float64)
 
 
-def test_the_widening_table_is_exact_for_every_bit_pattern():
-    from hbkernels.cpu._common import BFLOAT16_TO_FLOAT, kernel_table
-
-    bits = np.arange(1 << 16, dtype=np.uint16)
-    expected = bits.view(BF16).astype(np.float32)
-    np.testing.assert_array_equal(BFLOAT16_TO_FLOAT.view(np.uint32), expected.view(np.uint32))
-    table, lut = kernel_table(bits.view(BF16).reshape(-1, 1))
-    assert table.dtype == np.uint16 and lut is BFLOAT16_TO_FLOAT
-
-
 @pytest.mark.parametrize("bounds", ["raise", "zero"])
 def test_lookup(rng, bounds):
     w = bf16_table(rng, 30, 5)

@@ -1,41 +1,162 @@
-"""Helpers shared by the CPU kernels: 2-byte float loads and the checks of ids and offsets.
+"""Helpers shared by the CPU kernels: 2-byte float loads and stores, the checks of
+ids and offsets, stack rows and prefetches.
 
-Numba's CPU target has no float16 or bfloat16 arithmetic, so fp16 and bf16
-tables are passed as their uint16 bits and widened through an exact
-65536-entry table (fp16: the IEEE half values; bf16: the bits shifted into the
-top half of a float32). The kernels see one type either way.
+Numba's CPU target has no float16 or bfloat16 type, so fp16 and bf16 tables
+reach the kernels as their bits: fp16 as uint16, bf16 as int16 (the integer
+type tells :func:`widen`, at compile time, which format it holds). ``widen``
+is exact: bf16 bits are shifted into the top half of a float32; fp16 goes
+through the CPU's conversion instruction (x86 F16C ``vcvtph2ps``, vectorised
+by LLVM) where Numba's target has it, else through integer operations.
+:func:`narrow` rounds a float32 array back to fp16 (``vcvtps2ph``) or bf16,
+to nearest even, as NumPy's ``astype`` does.
 """
+import platform
+
+import llvmlite.binding as llvm
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import config, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from .._validate import accumulator_dtype, is_bfloat16  # noqa: F401 (accumulator_dtype: for the kernels)
 
-HALF_TO_FLOAT = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
-BFLOAT16_TO_FLOAT = (np.arange(1 << 16, dtype=np.uint32) << 16).view(np.float32)
-NO_LUT = np.zeros(1, np.float32)
-
 
 def kernel_table(a):
-    """(array the kernel reads, widening table) for a float table."""
+    """The array a kernel reads for a float array: fp16 as its uint16 bits, bf16 as
+    its int16 bits, other dtypes as they are (views, no copy)."""
     if a.dtype == np.float16:
-        return a.view(np.uint16), HALF_TO_FLOAT
+        return a.view(np.uint16)
     if is_bfloat16(a.dtype):
-        return a.view(np.uint16), BFLOAT16_TO_FLOAT
-    return a, NO_LUT
+        return a.view(np.int16)
+    return a
 
 
-def widen(value, lut):
-    """Element of a kernel table as a float (compile-time choice by dtype)."""
+def native_half_conversion():
+    """Whether Numba's CPU target has fp16 <-> fp32 instructions (x86 with F16C).
+
+    Without them LLVM lowers the conversion to a runtime helper that Numba's
+    JIT does not link (the call crashes), so the integer path is used instead.
+    The features are Numba's: ``NUMBA_CPU_FEATURES`` (empty for
+    ``NUMBA_CPU_NAME=generic``) or the host's."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    features = config.CPU_FEATURES
+    if features is None:
+        features = llvm.get_host_cpu_features().flatten()
+    return "+f16c" in features.split(",")
+
+
+NATIVE_HALF = native_half_conversion()
+
+
+def _as_i32(builder, value):
+    i32 = ir.IntType(32)
+    if value.type.width > 32:
+        return builder.trunc(value, i32)
+    return builder.zext(value, i32) if value.type.width < 32 else value
+
+
+@intrinsic
+def float32_from_bits(typingctx, bits):
+    """The float32 whose bits are the low 32 bits of the integer ``bits``."""
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(_as_i32(builder, args[0]), ir.FloatType())
+
+    return types.float32(bits), codegen
+
+
+@intrinsic
+def float32_bits(typingctx, x):
+    """The bits of the float32 ``x`` as a uint32."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.uint32(x), codegen
+
+
+@intrinsic
+def _half_to_float_instruction(typingctx, bits):
+    """fp16 bits (uint16) to float32 by LLVM's ``fpext half`` (needs :data:`NATIVE_HALF`)."""
+    if bits != types.uint16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return types.float32(bits), codegen
+
+
+@intrinsic
+def _float_to_half_instruction(typingctx, x):
+    """float32 to fp16 bits (uint16), rounded to nearest even by LLVM's ``fptrunc``
+    (needs :data:`NATIVE_HALF`)."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+    return types.uint16(x), codegen
+
+
+@njit(inline="always")
+def half_to_float_by_integers(bits):
+    """fp16 bits to float32 with integer operations only (exact, any target)."""
+    x = np.uint32(bits)
+    sign = (x & 0x8000) << 16
+    magnitude = (x & 0x7FFF) << 13  # exponent and mantissa in float32's places
+    exponent = magnitude & 0x0F800000
+    if exponent == 0x0F800000:  # Inf and NaN: exponent 31 -> 255
+        out = magnitude + (224 << 23)
+    elif exponent == 0:  # zero and subnormals: mantissa * 2^-24, exact as 2^-14 * (1 + m) - 2^-14
+        out = float32_bits(float32_from_bits(magnitude + (113 << 23)) - float32_from_bits(113 << 23))
+    else:  # normal: rebias the exponent from 15 to 127
+        out = magnitude + (112 << 23)
+    return float32_from_bits(out | sign)
+
+
+def widen(value):
+    """An element of a kernel array as a float: fp16 (uint16) and bf16 (int16) bits
+    to float32, floats as they are (a compile-time choice by type)."""
 
 
 @overload(widen, inline="always")
-def _widen(value, lut):
-    if isinstance(value, types.Integer):  # uint16 bits of an fp16 value
-        return lambda value, lut: lut[value]
-    return lambda value, lut: value
+def _widen(value):
+    if value == types.uint16:
+        if NATIVE_HALF:
+            return lambda value: _half_to_float_instruction(value)
+        return lambda value: half_to_float_by_integers(value)
+    if value == types.int16:
+        return lambda value: float32_from_bits(np.uint32(np.uint16(value)) << 16)
+    if isinstance(value, types.Float):
+        return lambda value: value
+    return None
+
+
+@njit(parallel=True, cache=True)
+def _float_to_half_bits(src, dst):
+    for i in prange(src.shape[0]):
+        dst[i] = _float_to_half_instruction(src[i])
+
+
+def narrow(a, dtype):
+    """The float32 array ``a`` as ``dtype``, rounded to nearest even (``a`` itself when
+    it has that dtype); fp16 in a parallel kernel where the CPU converts it."""
+    dtype = np.dtype(dtype)
+    if a.dtype == dtype:
+        return a
+    if dtype == np.float16 and NATIVE_HALF and a.dtype == np.float32 and a.flags.c_contiguous:
+        out = np.empty(a.shape, np.float16)
+        _float_to_half_bits(a.reshape(-1), out.reshape(-1).view(np.uint16))
+        return out
+    return a.astype(dtype)
 
 
 @njit(cache=True)

@@ -19,7 +19,15 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from ._common import accumulator_dtype, first_bad_offset, kernel_table, prefetch_row, scratch_row, widen
+from ._common import (
+    accumulator_dtype,
+    first_bad_offset,
+    kernel_table,
+    narrow,
+    prefetch_row,
+    scratch_row,
+    widen,
+)
 
 PREFETCH_DISTANCE = 16
 NO_WEIGHTS = np.ones(1, np.float32)
@@ -28,12 +36,12 @@ NO_IDS = np.zeros(1, np.int64)
 
 @functools.lru_cache(maxsize=None)
 def pool_kernel(dim, weighted, check_ids, identity):
-    """Kernel ``(table, lut, values, offsets, weights, combiner, out, first_bad)``:
+    """Kernel ``(table, values, offsets, weights, combiner, out, first_bad)``:
     out[b] = combine_j w_j * table[row_j] over j in [offsets[b], offsets[b+1]),
     row_j = values[j] (or j when ``identity``); combiner 0 sum, 1 mean, 2 sqrtn."""
 
     @njit(parallel=True, fastmath=True, cache=True)
-    def pool(table, lut, values, offsets, weights, combiner, out, first_bad):
+    def pool(table, values, offsets, weights, combiner, out, first_bad):
         num_rows = table.shape[0]
         last_id = offsets[offsets.shape[0] - 1] - 1
         for b in prange(offsets.shape[0] - 1):
@@ -59,10 +67,10 @@ def pool_kernel(dim, weighted, check_ids, identity):
                     w_sum += w
                     w_sq += w * w
                     for d in range(dim):
-                        acc[d] += w * widen(table[row, d], lut)
+                        acc[d] += w * widen(table[row, d])
                 else:
                     for d in range(dim):
-                        acc[d] += widen(table[row, d], lut)
+                        acc[d] += widen(table[row, d])
             if combiner == 0:
                 for d in range(dim):
                     out[b, d] = acc[d]
@@ -85,7 +93,7 @@ def pool(table, values, offsets, weights, combiner, check_ids, identity):
 
     Returns ``(out in the table's dtype, first bad id position or -1)``; bad
     ids are skipped (and found) only when ``check_ids``."""
-    kernel_tab, lut = kernel_table(table)
+    kernel_tab = kernel_table(table)
     acc_dtype = accumulator_dtype(table.dtype)
     num_bags = offsets.shape[0] - 1
     acc = np.empty((num_bags, table.shape[1]), acc_dtype)
@@ -93,9 +101,9 @@ def pool(table, values, offsets, weights, combiner, check_ids, identity):
     weighted = weights is not None
     weights = weights.astype(acc_dtype, copy=False) if weighted else NO_WEIGHTS.astype(acc_dtype)
     kernel = pool_kernel(table.shape[1], weighted, check_ids, identity)
-    kernel(kernel_tab, lut, NO_IDS if identity else values, offsets, weights, combiner, acc, first_bad)
+    kernel(kernel_tab, NO_IDS if identity else values, offsets, weights, combiner, acc, first_bad)
     bad = first_bad[first_bad >= 0]
-    out = acc if acc.dtype == table.dtype else acc.astype(table.dtype)
+    out = narrow(acc, table.dtype)
     return out, (int(bad.min()) if bad.size else -1)
 
 

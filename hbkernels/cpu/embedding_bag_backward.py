@@ -24,7 +24,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from ._common import accumulator_dtype, first_bad_offset, first_out_of_range, kernel_table, widen
+from ._common import accumulator_dtype, first_bad_offset, first_out_of_range, kernel_table, narrow, widen
 from .unique import hash_unique
 
 # LLVM fast-math flags of these kernels: no 'nnan'/'ninf' (the non-finite checks
@@ -118,11 +118,11 @@ def balanced_chunks(starts, id_cost=ID_COST, chunks_per_thread=CHUNKS_PER_THREAD
 
 @functools.lru_cache(maxsize=None)
 def accumulate_kernel(dim):
-    """Kernel ``(grad, lut, starts, occ_bag, occ_coef, chunks, rows)``:
+    """Kernel ``(grad, starts, occ_bag, occ_coef, chunks, rows)``:
     ``rows[k] = Σ occ_coef[s]·grad[occ_bag[s]]`` over ``s`` in ``[starts[k], starts[k+1])``."""
 
     @njit(parallel=True, fastmath=FASTMATH, cache=True)
-    def accumulate(grad, lut, starts, occ_bag, occ_coef, chunks, rows):
+    def accumulate(grad, starts, occ_bag, occ_coef, chunks, rows):
         for c in prange(chunks.shape[0] - 1):
             for k in range(chunks[c], chunks[c + 1]):
                 for d in range(dim):
@@ -131,7 +131,7 @@ def accumulate_kernel(dim):
                     b = occ_bag[s]
                     coef = occ_coef[s]
                     for d in range(dim):
-                        rows[k, d] += coef * widen(grad[b, d], lut)
+                        rows[k, d] += coef * widen(grad[b, d])
 
     return accumulate
 
@@ -162,9 +162,7 @@ def embedding_bag_backward(family, grad_out, values, offsets, num_rows, per_samp
         values, offsets, per_sample_weights, combiner, num_rows, bounds != 2, acc_dtype)
     rows = np.empty((ids.shape[0], dim), acc_dtype)
     if ids.shape[0]:
-        kernel_grad, lut = kernel_table(np.ascontiguousarray(grad_out))
-        accumulate_kernel(dim)(kernel_grad, lut, starts, occ_bag, occ_coef,
+        kernel_grad = kernel_table(np.ascontiguousarray(grad_out))
+        accumulate_kernel(dim)(kernel_grad, starts, occ_bag, occ_coef,
                                balanced_chunks(starts), rows)
-    if rows.dtype != grad_out.dtype:
-        rows = rows.astype(grad_out.dtype)
-    return ids, rows, -1, -1
+    return ids, narrow(rows, grad_out.dtype), -1, -1

@@ -12,15 +12,15 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from ._common import accumulator_dtype, first_out_of_range, kernel_table, widen
+from ._common import accumulator_dtype, first_out_of_range, kernel_table, narrow, widen
 
 
 @functools.lru_cache(maxsize=None)
 def scatter_add_kernel(dim, skip_bad):
-    """Kernel ``(data, lut, segment_ids, num_owners, out)`` adding rows into ``out``."""
+    """Kernel ``(data, segment_ids, num_owners, out)`` adding rows into ``out``."""
 
     @njit(parallel=True, fastmath=True, cache=True)
-    def scatter_add(data, lut, segment_ids, num_owners, out):
+    def scatter_add(data, segment_ids, num_owners, out):
         num_segments = out.shape[0]
         for owner in prange(num_owners):
             for i in range(segment_ids.shape[0]):
@@ -30,7 +30,7 @@ def scatter_add_kernel(dim, skip_bad):
                 if s % num_owners != owner:
                     continue
                 for d in range(dim):
-                    out[s, d] += widen(data[i, d], lut)
+                    out[s, d] += widen(data[i, d])
 
     return scatter_add
 
@@ -40,8 +40,8 @@ def segment_sum(family, data, segment_ids, num_segments, bounds):
         bad = first_out_of_range(segment_ids, num_segments)
         if bad != -1:
             return None, bad
-    kernel_data, lut = kernel_table(data)
+    kernel_data = kernel_table(data)
     acc = np.zeros((num_segments, data.shape[1]), accumulator_dtype(data.dtype))
     owners = max(1, min(numba.get_num_threads(), num_segments))
-    scatter_add_kernel(data.shape[1], bounds == 1)(kernel_data, lut, segment_ids, owners, acc)
-    return (acc if acc.dtype == data.dtype else acc.astype(data.dtype)), -1
+    scatter_add_kernel(data.shape[1], bounds == 1)(kernel_data, segment_ids, owners, acc)
+    return narrow(acc, data.dtype), -1

@@ -14,9 +14,9 @@ hyper-parameters, the gradient rows and the per-sample weights are cast to it
 before the kernels run, so no fp32 kernel silently widens to fp64.
 
 fp16 and bf16 tables: Numba's CPU target has neither, so the kernels read the
-table as its uint16 bits (widened through :func:`._common.kernel_table`'s
-lookup table) and write each new row, in fp32, to a scratch ``[K, D]``; the
-wrapper casts it with ``astype`` (round to nearest even) and scatters it.
+table as its bits (:func:`._common.kernel_table`, widened exactly by
+:func:`._common.widen`) and write each new row, in fp32, to a scratch ``[K, D]``;
+the wrapper rounds it to nearest even (:func:`._common.narrow`) and scatters it.
 Stochastic rounding is done in the kernel in float64 and gives exact fp16 (or
 bf16) values, so the cast keeps them. Its uniform ``u`` comes from a murmur3
 ``fmix32`` chain of ``(key, row, column)``, the same bits as the CUDA kernels.
@@ -33,7 +33,7 @@ from numba.extending import intrinsic, overload
 
 from .. import _rules as rules
 from .._validate import is_bfloat16
-from ._common import accumulator_dtype, first_bad_offset, kernel_table, prefetch_row, widen
+from ._common import accumulator_dtype, first_bad_offset, kernel_table, narrow, prefetch_row, widen
 from ._common import first_out_of_range as _first_out_of_range
 from .embedding_bag_backward import FASTMATH, balanced_chunks, group_occurrences
 
@@ -60,7 +60,7 @@ def first_out_of_range(family, ids, limit):
 
 
 @njit(parallel=True, cache=True)  # no fast-math: NaN and Inf must stay visible
-def _first_nonfinite_row(a, lut, num_chunks):
+def _first_nonfinite_row(a, num_chunks):
     """First row holding NaN/Inf (x - x is NaN exactly for those), -1 if none; rows are
     scanned in parallel chunks with a branch-free (vectorisable) test per row."""
     n = a.shape[0]
@@ -70,7 +70,7 @@ def _first_nonfinite_row(a, lut, num_chunks):
         for i in range(c * size, min(n, (c + 1) * size)):
             bad = False
             for d in range(a.shape[1]):
-                x = widen(a[i, d], lut)
+                x = widen(a[i, d])
                 bad |= not (x - x == 0)
             if bad:
                 first[c] = i
@@ -82,9 +82,9 @@ def _first_nonfinite_row(a, lut, num_chunks):
 
 
 def first_nonfinite_row(family, a):
-    table, lut = kernel_table(a)
+    table = kernel_table(a)
     num_chunks = max(1, min(a.shape[0], 4 * numba.get_num_threads()))
-    return int(_first_nonfinite_row(table, lut, num_chunks))
+    return int(_first_nonfinite_row(table, num_chunks))
 
 
 def check_ragged(family, values, offsets, num_rows, bounds):
@@ -155,7 +155,7 @@ def store(weights, out, row, k, d, value, stochastic, key):
 
 @overload(store, inline="always")
 def _store(weights, out, row, k, d, value, stochastic, key):
-    if isinstance(weights.dtype, types.Integer):  # uint16 bits of an fp16/bf16 table
+    if isinstance(weights.dtype, types.Integer):  # the bits of an fp16 (uint16) or bf16 (int16) table
 
         def impl(weights, out, row, k, d, value, stochastic, key):
             if stochastic == ROUND_FP16:
@@ -177,7 +177,7 @@ def _store(weights, out, row, k, d, value, stochastic, key):
 
 # -- the rules --------------------------------------------------------------------
 @njit(inline="always", fastmath=FASTMATH)
-def apply_rule(rule, dim, p, g, weights, lut, row, s1, s2, out, k, stochastic, key):
+def apply_rule(rule, dim, p, g, weights, row, s1, s2, out, k, stochastic, key):
     """Update row ``row`` of ``weights`` (and ``s1``/``s2``) from its gradient ``g``
     ``[dim]``; every scalar of ``p`` (kernel parameters) is in the accumulator type.
     ``s1`` is ``[E, 1]`` for the row-wise rule."""
@@ -185,14 +185,14 @@ def apply_rule(rule, dim, p, g, weights, lut, row, s1, s2, out, k, stochastic, k
     eps = p[rules.EPS]
     if rule == rules.SGD:
         for d in range(dim):
-            store(weights, out, row, k, d, widen(weights[row, d], lut) - lr * g[d],
+            store(weights, out, row, k, d, widen(weights[row, d]) - lr * g[d],
                   stochastic, key)
     elif rule == rules.ADAGRAD:
         for d in range(dim):
             s = s1[row, d] + g[d] * g[d]
             s1[row, d] = s
             store(weights, out, row, k, d,
-                  widen(weights[row, d], lut) - lr * g[d] / (fsqrt(s) + eps), stochastic, key)
+                  widen(weights[row, d]) - lr * g[d] / (fsqrt(s) + eps), stochastic, key)
     elif rule == rules.ROWWISE_ADAGRAD:
         sq = p[ZERO]
         for d in range(dim):
@@ -201,7 +201,7 @@ def apply_rule(rule, dim, p, g, weights, lut, row, s1, s2, out, k, stochastic, k
         s1[row, 0] = m
         step = lr / (fsqrt(m) + eps)
         for d in range(dim):
-            store(weights, out, row, k, d, widen(weights[row, d], lut) - step * g[d],
+            store(weights, out, row, k, d, widen(weights[row, d]) - step * g[d],
                   stochastic, key)
     elif rule == rules.ADAM:
         b1 = p[ONE_M_B1]  # 1 - beta1
@@ -215,30 +215,30 @@ def apply_rule(rule, dim, p, g, weights, lut, row, s1, s2, out, k, stochastic, k
             s1[row, d] = m
             s2[row, d] = v
             store(weights, out, row, k, d,
-                  widen(weights[row, d], lut) - step_size * m / (fsqrt(v) + eps),
+                  widen(weights[row, d]) - step_size * m / (fsqrt(v) + eps),
                   stochastic, key)
     elif p[SQRT_POWER] != 0:  # FTRL, lr_power = -0.5: a loop of its own, so no pow is speculated
         for d in range(dim):
             n = s1[row, d]
             n_new = n + g[d] * g[d]
-            ftrl_element(p, g[d], n_new, fsqrt(n_new), fsqrt(n), weights, lut, row, s1, s2, out,
+            ftrl_element(p, g[d], n_new, fsqrt(n_new), fsqrt(n), weights, row, s1, s2, out,
                          k, d, stochastic, key)
     else:  # FTRL
         q = p[NEG_POWER]  # -lr_power
         for d in range(dim):
             n = s1[row, d]
             n_new = n + g[d] * g[d]
-            ftrl_element(p, g[d], n_new, n_new ** q, n ** q, weights, lut, row, s1, s2, out,
+            ftrl_element(p, g[d], n_new, n_new ** q, n ** q, weights, row, s1, s2, out,
                          k, d, stochastic, key)
 
 
 @njit(inline="always", fastmath=FASTMATH)
-def ftrl_element(p, g, n_new, pow_new, pow_old, weights, lut, row, s1, s2, out, k, d,
+def ftrl_element(p, g, n_new, pow_new, pow_old, weights, row, s1, s2, out, k, d,
                  stochastic, key):
     """One FTRL coordinate, given n' = n + g² and n'^-p, n^-p."""
     lr = p[rules.LR]
     l1 = p[rules.L1]
-    w = widen(weights[row, d], lut)
+    w = widen(weights[row, d])
     z = s2[row, d] + g - (pow_new - pow_old) / lr * w
     s2[row, d] = z
     s1[row, d] = n_new
@@ -271,11 +271,11 @@ def all_finite(g, dim):
 
 @functools.lru_cache(maxsize=None)
 def update_kernel(dim):
-    """Kernel ``(rule, p, rows, ids, weights, lut, s1, s2, out, skip, stochastic, key,
+    """Kernel ``(rule, p, rows, ids, weights, s1, s2, out, skip, stochastic, key,
     updated)``: row ``ids[k]`` from ``rows[k]``, ids distinct."""
 
     @njit(parallel=True, fastmath=FASTMATH, cache=True)
-    def update(rule, p, rows, ids, weights, lut, s1, s2, out, skip, stochastic, key, updated):
+    def update(rule, p, rows, ids, weights, s1, s2, out, skip, stochastic, key, updated):
         num_ids = ids.shape[0]
         for k in prange(num_ids):
             if k + PREFETCH_IDS < num_ids:
@@ -285,19 +285,19 @@ def update_kernel(dim):
                 updated[k] = False
                 continue
             updated[k] = True
-            apply_rule(rule, dim, p, g, weights, lut, ids[k], s1, s2, out, k, stochastic, key)
+            apply_rule(rule, dim, p, g, weights, ids[k], s1, s2, out, k, stochastic, key)
 
     return update
 
 
 @functools.lru_cache(maxsize=None)
 def fused_kernel(dim):
-    """Kernel ``(rule, p, grad, starts, occ_bag, occ_coef, chunks, ids, weights, lut, s1,
+    """Kernel ``(rule, p, grad, starts, occ_bag, occ_coef, chunks, ids, weights, s1,
     s2, out, skip, stochastic, key, updated)``: per distinct id, its gradient summed in
     input order into a scratch row, then the rule."""
 
     @njit(parallel=True, fastmath=FASTMATH, cache=True)
-    def fused(rule, p, grad, starts, occ_bag, occ_coef, chunks, ids, weights, lut, s1, s2, out,
+    def fused(rule, p, grad, starts, occ_bag, occ_coef, chunks, ids, weights, s1, s2, out,
               skip, stochastic, key, updated):
         for c in prange(chunks.shape[0] - 1):
             g = np.empty(dim, grad.dtype)
@@ -316,7 +316,7 @@ def fused_kernel(dim):
                     updated[k] = False
                     continue
                 updated[k] = True
-                apply_rule(rule, dim, p, g, weights, lut, ids[k], s1, s2, out, k, stochastic,
+                apply_rule(rule, dim, p, g, weights, ids[k], s1, s2, out, k, stochastic,
                            key)
 
     return fused
@@ -344,8 +344,7 @@ class _Target:
         acc = accumulator_dtype(weights.dtype)
         self.acc_dtype = acc
         dummy = np.zeros((1, 1), acc)
-        self.table, self.lut = kernel_table(weights)
-        self.lut = self.lut.astype(acc, copy=False)
+        self.table = kernel_table(weights)
         self.rounding = ROUND_NEAREST
         if self.half:
             self.out = np.empty((num_ids, weights.shape[1]), np.float32)
@@ -362,9 +361,9 @@ class _Target:
         if not self.half or ids.shape[0] == 0:
             return
         if self.updated.all():
-            self.weights[ids] = self.out.astype(self.weights.dtype)
+            self.weights[ids] = narrow(self.out, self.weights.dtype)
         else:
-            self.weights[ids[self.updated]] = self.out[self.updated].astype(self.weights.dtype)
+            self.weights[ids[self.updated]] = narrow(self.out[self.updated], self.weights.dtype)
 
 
 def sparse_update(family, rule, weights, state1, state2, hp, ids, rows, skip_nonfinite,
@@ -375,7 +374,7 @@ def sparse_update(family, rule, weights, state1, state2, hp, ids, rows, skip_non
     target = _Target(weights, state1, state2, ids.shape[0], stochastic)
     rows = np.ascontiguousarray(rows, dtype=target.acc_dtype)
     update_kernel(dim)(
-        rule, _kernel_params(hp, dim, target.acc_dtype), rows, ids, target.table, target.lut,
+        rule, _kernel_params(hp, dim, target.acc_dtype), rows, ids, target.table,
         target.s1, target.s2, target.out, bool(skip_nonfinite), target.rounding,
         np.uint64(key), target.updated,
     )
@@ -396,7 +395,7 @@ def fused_sparse_update(family, rule, weights, state1, state2, hp, grad_out, val
     grad = np.ascontiguousarray(grad_out, dtype=acc)
     fused_kernel(dim)(
         rule, _kernel_params(hp, dim, acc), grad, starts, occ_bag, occ_coef,
-        balanced_chunks(starts), ids, target.table, target.lut, target.s1, target.s2,
+        balanced_chunks(starts), ids, target.table, target.s1, target.s2,
         target.out, bool(skip_nonfinite), target.rounding, np.uint64(key), target.updated,
     )
     target.finish(ids)
