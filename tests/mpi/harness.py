@@ -37,28 +37,16 @@ def log(comm, *msg):
         print(f"[rank {comm.rank}]", *msg, flush=True)
 
 
-def wait_for_all(seconds):
-    """A barrier of every rank outside hbk (whose communicator may hold abandoned
-    requests), polled so that it fails after ``seconds`` instead of hanging."""
-    from mpi4py import MPI
-
-    req = MPI.COMM_WORLD.Ibarrier()
-    deadline = time.monotonic() + seconds
-    while not req.Test():
-        assert time.monotonic() < deadline, "final barrier"
-        time.sleep(0.01)
-
-
-def finish(comm, hard=False, seconds=60):
-    """The line the pytest driver looks for; ``hard``: skip MPI_Finalize.
+def finish(comm, hard=False):
+    """The line the pytest driver looks for; ``hard``: leave with ``os._exit``,
+    skipping MPI_Finalize (tests/mpi/fault.py, whose victim rank is dead).
 
     The line also goes to a marker file in ``$HBK_TEST_OK_DIR`` (set by
     tests/mpirun.py): mpiexec's output forwarding can drop the last line of a
-    rank that leaves with ``os._exit`` right after printing it. A ``hard`` exit
-    first waits (``seconds`` at most) until every rank has written its line:
-    mpiexec ends the whole job when one rank leaves without MPI_Finalize, and
-    could otherwise kill a slower rank before it writes. (A script with a dead
-    rank, as tests/mpi/fault.py, passes ``seconds=0``.)"""
+    rank that leaves with ``os._exit`` right after printing it. Scripts whose
+    ranks are all alive end normally: when one rank leaves without
+    MPI_Finalize, mpiexec kills the others (exit status 9) unless it runs with
+    ``-disable-auto-cleanup``."""
     print(f"OK rank {comm.rank}", flush=True)
     sys.stdout.flush()
     ok_dir = os.environ.get("HBK_TEST_OK_DIR")
@@ -66,8 +54,6 @@ def finish(comm, hard=False, seconds=60):
         with open(os.path.join(ok_dir, f"rank-{comm.rank}"), "w") as f:
             f.write(f"OK rank {comm.rank}\n")
     if hard:
-        if seconds > 0:
-            wait_for_all(seconds)
         os._exit(0)
 
 
