@@ -53,10 +53,13 @@ def test_matches_reference(backend, rng, combiner, dim, dtype):
 
 @pytest.mark.parametrize("dtype, dim", [
     (np.float32, STACK_ROW_MAX_BYTES // 4), (np.float32, STACK_ROW_MAX_BYTES // 4 + 1),
-    (np.float16, STACK_ROW_MAX_BYTES // 4 + 1), (np.float64, STACK_ROW_MAX_BYTES // 8 + 1)])
+    (np.float16, STACK_ROW_MAX_BYTES // 4), (np.float16, STACK_ROW_MAX_BYTES // 4 + 1),
+    (np.float64, STACK_ROW_MAX_BYTES // 8 + 1)])
 def test_rows_on_both_sides_of_the_stack_row_limit_cpu(rng, dtype, dim):
     """The CPU kernel sums a bag in a stack row up to STACK_ROW_MAX_BYTES of
-    accumulator, in the output row itself beyond (fp16 accumulates in fp32)."""
+    accumulator, in the output row itself beyond. fp16 accumulates in fp32:
+    rounded from the stack row into the fp16 output, or beyond the limit
+    into a float32 output that is rounded afterwards."""
     weights, values, offsets = make_case(rng, None, 40, dim, 6, 9, dtype, np.int64, np.int32)
     psw = rng.uniform(0.1, 2.0, size=values.shape).astype(np.float32)
     values[1] = 40  # skipped under bounds="zero"

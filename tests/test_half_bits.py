@@ -80,13 +80,19 @@ def test_fp16_narrowing_rounds_like_numpy(rng):
 
 
 def test_bf16_narrowing_rounds_like_ml_dtypes(rng):
+    """Bit for bit, NaNs included: every bf16 value, the midpoints between neighbours
+    (ties go to even), one float32 step either side of them, and the fp16 cases."""
     ml_dtypes = pytest.importorskip("ml_dtypes")
-    x = float32_cases(rng)
+    bf16 = (ALL_BITS.astype(np.uint32) << 16).view(np.float32)
+    finite = np.sort(bf16[np.isfinite(bf16)])
+    mid = ((finite[:-1].astype(np.float64) + finite[1:]) / 2).astype(np.float32)
+    near = np.concatenate([np.nextafter(mid, np.float32(np.inf)), np.nextafter(mid, np.float32(-np.inf))])
+    x = np.concatenate([bf16, mid, near, float32_cases(rng)])
     with np.errstate(invalid="ignore"):  # ml_dtypes warns on NaN inputs
         got = narrow(x, ml_dtypes.bfloat16)
         expected = x.astype(ml_dtypes.bfloat16)
     assert got.dtype == ml_dtypes.bfloat16
-    assert_same_floats(got.astype(np.float32), expected.astype(np.float32))
+    np.testing.assert_array_equal(got.view(np.uint16), expected.view(np.uint16))
 
 
 def test_fp16_tables_through_the_kernels_keep_every_value(rng):

@@ -7,8 +7,9 @@ type tells :func:`widen`, at compile time, which format it holds). ``widen``
 is exact: bf16 bits are shifted into the top half of a float32; fp16 goes
 through the CPU's conversion instruction (x86 F16C ``vcvtph2ps``, vectorised
 by LLVM) where Numba's target has it, else through integer operations.
-:func:`narrow` rounds a float32 array back to fp16 (``vcvtps2ph``) or bf16,
-to nearest even, as NumPy's ``astype`` does.
+:func:`narrow_to` rounds a float back to fp16 (``vcvtps2ph``) or bf16 bits
+inside a kernel, to nearest even, as NumPy's and ml_dtypes' ``astype`` do;
+:func:`narrow` does it for a whole float32 array.
 """
 import platform
 
@@ -140,21 +141,61 @@ def _widen(value):
     return None
 
 
+@njit(inline="always")
+def float_to_bfloat16_bits(x):
+    """float32 to bf16 bits (int16), rounded to nearest even; NaN becomes the quiet
+    NaN 0x7FC0 with x's sign (as ml_dtypes does)."""
+    bits = float32_bits(np.float32(x))
+    if bits & np.uint32(0x7FFFFFFF) > np.uint32(0x7F800000):
+        out = ((bits >> 16) & np.uint32(0x8000)) | np.uint32(0x7FC0)
+    else:
+        out = (bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16
+    return np.int16(np.uint16(out))
+
+
+def narrow_to(value, array):
+    """``value`` (a float) as an element of the kernel array ``array``: rounded to fp16
+    bits (uint16, needs :data:`NATIVE_HALF`) or bf16 bits (int16), to nearest even,
+    or cast to its float type (a compile-time choice by type)."""
+
+
+@overload(narrow_to, inline="always")
+def _narrow_to(value, array):
+    if not isinstance(value, types.Float):
+        return None
+    if array.dtype == types.uint16 and NATIVE_HALF:
+        return lambda value, array: _float_to_half_instruction(np.float32(value))
+    if array.dtype == types.int16:
+        return lambda value, array: float_to_bfloat16_bits(value)
+    if isinstance(array.dtype, types.Float):
+        return lambda value, array: value
+    return None
+
+
+def narrows_in_kernel(dtype):
+    """Whether kernels round float32 results into ``dtype`` themselves (:func:`narrow_to`):
+    float dtypes and bf16 always, fp16 where the CPU converts it (:data:`NATIVE_HALF`)."""
+    dtype = np.dtype(dtype)
+    return dtype != np.float16 or NATIVE_HALF
+
+
 @njit(parallel=True, cache=True)
-def _float_to_half_bits(src, dst):
+def _narrow_elements(src, dst):
     for i in prange(src.shape[0]):
-        dst[i] = _float_to_half_instruction(src[i])
+        dst[i] = narrow_to(src[i], dst)
 
 
 def narrow(a, dtype):
     """The float32 array ``a`` as ``dtype``, rounded to nearest even (``a`` itself when
-    it has that dtype); fp16 in a parallel kernel where the CPU converts it."""
+    it has that dtype); fp16 and bf16 in a parallel kernel (:func:`narrow_to`), fp16
+    by NumPy where the CPU has no conversion instruction."""
     dtype = np.dtype(dtype)
     if a.dtype == dtype:
         return a
-    if dtype == np.float16 and NATIVE_HALF and a.dtype == np.float32 and a.flags.c_contiguous:
-        out = np.empty(a.shape, np.float16)
-        _float_to_half_bits(a.reshape(-1), out.reshape(-1).view(np.uint16))
+    two_byte = dtype == np.float16 or is_bfloat16(dtype)
+    if two_byte and narrows_in_kernel(dtype) and a.dtype == np.float32 and a.flags.c_contiguous:
+        out = np.empty(a.shape, dtype)
+        _narrow_elements(a.reshape(-1), kernel_table(out).reshape(-1))
         return out
     return a.astype(dtype)
 
@@ -186,29 +227,40 @@ def first_out_of_range(ids, limit):
 STACK_ROW_MAX_BYTES = 1 << 14
 
 
+def stack_row_fits(length, itemsize):
+    """Whether :func:`scratch_row` puts a row of ``length`` accumulators on the stack."""
+    return length * itemsize <= STACK_ROW_MAX_BYTES
+
+
 @intrinsic
 def scratch_row(typingctx, size, out, index):
     """A row to accumulate ``out[index]`` in: ``size`` (a compile-time constant,
     e.g. a closure constant of the kernel factory) elements of ``out``'s dtype
-    on the calling kernel's stack (``alloca`` in its entry block, so one per
-    thread in a ``prange`` body), or ``out[index]`` itself when the row would
-    take more than ``STACK_ROW_MAX_BYTES``. LLVM keeps a stack row in vector
-    registers across a loop that adds table rows into it, where a row of
-    ``out``, which might alias the table, is loaded and stored on every add.
-    Uninitialised; it must not outlive the kernel (never return or store it)."""
+    (float32 where ``out`` holds fp16 or bf16 bits) on the calling kernel's
+    stack (``alloca`` in its entry block, so one per thread in a ``prange``
+    body), or ``out[index]`` itself when the row would take more than
+    ``STACK_ROW_MAX_BYTES`` (not for 2-byte floats: see :func:`stack_row_fits`).
+    LLVM keeps a stack row in vector registers across a loop that adds table
+    rows into it, where a row of ``out``, which might alias the table, is
+    loaded and stored on every add. Uninitialised; it must not outlive the
+    kernel (never return or store it)."""
     if not (isinstance(size, types.IntegerLiteral) and isinstance(out, types.Array)
             and out.ndim == 2 and out.layout == "C" and isinstance(index, types.Integer)):
         return None
-    row_type = types.Array(out.dtype, 1, "C")
-    length, itemsize = size.literal_value, np.dtype(str(out.dtype)).itemsize
+    two_byte = out.dtype in (types.uint16, types.int16)
+    row_dtype = types.float32 if two_byte else out.dtype
+    row_type = types.Array(row_dtype, 1, "C")
+    length, itemsize = size.literal_value, np.dtype(str(row_dtype)).itemsize
     sig = row_type(size, out, index)
-    if length * itemsize > STACK_ROW_MAX_BYTES:
+    if not stack_row_fits(length, itemsize):
+        if two_byte:
+            return None
         def row_of_out(context, builder, sig, args):
             return context.compile_internal(builder, lambda size, out, index: out[index], sig, args)
         return sig, row_of_out
 
     def row_on_stack(context, builder, sig, args):
-        elem = context.get_data_type(out.dtype)
+        elem = context.get_data_type(row_dtype)
         row = context.make_array(row_type)(context, builder)
         intp = context.get_value_type(types.intp)
         context.populate_array(row, data=cgutils.alloca_once(builder, elem, size=length),

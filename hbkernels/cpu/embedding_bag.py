@@ -10,7 +10,9 @@ Every cache line of the row ``PREFETCH_DISTANCE`` ids ahead is prefetched
 (clamped into the table, so no check is needed), indices are unsigned so
 Numba adds no negative-index wraparound, and each bag is summed in a
 stack row (:func:`._common.scratch_row`) that LLVM keeps in vector registers
-(4 zmm registers at D = 64) and stores once. Kernels are cached on disk
+(4 zmm registers at D = 64) and stores once; fp16 and bf16 bags are summed in
+a float32 stack row and rounded straight into the output
+(:func:`._common.narrow_to`), with no float32 array in between. Kernels are cached on disk
 (Numba keys closures by their constants), so each D compiles once per machine.
 """
 import functools
@@ -24,8 +26,11 @@ from ._common import (
     first_bad_offset,
     kernel_table,
     narrow,
+    narrow_to,
+    narrows_in_kernel,
     prefetch_row,
     scratch_row,
+    stack_row_fits,
     widen,
 )
 
@@ -73,7 +78,7 @@ def pool_kernel(dim, weighted, check_ids, identity):
                         acc[d] += widen(table[row, d])
             if combiner == 0:
                 for d in range(dim):
-                    out[b, d] = acc[d]
+                    out[b, d] = narrow_to(acc[d], out)
                 continue
             if not weighted:
                 w_sum = w_sq = num_good
@@ -83,28 +88,33 @@ def pool_kernel(dim, weighted, check_ids, identity):
             elif combiner == 2 and w_sq != 0.0:
                 scale = 1.0 / math.sqrt(w_sq)
             for d in range(dim):
-                out[b, d] = acc[d] * scale
+                out[b, d] = narrow_to(acc[d] * scale, out)
 
     return pool
 
 
 def pool(table, values, offsets, weights, combiner, check_ids, identity):
-    """Run the pooling kernel with an accumulator of the right width.
+    """Run the pooling kernel; fp16 and bf16 rows are summed in float32.
 
-    Returns ``(out in the table's dtype, first bad id position or -1)``; bad
-    ids are skipped (and found) only when ``check_ids``."""
+    The kernel rounds each bag straight into the output (a 2-byte float row
+    is rounded from its stack row); where it cannot (fp16 without F16C, rows
+    too wide for the stack), it writes a float32 array that :func:`narrow`
+    rounds. Returns ``(out in the table's dtype, first bad id position or
+    -1)``; bad ids are skipped (and found) only when ``check_ids``."""
     kernel_tab = kernel_table(table)
     acc_dtype = accumulator_dtype(table.dtype)
-    num_bags = offsets.shape[0] - 1
-    acc = np.empty((num_bags, table.shape[1]), acc_dtype)
+    num_bags, dim = offsets.shape[0] - 1, table.shape[1]
+    direct = table.dtype == acc_dtype or (
+        narrows_in_kernel(table.dtype) and stack_row_fits(dim, np.dtype(acc_dtype).itemsize))
+    out = np.empty((num_bags, dim), table.dtype if direct else acc_dtype)
     first_bad = np.full(num_bags if check_ids else 0, -1, np.int64)
     weighted = weights is not None
     weights = weights.astype(acc_dtype, copy=False) if weighted else NO_WEIGHTS.astype(acc_dtype)
-    kernel = pool_kernel(table.shape[1], weighted, check_ids, identity)
-    kernel(kernel_tab, NO_IDS if identity else values, offsets, weights, combiner, acc, first_bad)
+    kernel = pool_kernel(dim, weighted, check_ids, identity)
+    kernel(kernel_tab, NO_IDS if identity else values, offsets, weights, combiner,
+           kernel_table(out), first_bad)
     bad = first_bad[first_bad >= 0]
-    out = narrow(acc, table.dtype)
-    return out, (int(bad.min()) if bad.size else -1)
+    return narrow(out, table.dtype), (int(bad.min()) if bad.size else -1)
 
 
 def embedding_bag(family, weights, values, offsets, per_sample_weights, combiner, bounds):
