@@ -12,8 +12,9 @@ Numba adds no negative-index wraparound, and each bag is summed in a
 stack row (:func:`._common.scratch_row`) that LLVM keeps in vector registers
 (4 zmm registers at D = 64) and stores once; fp16 and bf16 bags are summed in
 a float32 stack row and rounded straight into the output
-(:func:`._common.narrow_to`), with no float32 array in between. Kernels are cached on disk
-(Numba keys closures by their constants), so each D compiles once per machine.
+(:func:`._common.narrow_to`), with no float32 array in between. Kernels are
+cached on disk (Numba keys closures by their constants), so each D compiles
+once per machine.
 """
 import functools
 import math
