@@ -1,27 +1,28 @@
 """embedding_bag: hbk.embedding_bag vs torch.nn.functional.embedding_bag (and a
 plain gather-then-reduce in NumPy/CuPy), combiners sum and mean, fixed bag length.
 
-CPU: E=1e6 rows, D=64, B=16384 bags of L=32 Zipf(1.1) ids, fp32 and fp16.
-GPU: E=1e7, D=128, B=65536, L=32, Zipf(1.05), fp32 and fp16.
+CPU: E=1e6 rows, D=64, B=16384 bags of L=32 Zipf(1.1) ids, fp32, fp16 and bf16.
+GPU: E=1e7, D=128, B=65536, L=32, Zipf(1.05), fp32, fp16 and bf16 (CuPy >= 14).
+Results are checked against the NumPy (CuPy) gather + fp32 reduction first.
 GB/s counts rows read (B*L*D*itemsize) + ids and offsets read + output written.
 
     PYTHONPATH=. python3 bench/bench_embedding_bag.py --device cpu
 """
-import numpy as np
-
 import hbkernels as hbk
 from bench.common import HBK, Provider, cli_main
 
 OP = "embedding_bag"
 MODES = ("sum", "mean")
+DTYPES = ("float32", "float16", "bfloat16")
+TOLERANCE = {"float32": (1e-5, 1e-4), "float16": (1e-2, 1e-2), "bfloat16": (2e-2, 5e-2)}
 
 
 def configs(ctx):
     if ctx.smoke:
         return [dict(E=1000, D=8, B=64, L=4, alpha=1.1, dtypes=("float32",))]
     if ctx.is_cuda:
-        return [dict(E=10**7, D=128, B=65536, L=32, alpha=1.05, dtypes=("float32", "float16"))]
-    return [dict(E=10**6, D=64, B=16384, L=32, alpha=1.1, dtypes=("float32", "float16"))]
+        return [dict(E=10**7, D=128, B=65536, L=32, alpha=1.05, dtypes=DTYPES)]
+    return [dict(E=10**6, D=64, B=16384, L=32, alpha=1.1, dtypes=DTYPES)]
 
 
 def gather_reduce(xp, mode, B, L):
@@ -42,9 +43,9 @@ def run(ctx):
         size = f"E={E} D={D} B={B} L={L} zipf={cfg['alpha']}"
         for dtype in cfg["dtypes"]:
             w = ctx.random_table(E, D, dtype)
-            item = np.dtype(dtype).itemsize
+            item = w.dtype.itemsize
             nbytes = B * L * D * item + ids.nbytes + offsets.nbytes + B * D * item
-            fp16 = dtype == "float16"
+            rtol, atol = TOLERANCE[dtype]
             for mode in MODES:
                 providers = [
                     Provider(HBK, lambda a, m=mode: hbk.embedding_bag(
@@ -58,8 +59,7 @@ def run(ctx):
                 ]
                 ctx.compare(OP, mode, size, dtype, {"w": w, "ids": ids, "offsets": offsets},
                             providers, nbytes=nbytes,
-                            rtol=1e-2 if fp16 else 1e-5, atol=1e-2 if fp16 else 1e-4,
-                            reference=("torch", ctx.xp_name))
+                            rtol=rtol, atol=atol, reference=(ctx.xp_name, "torch"))
             del w
             ctx.release()
     report_ratios(ctx)

@@ -80,8 +80,23 @@ def zipf_ids(n, num_rows, alpha, *, seed=0, xp=np, dtype=np.int64):
     return perm[ranks].astype(dtype)
 
 
+def float_dtype(name):
+    """The dtype of a float dtype name: NumPy's, or ml_dtypes' for ``"bfloat16"``."""
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def is_bfloat16(dtype):
+    return getattr(dtype, "name", None) == "bfloat16" or str(dtype) == "torch.bfloat16"
+
+
 def random_table(num_rows, dim, dtype, *, seed=0, xp=np):
-    """A ``[num_rows, dim]`` table of uniform values in [-1, 1), made on ``xp``'s device."""
+    """A ``[num_rows, dim]`` table of uniform values in [-1, 1), made on ``xp``'s device
+    (``dtype`` a dtype or its name; bf16 on the GPU needs CuPy >= 14)."""
+    dtype = float_dtype(dtype) if isinstance(dtype, str) else np.dtype(dtype)
     if xp is np:
         table = np.random.default_rng(seed).random((num_rows, dim), dtype=np.float32)
     else:
@@ -101,7 +116,12 @@ def to_host(x):
     if mod.startswith("cupy"):
         return x.get()
     if mod.startswith("torch"):
-        return x.detach().cpu().numpy()
+        x = x.detach().cpu()
+        if is_bfloat16(x.dtype):  # NumPy has bf16 through ml_dtypes only: the bits cross
+            import torch
+
+            return x.view(torch.int16).numpy().view(float_dtype("bfloat16"))
+        return x.numpy()
     if hasattr(x, "copy_to_host"):
         return x.copy_to_host()
     return np.asarray(x)
@@ -120,7 +140,7 @@ def assert_same(got, expected, rtol, atol, what):
         g, e = np.asarray(g), np.asarray(e)
         if g.shape != e.shape:
             raise AssertionError(f"{what}: output {i} has shape {g.shape}, expected {e.shape}")
-        if np.issubdtype(e.dtype, np.floating):
+        if np.issubdtype(e.dtype, np.floating) or is_bfloat16(e.dtype):
             g, e = g.astype(np.float64), e.astype(np.float64)
         np.testing.assert_allclose(g, e, rtol=rtol, atol=atol, err_msg=f"{what}: output {i}")
 
@@ -292,7 +312,13 @@ class Context:
         """Zero-copy torch views of a dict of arrays (CPU: from_numpy, GPU: DLPack)."""
         t = self.torch
         conv = t.from_dlpack if self.is_cuda else t.from_numpy
-        return {k: conv(v) for k, v in inputs.items()}
+
+        def view(a):  # bf16 crosses as its bits (NumPy and older CuPy export no bf16)
+            if is_bfloat16(a.dtype):
+                return conv(a.view(np.int16)).view(t.bfloat16)
+            return conv(a)
+
+        return {k: view(v) for k, v in inputs.items()}
 
     def jax_device(self):
         """(jax, device) when JAX has a backend for this device, else (None, None)."""

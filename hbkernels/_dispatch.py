@@ -80,11 +80,7 @@ class CudaFamily:
     def zeros(self, shape, dtype):
         if self.name == "cupy":
             return _cupy().zeros(shape, dtype)
-        out = self.empty(shape, dtype)
-        from .cuda._launch import fill
-
-        fill(out, 0)
-        return out
+        return self.full(shape, 0, dtype)
 
     def full(self, shape, value, dtype):
         if self.name == "cupy":
@@ -92,7 +88,9 @@ class CudaFamily:
         out = self.empty(shape, dtype)
         from .cuda._launch import fill
 
-        fill(out, np.dtype(dtype).type(value))
+        element = np.array(value, dtype)  # bf16: filled as its bits, as the kernels see it
+        fill(self.kernel_array(out), element.view(np.int16)[()] if _validate.is_bfloat16(dtype)
+             else element[()])
         return out
 
     def to_numpy(self, a):
@@ -113,8 +111,11 @@ class CudaFamily:
 
     # -- what the kernels see -------------------------------------------------
     def kernel_array(self, a):
-        """A Numba device-array view of ``a`` (no copy). No stream synchronisation:
-        the kernels run on the stream CuPy's arrays are ordered on (:meth:`stream`)."""
+        """A Numba device-array view of ``a`` (no copy; bf16 as its int16 bits, which
+        the kernels convert). No stream synchronisation: the kernels run on the
+        stream CuPy's arrays are ordered on (:meth:`stream`)."""
+        if _validate.is_bfloat16(a.dtype):
+            a = a.view(np.int16)
         if self.name == "cupy":
             return _numba_cuda().as_cuda_array(a, sync=False)
         return a
@@ -179,6 +180,20 @@ def _classify(x):
     )
 
 
+def cupy_bfloat16(bits):
+    """The CuPy array of 2-byte bits ``bits`` viewed as ``ml_dtypes.bfloat16`` (no copy),
+    for adapters whose framework hands CuPy no bf16. CuPy knows bf16 from v14 on,
+    with ml_dtypes installed; an older CuPy gets a clear ``ValueError``."""
+    try:
+        import ml_dtypes
+
+        return bits.view(np.dtype(ml_dtypes.bfloat16))
+    except (ImportError, TypeError, ValueError, NotImplementedError) as error:
+        raise ValueError("bfloat16 CUDA arrays need CuPy >= 14 with ml_dtypes installed "
+                         "(pip install -U cupy-cuda12x ml-dtypes, or cupy-cuda13x); this "
+                         f"CuPy has no bfloat16: {error}") from error
+
+
 def _numba_device_id():
     if simulator_enabled():
         return 0
@@ -211,12 +226,6 @@ def resolve(optional=(), **arrays):
                 f"{_describe(family)} array; move them to one device and library first"
             )
         out[name] = arr
-    if family is not None and family is not NUMPY:
-        bf16 = next((n for n, a in out.items() if a is not None and _validate.is_bfloat16(a.dtype)),
-                    None)
-        if bf16 is not None:
-            raise ValueError(f"{bf16} is a bfloat16 CUDA array: bfloat16 runs on the CPU only "
-                             "(NumPy arrays of ml_dtypes.bfloat16) in this version")
     return (family or NUMPY), out
 
 

@@ -52,8 +52,8 @@ def embedding_bag(
     For bag ``b`` with ids ``i_j`` and weights ``w_j`` (1 without weights):
     ``sum = Σ w_j·W[i_j]``, ``mean = sum / Σ w_j``, ``sqrtn = sum / sqrt(Σ w_j²)``
     (TF's ``embedding_lookup_sparse``; a zero denominator gives zeros, so an
-    empty bag gives zeros). fp16 and bf16 (``ml_dtypes.bfloat16``, CPU only)
-    tables accumulate in fp32 and return their own dtype.
+    empty bag gives zeros). fp16 and bf16 (``ml_dtypes.bfloat16``) tables
+    accumulate in fp32 and return their own dtype.
     Under ``bounds="zero"`` a bad id adds nothing and is not counted.
 
     >>> import numpy as np, hbkernels as hbk

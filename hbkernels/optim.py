@@ -16,7 +16,7 @@ Options of every optimizer:
   ``ValueError`` before anything is written; ``"skip"``: rows whose gradient
   is not finite are left untouched (weights and state), the others update.
 * ``rounding="nearest"`` (default) or ``"stochastic"`` for fp16 and bf16
-  tables (bf16 on the CPU only): the fp32 update is rounded up or down with
+  tables: the fp32 update is rounded up or down with
   probability proportional to its distance to the two neighbouring fp16 (bf16)
   values, from a counter-based hash of ``(seed, step, row, column)`` (same
   bits on CPU and GPU, run to run).

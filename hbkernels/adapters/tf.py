@@ -20,7 +20,7 @@ Eager mode
     Tensors cross to the kernels through DLPack without copies: a CPU tensor
     (a variable's value included) becomes a read-only NumPy view (a bfloat16
     tensor: a view of its bits, ``tf.bitcast`` to uint16, as
-    ``ml_dtypes.bfloat16``; bfloat16 runs on the CPU only), the kernels
+    ``ml_dtypes.bfloat16``; on a GPU a CuPy view, CuPy >= 14), the kernels
     run, and the result comes back as a TF tensor over the NumPy buffer (over
     a 64-byte-aligned copy of it when it is not aligned, as TF requires). A
     GPU tensor becomes a CuPy view (``tf.experimental.dlpack.to_dlpack`` ->
@@ -80,6 +80,7 @@ except ImportError:  # pragma: no cover - TF always brings Keras 3 since 2.16
     keras = None
 
 from .. import ops as _ops
+from .._dispatch import cupy_bfloat16
 from .._validate import BOUNDS, COMBINERS, FLOAT_NAMES, is_bfloat16
 
 __all__ = ["embedding_bag", "EmbeddingBag", "kernel_array", "from_kernel_array"]
@@ -131,8 +132,7 @@ def kernel_array(t):
     if t.dtype == tf.bfloat16:  # NumPy takes no bf16 over DLPack: the bits cross instead
         bits = kernel_array(tf.bitcast(t, tf.uint16))  # bitcast shares the buffer
         if not isinstance(bits, np.ndarray):
-            raise ValueError("a bfloat16 GPU tensor: bfloat16 runs on the CPU only in this "
-                             "version (keep the table on the CPU, or use float16/float32)")
+            return cupy_bfloat16(bits)
         return bits.view(tf.bfloat16.as_numpy_dtype)
     if hasattr(t, "__dlpack_device__"):  # TF >= 2.18 says where the buffer really is
         kind, index = t.__dlpack_device__()
@@ -150,9 +150,9 @@ def from_kernel_array(a):
     buffer is aligned as TF requires (``_TF_ALIGN`` bytes: TF's DLPack import
     does not check, and its kernels abort on a misaligned buffer), else over an
     aligned copy (NumPy's small allocations are only 16-byte aligned)."""
+    if is_bfloat16(a.dtype):
+        return tf.bitcast(from_kernel_array(a.view(np.uint16)), tf.bfloat16)
     if isinstance(a, np.ndarray):
-        if is_bfloat16(a.dtype):
-            return tf.bitcast(from_kernel_array(a.view(np.uint16)), tf.bfloat16)
         if a.size == 0:
             return tf.convert_to_tensor(a)
         if not a.flags.c_contiguous or a.ctypes.data % _TF_ALIGN:

@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from .. import ops as _ops
+from .._dispatch import cupy_bfloat16
 from .._validate import BOUNDS, COMBINERS, is_bfloat16
 
 __all__ = ["EmbeddingCollectionModule", "embedding_bag", "kernel_array", "from_kernel_array",
@@ -79,34 +80,34 @@ def kernel_array(t):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(t).__module__}.{type(t).__name__}")
     bf16 = t.dtype == torch.bfloat16
-    if t.dtype not in _TORCH_DTYPES and not (bf16 and t.is_cpu):
-        raise ValueError(f"hbkernels takes float16/bfloat16/float32/float64 tables (bfloat16 "
-                         f"on the CPU only) and int32/int64 ids, got a {t.dtype} tensor on "
-                         f"{t.device}")
+    if t.dtype not in _TORCH_DTYPES and not bf16:
+        raise ValueError(f"hbkernels takes float16/bfloat16/float32/float64 tables and "
+                         f"int32/int64 ids, got a {t.dtype} tensor on {t.device}")
     if t.requires_grad:
         t = t.detach()
     if not t.is_contiguous():
         t = t.contiguous()
-    if bf16:  # NumPy knows bfloat16 through ml_dtypes only: cross as its bits
+    if bf16 and t.is_cpu:  # NumPy knows bfloat16 through ml_dtypes only: cross as its bits
         return t.view(torch.int16).numpy().view(_numpy_bfloat16())
     if t.is_cpu:
         return t.numpy()
     if t.is_cuda:
         cupy = _cupy()
-        dtype = np.dtype(_TORCH_DTYPES[t.dtype])
+        dtype = np.dtype(np.int16 if bf16 else _TORCH_DTYPES[t.dtype])
         nbytes = t.numel() * dtype.itemsize
         # what __cuda_array_interface__ describes, minus its stream synchronisation: the
         # kernels run on torch's current stream (see cuda_stream_of), ordered after t's writers
         mem = cupy.cuda.UnownedMemory(t.data_ptr(), nbytes, t, t.device.index)
-        return cupy.ndarray(tuple(t.shape), dtype, cupy.cuda.MemoryPointer(mem, 0))
+        a = cupy.ndarray(tuple(t.shape), dtype, cupy.cuda.MemoryPointer(mem, 0))
+        return cupy_bfloat16(a) if bf16 else a
     raise TypeError(f"hbkernels runs on CPU and CUDA tensors, got one on {t.device}")
 
 
 def from_kernel_array(a):
     """A tensor sharing the memory of a kernel result (NumPy or CuPy)."""
+    if is_bfloat16(a.dtype):  # the bits cross (NumPy has no bf16 DLPack, old CuPy none)
+        return from_kernel_array(a.view(np.int16)).view(torch.bfloat16)
     if isinstance(a, np.ndarray):
-        if is_bfloat16(a.dtype):
-            return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
         return torch.from_numpy(a)
     return torch.from_dlpack(a)
 

@@ -8,9 +8,11 @@ simulated thread is a Python thread.
 """
 import numpy as np
 from numba import cuda
+from numba.cuda import libdevice
 
 from .._dispatch import simulator_enabled
-from .._validate import accumulator_dtype  # noqa: F401 (the kernels import it from here)
+from .._validate import accumulator_dtype, is_bfloat16
+
 
 NO_ERROR_SLOT = np.iinfo(np.int64).max
 _SIM_MAX_BLOCKS = 2
@@ -53,6 +55,72 @@ def widen64(x):
 
 
 WIDEN = {np.dtype(np.float32): widen32, np.dtype(np.float64): widen64}
+
+
+# bf16 tables reach the kernels as their int16 bits (CudaFamily.kernel_array): Numba's
+# CUDA target reads them as integers, and these functions convert, as the CPU backend
+# does. The simulator runs kernels as Python and has no libdevice, so it gets NumPy views.
+if simulator_enabled():
+
+    def float32_from_bits(bits):
+        return np.uint32(bits).view(np.float32)
+
+    def float32_bits(x):
+        return np.float32(x).view(np.uint32)
+
+else:
+
+    @cuda.jit(device=True, inline=True)
+    def float32_from_bits(bits):
+        return libdevice.int_as_float(np.int32(bits))
+
+    @cuda.jit(device=True, inline=True)
+    def float32_bits(x):
+        return np.uint32(libdevice.float_as_int(np.float32(x)))
+
+
+@cuda.jit(device=True, inline=True)
+def bfloat16_to_float32(bits):
+    """bf16 bits (int16) as the float32 they denote (exact: the bits go on top)."""
+    return float32_from_bits(np.uint32(np.uint16(bits)) << np.uint32(16))
+
+
+@cuda.jit(device=True, inline=True)
+def float32_to_bfloat16(x):
+    """float32 to bf16 bits (int16), rounded to nearest even; NaN becomes the quiet
+    NaN 0x7FC0 with x's sign (as ml_dtypes and the CPU backend do)."""
+    bits = float32_bits(x)
+    if bits & np.uint32(0x7FFFFFFF) > np.uint32(0x7F800000):
+        out = ((bits >> np.uint32(16)) & np.uint32(0x8000)) | np.uint32(0x7FC0)
+    else:
+        out = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    return np.int16(np.uint16(out))
+
+
+@cuda.jit(device=True, inline=True)
+def as_stored(x):
+    """A value as stored in a float or integer array (the store converts it)."""
+    return x
+
+
+def load_as_float(dtype):
+    """Device function reading an element of a ``dtype`` array as its accumulator
+    float: fp16 and fp32 as fp32, fp64 as fp64, bf16 bits as fp32."""
+    if is_bfloat16(dtype):
+        return bfloat16_to_float32
+    return WIDEN[accumulator_dtype(dtype)]
+
+
+def store_as(dtype):
+    """Device function turning an accumulator float into an element of a ``dtype``
+    array: bf16 bits rounded to nearest even; other dtypes convert on the store
+    (fp16 to nearest even)."""
+    return float32_to_bfloat16 if is_bfloat16(dtype) else as_stored
+
+
+def dtype_key(dtype):
+    """``dtype`` as the hashable key the kernel factories are cached by (None stays None)."""
+    return None if dtype is None else np.dtype(dtype)
 
 
 @cuda.jit

@@ -9,7 +9,8 @@ Bag ``b`` (ids ``i_j``, weights ``w_j``, ``j`` in ``[offsets[b], offsets[b+1])``
 Thread mapping: a group of ``G = group_size(D)`` lanes (a warp, or a power-of-two
 slice of one when ``D < 32``, several bags per warp) owns a bag, grid-stride over
 bags. Lane ``d`` accumulates columns ``d, d+G, d+2G, d+3G`` in registers (fp32
-for fp16/fp32 tables, fp64 for fp64), so each table row is read coalesced; wider
+for fp16/bf16/fp32 tables, fp64 for fp64; bf16 is read as its int16 bits and
+rounded back to nearest even), so each table row is read coalesced; wider
 rows take further passes over the bag's ids. No atomics touch the output and
 no warp shuffles are used, so the kernel runs unchanged in Numba's simulator.
 
@@ -19,6 +20,7 @@ the first malformed offset position in error slot 0 and the first out-of-range
 id in slot 1 (``cuda.atomic.min``), and out-of-range ids are always skipped.
 The slots are read back once, except under ``bounds="unchecked"`` (no host sync).
 """
+import functools
 import math
 
 import numpy as np
@@ -28,10 +30,13 @@ from ._launch import (
     WIDEN,
     accumulator_dtype,
     blocks_for,
+    dtype_key,
     error_slots,
     group_size,
+    load_as_float,
     no_error_slots,
     read_error_slots,
+    store_as,
     threads_per_block,
 )
 
@@ -50,8 +55,15 @@ def check_bag_offsets(slots, b, lo, hi, num_bags, n_values):
         cuda.atomic.min(slots, 0, num_bags)
 
 
-def _make_pool_kernel(widen):
-    """The pooling kernel accumulating in ``widen``'s float type."""
+@functools.lru_cache(maxsize=None)
+def pool_kernel(table_dtype, weights_dtype):
+    """The pooling kernel for a table of ``table_dtype`` (:func:`dtype_key`) and
+    weights of ``weights_dtype`` (None: no weights), accumulating in the table's
+    accumulator type; bf16 elements are converted from their bits."""
+    widen = WIDEN[accumulator_dtype(table_dtype)]
+    load = load_as_float(table_dtype)
+    load_weight = load_as_float(weights_dtype or table_dtype)
+    store = store_as(table_dtype)
 
     @cuda.jit(cache=False)
     def pool_kernel(table, values, offsets, n_values, weights, has_weights, combiner, identity,
@@ -87,33 +99,30 @@ def _make_pool_kernel(widen):
                         if record_ids and c0 == 0:  # lane 0, first pass: once per id
                             cuda.atomic.min(slots, 1, j)
                         continue
-                    w = widen(weights[j]) if has_weights else widen(1)
+                    w = widen(load_weight(weights[j])) if has_weights else widen(1)
                     w_sum += w
                     w_sq += w * w
-                    a0 += w * widen(table[row, c0])
+                    a0 += w * load(table[row, c0])
                     if c1 < dim:
-                        a1 += w * widen(table[row, c1])
+                        a1 += w * load(table[row, c1])
                         if c2 < dim:
-                            a2 += w * widen(table[row, c2])
+                            a2 += w * load(table[row, c2])
                             if c3 < dim:
-                                a3 += w * widen(table[row, c3])
+                                a3 += w * load(table[row, c3])
                 scale = widen(1)
                 if combiner == 1:
                     scale = widen(1) / w_sum if w_sum != 0 else widen(0)
                 elif combiner == 2:
                     scale = widen(1) / math.sqrt(w_sq) if w_sq != 0 else widen(0)
-                out[b, c0] = a0 * scale
+                out[b, c0] = store(a0 * scale)
                 if c1 < dim:
-                    out[b, c1] = a1 * scale
+                    out[b, c1] = store(a1 * scale)
                     if c2 < dim:
-                        out[b, c2] = a2 * scale
+                        out[b, c2] = store(a2 * scale)
                         if c3 < dim:
-                            out[b, c3] = a3 * scale
+                            out[b, c3] = store(a3 * scale)
 
     return pool_kernel
-
-
-_POOL_KERNELS = {acc: _make_pool_kernel(widen) for acc, widen in WIDEN.items()}
 
 
 def empty_batch_bad_offset(family, offsets, n_values):
@@ -141,7 +150,8 @@ def pool(family, table, values, offsets, n_values, weights, combiner, identity, 
     k_weights = k_values if weights is None else family.kernel_array(weights)
     group = group_size(dim)
     tpb = threads_per_block()
-    kernel = _POOL_KERNELS[accumulator_dtype(table.dtype)]
+    kernel = pool_kernel(dtype_key(table.dtype),
+                         dtype_key(None if weights is None else weights.dtype))
     kernel[blocks_for(num_bags, tpb // group), tpb, stream](
         family.kernel_array(table), k_values, k_offsets, n_values, k_weights, weights is not None,
         combiner, identity, check_offsets, record_ids, group, family.kernel_array(out), slots,

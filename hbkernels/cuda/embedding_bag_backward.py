@@ -29,7 +29,7 @@ Pipeline (all on ``family.stream()``):
    wider rows take further passes, as in the forward kernel. No atomics touch
    the output: the same bits every run.
    ``deterministic=False``: one row group per position adds its contribution
-   with ``cuda.atomic.add`` into an fp32/fp64 buffer (cast to fp16 after).
+   with ``cuda.atomic.add`` into an fp32/fp64 buffer (rounded to fp16/bf16 after).
 
 Host syncs: the error slots (unless ``bounds="unchecked"``) and the distinct
 count of the hash unique. :mod:`.sparse_update` reuses ``prepare``,
@@ -45,10 +45,13 @@ from ._launch import (
     WIDEN,
     accumulator_dtype,
     blocks_for,
+    dtype_key,
     error_slots,
     group_size,
+    load_as_float,
     no_error_slots,
     read_error_slots,
+    store_as,
     threads_per_block,
 )
 from ._scan import radix_sort
@@ -60,7 +63,13 @@ from .unique import EMPTY, unique
 # ---------------------------------------------------------------------------
 # 1. per-position bag, coefficient and hash key
 # ---------------------------------------------------------------------------
-def _make_prepare_kernel(widen):
+@functools.lru_cache(maxsize=None)
+def prepare_kernel(acc_dtype, weights_dtype):
+    """The per-bag pass writing coefficients in ``acc_dtype`` from weights of
+    ``weights_dtype`` (:func:`dtype_key`; weights None: unweighted)."""
+    widen = WIDEN[np.dtype(acc_dtype)]
+    load_weight = load_as_float(weights_dtype or acc_dtype)
+
     @cuda.jit(cache=False)
     def prepare_kernel(values, offsets, n_values, num_rows, weights, has_weights, combiner,
                        trusted, check_offsets, record_ids, keys, bag_of, coef, slots):
@@ -77,7 +86,7 @@ def _make_prepare_kernel(widen):
             for j in range(start, end):
                 row = values[j]
                 if trusted or (row >= 0 and row < num_rows):
-                    w = np.float64(widen(weights[j])) if has_weights else 1.0
+                    w = np.float64(widen(load_weight(weights[j]))) if has_weights else 1.0
                     w_sum += w
                     w_sq += w * w
                 elif record_ids:
@@ -91,7 +100,7 @@ def _make_prepare_kernel(widen):
                 row = values[j]
                 bag_of[j] = b
                 if trusted or (row >= 0 and row < num_rows):
-                    w = np.float64(widen(weights[j])) if has_weights else 1.0
+                    w = np.float64(widen(load_weight(weights[j]))) if has_weights else 1.0
                     keys[j] = row
                     coef[j] = widen(scale * w)
                 else:
@@ -99,9 +108,6 @@ def _make_prepare_kernel(widen):
                     coef[j] = widen(0)
 
     return prepare_kernel
-
-
-_PREPARE_KERNELS = {acc: _make_prepare_kernel(widen) for acc, widen in WIDEN.items()}
 
 
 def prepare(family, values, offsets, weights, combiner, num_rows, acc_dtype, trusted,
@@ -122,7 +128,9 @@ def prepare(family, values, offsets, weights, combiner, num_rows, acc_dtype, tru
     k_values = family.kernel_array(values)
     k_weights = k_values if weights is None else family.kernel_array(weights)
     tpb = threads_per_block()
-    _PREPARE_KERNELS[np.dtype(acc_dtype)][blocks_for(num_bags, tpb), tpb, stream](
+    kernel = prepare_kernel(dtype_key(acc_dtype),
+                            dtype_key(None if weights is None else weights.dtype))
+    kernel[blocks_for(num_bags, tpb), tpb, stream](
         k_values, family.kernel_array(offsets), n, num_rows, k_weights, weights is not None,
         combiner, trusted, check_offsets, record_ids, keys, bag_of, coef, slots,
     )
@@ -177,10 +185,13 @@ def distinct_keys(family, keys):
 
 
 @functools.lru_cache(maxsize=None)
-def make_accumulate(widen):
+def make_accumulate(acc_dtype, grad_dtype):
     """Device function summing one lane's four columns of a distinct id's gradient:
     ``Σ_{i in [lo, hi)} coef[p]·grad[bag_of[p], c]`` with ``p = pos[i]``, in order,
-    in ``widen``'s float type (columns ``>= D`` give 0)."""
+    in ``acc_dtype`` from a ``grad`` of ``grad_dtype`` (:func:`dtype_key`;
+    columns ``>= D`` give 0)."""
+    widen = WIDEN[np.dtype(acc_dtype)]
+    load = load_as_float(grad_dtype)
 
     @cuda.jit(device=True, inline=True)
     def accumulate(grad, lo, hi, pos, bag_of, coef, c0, group):
@@ -200,20 +211,24 @@ def make_accumulate(widen):
                 if b < 0 or b >= num_bags:  # only reachable with malformed unchecked CSR
                     continue
                 cf = coef[p]
-                a0 += cf * widen(grad[b, c0])
+                a0 += cf * widen(load(grad[b, c0]))
                 if c1 < dim:
-                    a1 += cf * widen(grad[b, c1])
+                    a1 += cf * widen(load(grad[b, c1]))
                     if c2 < dim:
-                        a2 += cf * widen(grad[b, c2])
+                        a2 += cf * widen(load(grad[b, c2]))
                         if c3 < dim:
-                            a3 += cf * widen(grad[b, c3])
+                            a3 += cf * widen(load(grad[b, c3]))
         return a0, a1, a2, a3
 
     return accumulate
 
 
-def _make_gather_kernel(widen):
-    accumulate = make_accumulate(widen)
+@functools.lru_cache(maxsize=None)
+def gather_kernel(grad_dtype):
+    """The deterministic kernel for a gradient of ``grad_dtype`` (a :func:`dtype_key`),
+    summing in its accumulator type and storing rows of ``grad_dtype``."""
+    accumulate = make_accumulate(dtype_key(accumulator_dtype(grad_dtype)), grad_dtype)
+    store = store_as(grad_dtype)
 
     @cuda.jit(cache=False)
     def gather_kernel(grad, starts, pos, bag_of, coef, num_ids, group, rows):
@@ -231,18 +246,23 @@ def _make_gather_kernel(widen):
                 c1 = c0 + group
                 c2 = c1 + group
                 c3 = c2 + group
-                rows[r, c0] = a0
+                rows[r, c0] = store(a0)
                 if c1 < dim:
-                    rows[r, c1] = a1
+                    rows[r, c1] = store(a1)
                     if c2 < dim:
-                        rows[r, c2] = a2
+                        rows[r, c2] = store(a2)
                         if c3 < dim:
-                            rows[r, c3] = a3
+                            rows[r, c3] = store(a3)
 
     return gather_kernel
 
 
-def _make_scatter_kernel(widen):
+@functools.lru_cache(maxsize=None)
+def scatter_kernel(grad_dtype):
+    """The atomic kernel for a gradient of ``grad_dtype`` (a :func:`dtype_key`),
+    adding into a buffer of its accumulator type."""
+    load = load_as_float(grad_dtype)
+
     @cuda.jit(cache=False)
     def scatter_kernel(grad, keys, inverse, bag_of, coef, group, acc):
         """acc[inverse[j]] += coef[j]·grad[bag_of[j]] with atomics (one row group per j)."""
@@ -260,13 +280,9 @@ def _make_scatter_kernel(widen):
             r = inverse[j]
             cf = coef[j]
             for c in range(lane, dim, group):
-                cuda.atomic.add(acc, (r, c), cf * widen(grad[b, c]))
+                cuda.atomic.add(acc, (r, c), cf * load(grad[b, c]))
 
     return scatter_kernel
-
-
-_GATHER_KERNELS = {acc: _make_gather_kernel(widen) for acc, widen in WIDEN.items()}
-_SCATTER_KERNELS = {acc: _make_scatter_kernel(widen) for acc, widen in WIDEN.items()}
 
 
 def _ids_out(family, uniq, count, dtype, stream):
@@ -275,7 +291,7 @@ def _ids_out(family, uniq, count, dtype, stream):
         return uniq if uniq.shape[0] == count else uniq[:count]
     out = family.empty(count, dtype)
     tpb = threads_per_block()
-    cast_kernel[blocks_for(count, tpb), tpb, stream](
+    cast_kernel(dtype_key(dtype))[blocks_for(count, tpb), tpb, stream](
         family.kernel_array(uniq)[:count], family.kernel_array(out)
     )
     return out
@@ -319,19 +335,19 @@ def embedding_bag_backward(family, grad_out, values, offsets, num_rows, per_samp
     if deterministic:
         starts, pos = group_positions(family.kernel_array(inverse), uniq.shape[0], stream)
         rows = family.empty((num_ids, dim), grad_out.dtype)
-        _GATHER_KERNELS[acc_dtype][blocks_for(num_ids, tpb // group), tpb, stream](
+        gather_kernel(dtype_key(grad_out.dtype))[blocks_for(num_ids, tpb // group), tpb, stream](
             k_grad, starts, pos, bag_of, coef, num_ids, group, family.kernel_array(rows),
         )
         return ids, rows, -1, -1
     acc = family.zeros((num_ids, dim), acc_dtype)
     k_acc = family.kernel_array(acc)
-    _SCATTER_KERNELS[acc_dtype][blocks_for(n, tpb // group), tpb, stream](
+    scatter_kernel(dtype_key(grad_out.dtype))[blocks_for(n, tpb // group), tpb, stream](
         k_grad, keys, family.kernel_array(inverse), bag_of, coef, group, k_acc,
     )
     if acc_dtype == np.dtype(grad_out.dtype):
         return ids, acc, -1, -1
     rows = family.empty((num_ids, dim), grad_out.dtype)
-    cast_kernel[blocks_for(acc.size, tpb), tpb, stream](
+    cast_kernel(dtype_key(rows.dtype))[blocks_for(acc.size, tpb), tpb, stream](
         k_acc.reshape(acc.size), family.kernel_array(rows).reshape(acc.size)
     )
     return ids, rows, -1, -1

@@ -3,27 +3,34 @@
 Thread mapping: a group of ``G = group_size(D)`` lanes per input row, grid-stride
 over rows; lane ``d`` adds columns ``d, d+G, ...`` with ``cuda.atomic.add`` into
 ``acc[segment_ids[i], d]`` (coalesced along ``d``). ``acc`` is the output for
-fp32 and fp64 data; fp16 data sums into an fp32 buffer, then a cast kernel
-writes the fp16 output. Rows with a segment id outside ``[0, num_segments)``
+fp32 and fp64 data; fp16 and bf16 data sum into an fp32 buffer, then a cast
+kernel rounds it into the output (to nearest even). Rows with a segment id outside ``[0, num_segments)``
 are always dropped; under ``bounds="raise"`` lane 0 also records the first bad
 position in an error slot, read back once.
 """
-import numpy as np
+import functools
+
 from numba import cuda
 
 from ._launch import (
-    WIDEN,
     accumulator_dtype,
     blocks_for,
+    dtype_key,
     error_slots,
     group_size,
+    load_as_float,
     no_error_slots,
     read_error_slots,
+    store_as,
     threads_per_block,
 )
 
 
-def _make_scatter_add_kernel(widen):
+@functools.lru_cache(maxsize=None)
+def scatter_add_kernel(data_dtype):
+    """The scatter-add kernel for data of ``data_dtype`` (a :func:`dtype_key`)."""
+    load = load_as_float(data_dtype)
+
     @cuda.jit(cache=False)
     def scatter_add_kernel(data, segment_ids, record, group, acc, slots):
         num_segments = acc.shape[0]
@@ -38,19 +45,23 @@ def _make_scatter_add_kernel(widen):
                     cuda.atomic.min(slots, 0, i)
                 continue
             for d in range(lane, dim, group):
-                cuda.atomic.add(acc, (s, d), widen(data[i, d]))
+                cuda.atomic.add(acc, (s, d), load(data[i, d]))
 
     return scatter_add_kernel
 
 
-_SCATTER_ADD_KERNELS = {acc: _make_scatter_add_kernel(widen) for acc, widen in WIDEN.items()}
+@functools.lru_cache(maxsize=None)
+def cast_kernel(dst_dtype):
+    """Kernel ``(src, dst)``: dst[k] = src[k] converted to ``dst_dtype`` (a
+    :func:`dtype_key`; bf16 rounded to nearest even into its bits); 1-D, same length."""
+    store = store_as(dst_dtype)
 
+    @cuda.jit(cache=False)
+    def cast(src, dst):
+        for k in range(cuda.grid(1), src.shape[0], cuda.gridsize(1)):
+            dst[k] = store(src[k])
 
-@cuda.jit(cache=False)
-def cast_kernel(src, dst):
-    """dst[k] = src[k] in dst's dtype (1-D, same length)."""
-    for k in range(cuda.grid(1), src.shape[0], cuda.gridsize(1)):
-        dst[k] = src[k]
+    return cast
 
 
 def segment_sum(family, data, segment_ids, num_segments, bounds):
@@ -65,7 +76,7 @@ def segment_sum(family, data, segment_ids, num_segments, bounds):
     group = group_size(dim)
     tpb = threads_per_block()
     k_acc = family.kernel_array(acc)
-    _SCATTER_ADD_KERNELS[acc_dtype][blocks_for(n, tpb // group), tpb, stream](
+    scatter_add_kernel(dtype_key(data.dtype))[blocks_for(n, tpb // group), tpb, stream](
         family.kernel_array(data), family.kernel_array(segment_ids), record, group, k_acc, slots,
     )
     out = acc
@@ -73,7 +84,8 @@ def segment_sum(family, data, segment_ids, num_segments, bounds):
         out = family.empty(acc.shape, data.dtype)
         if out.size:
             flat_out = family.kernel_array(out).reshape(out.size)
-            cast_kernel[blocks_for(out.size, tpb), tpb, stream](k_acc.reshape(acc.size), flat_out)
+            cast_kernel(dtype_key(out.dtype))[blocks_for(out.size, tpb), tpb, stream](
+                k_acc.reshape(acc.size), flat_out)
     if not record:
         return out, -1
     (bad,) = read_error_slots(slots, stream)

@@ -8,7 +8,7 @@ passes). A group gets its gradient ``g`` either by loading ``rows[k]`` (plain)
 or by summing the id's occurrences in input order (fused; the grouping of
 :mod:`.embedding_bag_backward`: ``prepare`` + hash unique + ``group_positions``),
 then applies the rule of :func:`_make_rule` element-wise and writes the weight back
-(fp16 tables: nearest-even, or the stochastic rounding of :func:`_stochastic_round`,
+(fp16 and bf16 tables: nearest-even, or the stochastic rounding of :func:`_stochastic_round`,
 whose hash matches the CPU's bit for bit).
 
 Row-wide quantities, ``Σ_d g²`` (RowWiseAdagrad) and "is any g not finite"
@@ -35,9 +35,12 @@ from ._launch import (
     WIDEN,
     accumulator_dtype,
     blocks_for,
+    dtype_key,
     error_slots,
     group_size,
+    load_as_float,
     read_error_slots,
+    store_as,
     threads_per_block,
 )
 from .embedding_bag import UNROLL, empty_batch_bad_offset
@@ -53,7 +56,10 @@ from .unique import _fmix32
 _M32 = np.uint64(0xFFFFFFFF)
 _S32 = np.uint64(32)
 _TWO_M32 = 2.0**-32
-_HALF_MAX = 65504.0
+# stochastic rounding targets, as the CPU backend's: (smallest normal exponent,
+# stored significand bits, largest finite value)
+STOCHASTIC_FORMATS = {"float16": (-14, 10, 65504.0),
+                      "bfloat16": (-126, 7, (2.0 - 2.0**-7) * 2.0**127)}
 
 
 # ---------------------------------------------------------------------------
@@ -79,19 +85,20 @@ def first_out_of_range(family, ids, limit):
     return read_error_slots(slots, stream)[0]
 
 
-def _make_nonfinite_kernel(widen):
+@functools.lru_cache(maxsize=None)
+def nonfinite_kernel(dtype):
+    """The kernel finding the first row of a ``dtype`` array holding NaN or Inf."""
+    load = load_as_float(dtype)
+
     @cuda.jit(cache=False)
     def nonfinite_kernel(a, slots):
         m = a.shape[1]
         for i in range(cuda.grid(1), a.shape[0] * m, cuda.gridsize(1)):
             r = i // m
-            if not math.isfinite(widen(a[r, i - r * m])):
+            if not math.isfinite(load(a[r, i - r * m])):
                 cuda.atomic.min(slots, 0, r)
 
     return nonfinite_kernel
-
-
-_NONFINITE_KERNELS = {acc: _make_nonfinite_kernel(widen) for acc, widen in WIDEN.items()}
 
 
 def first_nonfinite_row(family, a):
@@ -102,7 +109,7 @@ def first_nonfinite_row(family, a):
     stream = family.stream()
     slots = error_slots(1, stream)
     tpb = threads_per_block()
-    _NONFINITE_KERNELS[accumulator_dtype(a.dtype)][blocks_for(size, tpb), tpb, stream](
+    nonfinite_kernel(dtype_key(a.dtype))[blocks_for(size, tpb), tpb, stream](
         family.kernel_array(a), slots
     )
     return read_error_slots(slots, stream)[0]
@@ -189,18 +196,21 @@ def _uniform(key_lo, key_hi, row, col):
 
 
 @cuda.jit(device=True, inline=True)
-def _stochastic_round(x32, key_lo, key_hi, row, col):
-    """The fp16 value (as an exactly representable fp32) that stochastic rounding of
-    ``x32`` gives: up with probability equal to the distance to the lower fp16 neighbour
-    in ulps. Non-finite and ``|x| >= 65504`` values pass through (nearest on store)."""
+def _stochastic_round(x32, key_lo, key_hi, row, col, min_exp, bits, max_value):
+    """The value of the 2-byte format (smallest normal exponent ``min_exp``,
+    ``bits`` stored significand bits, largest finite ``max_value``: fp16 or bf16,
+    :data:`STOCHASTIC_FORMATS`) that stochastic rounding of ``x32`` gives, as an
+    exactly representable fp32: up with probability equal to the distance to the
+    lower neighbour in ulps. Non-finite values and ``|x| >= max_value`` pass through
+    (nearest on store)."""
     x = np.float64(x32)
-    if not math.isfinite(x) or abs(x) >= _HALF_MAX:
+    if not math.isfinite(x) or abs(x) >= max_value:
         return x32
     a = abs(x)
     if a == 0.0:
         return x32
     _, ex = math.frexp(a)
-    ulp = math.ldexp(1.0, max(ex - 1, -14) - 10)
+    ulp = math.ldexp(1.0, max(ex - 1, min_exp) - bits)
     lo = np.float64(math.floor(a / ulp)) * ulp
     frac = (a - lo) / ulp
     r = lo + ulp if _uniform(key_lo, key_hi, row, col) < frac else lo
@@ -211,24 +221,24 @@ def _stochastic_round(x32, key_lo, key_hi, row, col):
 # the update kernel
 # ---------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
-def _update_kernel(table_acc, grad_acc, round_half, fused, tpb):
-    """Update kernel for tables accumulating in ``table_acc``. ``fused``: the gradient
-    is summed from ``grad_out`` in ``grad_acc`` (rounded through fp16 when
-    ``round_half``), else loaded from ``rows`` (``grad``)."""
-    widen = WIDEN[np.dtype(table_acc)]
-    acc_type = from_dtype(np.dtype(table_acc))
+def _update_kernel(table_dtype, grad_dtype, fused, tpb):
+    """Update kernel for a table of ``table_dtype`` (a :func:`dtype_key`), computing in
+    its accumulator type. ``fused``: the gradient is summed from ``grad_out`` (of
+    ``grad_dtype``) in that type, else loaded from ``rows`` (``grad``, of ``grad_dtype``)."""
+    table_acc = accumulator_dtype(table_dtype)
+    widen = WIDEN[table_acc]
+    acc_type = from_dtype(table_acc)
     rule_update = _make_rule(widen)
+    load_weight = load_as_float(table_dtype)
+    store_weight = store_as(table_dtype)
+    min_exp, bits, max_value = STOCHASTIC_FORMATS.get(table_dtype.name, (0, 0, 0.0))
+    load_grad = load_as_float(grad_dtype)
     if fused:
-        gwiden = WIDEN[np.dtype(grad_acc)]
-        accumulate = make_accumulate(gwiden)
+        accumulate = make_accumulate(table_acc, grad_dtype)
 
         @cuda.jit(device=True, inline=True)
         def load(grad, r, lo, hi, pos, bag_of, coef, c0, group):
-            a0, a1, a2, a3 = accumulate(grad, lo, hi, pos, bag_of, coef, c0, group)
-            if round_half:  # what embedding_bag_backward's fp16 rows would hold
-                return (widen(np.float16(a0)), widen(np.float16(a1)),
-                        widen(np.float16(a2)), widen(np.float16(a3)))
-            return widen(a0), widen(a1), widen(a2), widen(a3)
+            return accumulate(grad, lo, hi, pos, bag_of, coef, c0, group)
     else:
 
         @cuda.jit(device=True, inline=True)
@@ -237,10 +247,10 @@ def _update_kernel(table_acc, grad_acc, round_half, fused, tpb):
             c1 = c0 + group
             c2 = c1 + group
             c3 = c2 + group
-            g0 = widen(grad[r, c0]) if c0 < dim else widen(0)
-            g1 = widen(grad[r, c1]) if c1 < dim else widen(0)
-            g2 = widen(grad[r, c2]) if c2 < dim else widen(0)
-            g3 = widen(grad[r, c3]) if c3 < dim else widen(0)
+            g0 = widen(load_grad(grad[r, c0])) if c0 < dim else widen(0)
+            g1 = widen(load_grad(grad[r, c1])) if c1 < dim else widen(0)
+            g2 = widen(load_grad(grad[r, c2])) if c2 < dim else widen(0)
+            g3 = widen(load_grad(grad[r, c3])) if c3 < dim else widen(0)
             return g0, g1, g2, g3
 
     @cuda.jit(device=True, inline=True)
@@ -249,7 +259,7 @@ def _update_kernel(table_acc, grad_acc, round_half, fused, tpb):
 
     @cuda.jit(device=True, inline=True)
     def apply(weights, state1, state2, row, c, g, rule, row_step, hp, stochastic, key_lo, key_hi):
-        w = widen(weights[row, c])
+        w = widen(load_weight(weights[row, c]))
         has1 = rule == rules.ADAGRAD or rule == rules.ADAM or rule == rules.FTRL
         has2 = rule == rules.ADAM or rule == rules.FTRL
         s1 = state1[row, c] if has1 else widen(0)
@@ -261,10 +271,9 @@ def _update_kernel(table_acc, grad_acc, round_half, fused, tpb):
             state1[row, c] = s1
         if has2:
             state2[row, c] = s2
-        if stochastic:  # fp16 tables only (the launcher clears it otherwise)
-            weights[row, c] = _stochastic_round(w_new, key_lo, key_hi, row, c)
-        else:
-            weights[row, c] = w_new  # fp16: round to nearest even
+        if stochastic:  # fp16 and bf16 tables only (the launcher clears it otherwise)
+            w_new = _stochastic_round(w_new, key_lo, key_hi, row, c, min_exp, bits, max_value)
+        weights[row, c] = store_weight(w_new)  # fp16, bf16: to nearest even (exact if stochastic)
 
     @cuda.jit(cache=False)
     def update_kernel(weights, state1, state2, ids, grad, starts, pos, bag_of, coef, rule,
@@ -379,15 +388,15 @@ def _state_view(family, state, acc_dtype, stream):
 
 
 def _launch_update(family, rule, weights, state1, state2, hp, ids, grad, starts, pos, bag_of,
-                   coef, grad_acc, round_half, fused, skip_nonfinite, stochastic, key, stream):
+                   coef, grad_dtype, fused, skip_nonfinite, stochastic, key, stream):
     num_ids = ids.shape[0]
     dim = weights.shape[1]
     table_acc = accumulator_dtype(weights.dtype)
-    stochastic = bool(stochastic) and np.dtype(weights.dtype) == np.float16
+    stochastic = bool(stochastic) and np.dtype(weights.dtype).name in STOCHASTIC_FORMATS
     key = int(key)
     group = group_size(dim)
     tpb = threads_per_block()
-    kernel = _update_kernel(table_acc, grad_acc, round_half, fused, tpb)
+    kernel = _update_kernel(dtype_key(weights.dtype), dtype_key(grad_dtype), fused, tpb)
     kernel[blocks_for(num_ids, tpb // group), tpb, stream](
         family.kernel_array(weights),
         _state_view(family, state1, table_acc, stream),
@@ -413,7 +422,7 @@ def sparse_update(family, rule, weights, state1, state2, hp, ids, rows, skip_non
     dummy_f = cuda.device_array(0, table_acc, stream=stream)
     _launch_update(
         family, rule, weights, state1, state2, hp, family.kernel_array(ids),
-        family.kernel_array(rows), dummy_i, dummy_i, dummy_i, dummy_f, table_acc, False, False,
+        family.kernel_array(rows), dummy_i, dummy_i, dummy_i, dummy_f, rows.dtype, False,
         skip_nonfinite, stochastic, key, stream,
     )
 
@@ -439,6 +448,6 @@ def fused_sparse_update(family, rule, weights, state1, state2, hp, grad_out, val
     starts, pos = group_positions(family.kernel_array(inverse), num_distinct, stream)
     _launch_update(
         family, rule, weights, state1, state2, hp, family.kernel_array(uniq),
-        family.kernel_array(grad_out), starts, pos, bag_of, coef, grad_acc,
-        False, True, skip_nonfinite, stochastic, key, stream,
+        family.kernel_array(grad_out), starts, pos, bag_of, coef, grad_out.dtype,
+        True, skip_nonfinite, stochastic, key, stream,
     )
