@@ -42,7 +42,11 @@ def run(ctx):
         offsets = xp.arange(B + 1, dtype=xp.int64) * L
         size = f"E={E} D={D} B={B} L={L} zipf={cfg['alpha']}"
         for dtype in cfg["dtypes"]:
-            w = ctx.random_table(E, D, dtype)
+            try:
+                w = ctx.random_table(E, D, dtype)
+            except (ImportError, TypeError, ValueError, NotImplementedError) as error:  # no bf16 here
+                ctx.note(f"{OP} {dtype} skipped: {error}")
+                continue
             item = w.dtype.itemsize
             nbytes = B * L * D * item + ids.nbytes + offsets.nbytes + B * D * item
             rtol, atol = TOLERANCE[dtype]

@@ -110,7 +110,8 @@ def test_every_bf16_value_round_trips_and_rounds_to_nearest_even(backend):
     scale = (x32.view(np.uint32) & np.uint32(0x7F800000)).view(np.float32)  # 2^exponent
     keep = np.isfinite(x32) & (scale >= 2.0**-100) & (scale <= 2.0**120)
     x, scale = every[keep], scale[keep]
-    half_ulp, past = (scale * np.float32(2.0**-8)).astype(BF16), (scale * np.float32(2.0**-18)).astype(BF16)
+    half_ulp = (scale * np.float32(2.0**-8)).astype(BF16)
+    past = (scale * np.float32(2.0**-18)).astype(BF16)
     n = len(x)
     rows = np.concatenate([x, half_ulp, x, half_ulp, past])
     segments = np.concatenate([np.arange(n), np.arange(n), np.arange(n, 2 * n),

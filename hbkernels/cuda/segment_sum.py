@@ -4,9 +4,9 @@ Thread mapping: a group of ``G = group_size(D)`` lanes per input row, grid-strid
 over rows; lane ``d`` adds columns ``d, d+G, ...`` with ``cuda.atomic.add`` into
 ``acc[segment_ids[i], d]`` (coalesced along ``d``). ``acc`` is the output for
 fp32 and fp64 data; fp16 and bf16 data sum into an fp32 buffer, then a cast
-kernel rounds it into the output (to nearest even). Rows with a segment id outside ``[0, num_segments)``
-are always dropped; under ``bounds="raise"`` lane 0 also records the first bad
-position in an error slot, read back once.
+kernel rounds it into the output (to nearest even). Rows with a segment id
+outside ``[0, num_segments)`` are always dropped; under ``bounds="raise"``
+lane 0 also records the first bad position in an error slot, read back once.
 """
 import functools
 

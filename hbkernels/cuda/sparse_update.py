@@ -8,8 +8,8 @@ passes). A group gets its gradient ``g`` either by loading ``rows[k]`` (plain)
 or by summing the id's occurrences in input order (fused; the grouping of
 :mod:`.embedding_bag_backward`: ``prepare`` + hash unique + ``group_positions``),
 then applies the rule of :func:`_make_rule` element-wise and writes the weight back
-(fp16 and bf16 tables: nearest-even, or the stochastic rounding of :func:`_stochastic_round`,
-whose hash matches the CPU's bit for bit).
+(fp16 and bf16 tables: nearest-even, or the stochastic rounding of
+:func:`_stochastic_round`, whose hash matches the CPU's bit for bit).
 
 Row-wide quantities, ``Σ_d g²`` (RowWiseAdagrad) and "is any g not finite"
 (``skip_nonfinite``), are reduced over the group's lanes through shared memory
