@@ -30,6 +30,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from hbkernels._validate import is_bfloat16
 from hbkernels.cli.info import cpu_name
 
 COLUMNS = (
@@ -89,10 +90,6 @@ def float_dtype(name):
     return np.dtype(name)
 
 
-def is_bfloat16(dtype):
-    return getattr(dtype, "name", None) == "bfloat16" or str(dtype) == "torch.bfloat16"
-
-
 def random_table(num_rows, dim, dtype, *, seed=0, xp=np):
     """A ``[num_rows, dim]`` table of uniform values in [-1, 1), made on ``xp``'s device
     (``dtype`` a dtype or its name; bf16 on the GPU needs CuPy >= 14)."""
@@ -116,10 +113,10 @@ def to_host(x):
     if mod.startswith("cupy"):
         return x.get()
     if mod.startswith("torch"):
-        x = x.detach().cpu()
-        if is_bfloat16(x.dtype):  # NumPy has bf16 through ml_dtypes only: the bits cross
-            import torch
+        import torch
 
+        x = x.detach().cpu()
+        if x.dtype == torch.bfloat16:  # NumPy has bf16 through ml_dtypes only: the bits cross
             return x.view(torch.int16).numpy().view(float_dtype("bfloat16"))
         return x.numpy()
     if hasattr(x, "copy_to_host"):
