@@ -1,7 +1,9 @@
 """embedding_bag: hbk.embedding_bag vs torch.nn.functional.embedding_bag (and a
 plain gather-then-reduce in NumPy/CuPy), combiners sum and mean, fixed bag length.
 
-CPU: E=1e6 rows, D=64, B=16384 bags of L=32 Zipf(1.1) ids, fp32, fp16 and bf16.
+CPU: E=1e6 rows, D=64, B=16384 bags of L=32 Zipf(1.1) ids, fp32, fp16 and bf16;
+fp32 also at D=16 and D=32, and at D=64 with the table 16 bytes past a cache
+line (as a plain large NumPy array is; the others start on one, as torch's do).
 GPU: E=1e7, D=128, B=65536, L=32, Zipf(1.05), fp32, fp16 and bf16 (CuPy >= 14).
 Results are checked against the NumPy (CuPy) gather + fp32 reduction first.
 GB/s counts rows read (B*L*D*itemsize) + ids and offsets read + output written.
@@ -22,7 +24,9 @@ def configs(ctx):
         return [dict(E=1000, D=8, B=64, L=4, alpha=1.1, dtypes=("float32",))]
     if ctx.is_cuda:
         return [dict(E=10**7, D=128, B=65536, L=32, alpha=1.05, dtypes=DTYPES)]
-    return [dict(E=10**6, D=64, B=16384, L=32, alpha=1.1, dtypes=DTYPES)]
+    return [dict(E=10**6, D=64, B=16384, L=32, alpha=1.1, dtypes=DTYPES)] + [
+        dict(E=10**6, D=dim, B=16384, L=32, alpha=1.1, dtypes=("float32",)) for dim in (16, 32)] + [
+        dict(E=10**6, D=64, B=16384, L=32, alpha=1.1, dtypes=("float32",), line_offset=16)]
 
 
 def gather_reduce(xp, mode, B, L):
@@ -41,9 +45,12 @@ def run(ctx):
         ids = ctx.zipf_ids(B * L, E, cfg["alpha"])
         offsets = xp.arange(B + 1, dtype=xp.int64) * L
         size = f"E={E} D={D} B={B} L={L} zipf={cfg['alpha']}"
+        line_offset = cfg.get("line_offset", 0)
+        if line_offset:
+            size += f" table at line+{line_offset}B"
         for dtype in cfg["dtypes"]:
             try:
-                w = ctx.random_table(E, D, dtype)
+                w = ctx.random_table(E, D, dtype, line_offset=line_offset)
             except (ImportError, TypeError, ValueError, NotImplementedError) as error:  # no bf16 here
                 ctx.note(f"{OP} {dtype} skipped: {error}")
                 continue
@@ -73,8 +80,8 @@ def report_ratios(ctx):
     for row in ctx.rows:
         if row["op"] != OP or row["provider"] != HBK:
             continue
-        line = f"{OP} {row['mode']} {row['dtype']}:"
-        ratio = ctx.ratio(OP, row["mode"], row["dtype"], HBK, "torch")
+        line = f"{OP} {row['mode']} {row['dtype']} {row['size']}:"
+        ratio = ctx.ratio(OP, row["mode"], row["dtype"], HBK, "torch", size=row["size"])
         if ratio is not None:
             line += f" time hbk/torch = {ratio:.2f} (hbk {1 / ratio:.2f}x torch's speed)"
         if ctx.is_cuda and ctx.copy_gbps and row["gbps"]:

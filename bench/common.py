@@ -32,6 +32,7 @@ import numpy as np
 
 from hbkernels._validate import is_bfloat16
 from hbkernels.cli.info import cpu_name
+from hbkernels.memory import aligned_empty
 
 COLUMNS = (
     "op", "provider", "mode", "size", "dtype",
@@ -90,9 +91,12 @@ def float_dtype(name):
     return np.dtype(name)
 
 
-def random_table(num_rows, dim, dtype, *, seed=0, xp=np):
+def random_table(num_rows, dim, dtype, *, seed=0, xp=np, line_offset=0):
     """A ``[num_rows, dim]`` table of uniform values in [-1, 1), made on ``xp``'s device
-    (``dtype`` a dtype or its name; bf16 on the GPU needs CuPy >= 14)."""
+    (``dtype`` a dtype or its name; bf16 on the GPU needs CuPy >= 14). On the CPU
+    its data start ``line_offset`` bytes after a cache line: 0 as torch's own
+    tensors and hbkernels' tables (:func:`hbkernels.aligned_empty`), 16 as a plain
+    large NumPy array."""
     dtype = float_dtype(dtype) if isinstance(dtype, str) else np.dtype(dtype)
     if xp is np:
         table = np.random.default_rng(seed).random((num_rows, dim), dtype=np.float32)
@@ -100,7 +104,13 @@ def random_table(num_rows, dim, dtype, *, seed=0, xp=np):
         table = xp.random.RandomState(seed).random_sample((num_rows, dim), dtype=xp.float32)
     table *= 2
     table -= 1
-    return table if np.dtype(dtype) == np.float32 else table.astype(dtype)
+    if xp is not np:
+        return table if np.dtype(dtype) == np.float32 else table.astype(dtype)
+    nbytes = num_rows * dim * np.dtype(dtype).itemsize
+    placed = aligned_empty(nbytes + line_offset, np.uint8)[line_offset:].view(dtype)
+    placed = placed.reshape(num_rows, dim)
+    placed[...] = table if np.dtype(dtype) == np.float32 else table.astype(dtype)
+    return placed
 
 
 def to_host(x):
@@ -282,8 +292,9 @@ class Context:
     def zipf_ids(self, n, num_rows, alpha, seed_offset=0):
         return zipf_ids(n, num_rows, alpha, seed=self.seed + seed_offset, xp=self.xp)
 
-    def random_table(self, num_rows, dim, dtype, seed_offset=0):
-        return random_table(num_rows, dim, dtype, seed=self.seed + seed_offset, xp=self.xp)
+    def random_table(self, num_rows, dim, dtype, seed_offset=0, line_offset=0):
+        return random_table(num_rows, dim, dtype, seed=self.seed + seed_offset, xp=self.xp,
+                            line_offset=line_offset)
 
     # -- peers ------------------------------------------------------------------
     @property
@@ -528,11 +539,13 @@ class Context:
         """The table of this run: one line per row, speedup vs the case's peer."""
         return format_table(self.results())
 
-    def ratio(self, op, mode, dtype, provider=HBK, peer="torch"):
-        """median(provider) / median(peer) for one op case, or None if either is missing."""
+    def ratio(self, op, mode, dtype, provider=HBK, peer="torch", size=None):
+        """median(provider) / median(peer) for one op case (the first of any size unless
+        ``size`` is given), or None if either is missing."""
         def median(name):
             for r in self.rows:
-                if (r["op"], r["mode"], r["dtype"], r["provider"]) == (op, mode, str(dtype), name):
+                if ((r["op"], r["mode"], r["dtype"], r["provider"]) == (op, mode, str(dtype), name)
+                        and size in (None, r["size"])):
                     return float(r["median_ms"])
             return None
 

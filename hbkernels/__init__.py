@@ -11,6 +11,7 @@ CUDA); results come back in the caller's array family.
 from . import data, dist, optim
 from .embedding_collection import EmbeddingCollection
 from .errors import BoundsError, CheckpointError
+from .memory import aligned_empty, aligned_full
 from .ops import (
     embedding_bag, embedding_bag_backward, lookup, partition, segment_reduce, segment_sum, unique,
 )
@@ -26,6 +27,8 @@ __all__ = [
     "Ragged",
     "SparseGrad",
     "TableSpec",
+    "aligned_empty",
+    "aligned_full",
     "data",
     "dist",
     "embedding_bag",

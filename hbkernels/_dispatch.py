@@ -36,7 +36,13 @@ class NumpyFamily:
     def zeros(self, shape, dtype):
         return np.zeros(shape, dtype)
 
-    def full(self, shape, value, dtype):
+    def full(self, shape, value, dtype, aligned=False):
+        """``aligned``: data start on a cache line (:func:`hbkernels.memory.aligned_full`),
+        for tables whose rows are read at random."""
+        if aligned:
+            from .memory import aligned_full
+
+            return aligned_full(shape, value, dtype)
         return np.full(shape, value, dtype)
 
     def to_numpy(self, a):
@@ -82,7 +88,8 @@ class CudaFamily:
             return _cupy().zeros(shape, dtype)
         return self.full(shape, 0, dtype)
 
-    def full(self, shape, value, dtype):
+    def full(self, shape, value, dtype, aligned=False):
+        """``aligned`` is always true here: CUDA allocations start on 256 bytes."""
         if self.name == "cupy":
             return _cupy().full(shape, value, dtype)
         out = self.empty(shape, dtype)

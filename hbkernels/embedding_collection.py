@@ -49,6 +49,7 @@ from . import dist as _dist
 from .dist import _wire
 from . import optim as _optim
 from ._dispatch import NUMPY, CudaFamily, kernels, resolve, simulator_enabled
+from .memory import aligned_empty
 from .ops import _raise_ragged_errors, embedding_bag, embedding_bag_backward, lookup, partition, unique
 from .plan import make_plan
 from .types import Ragged, SparseGrad, table_spec
@@ -310,7 +311,7 @@ class EmbeddingCollection:
         for group in sorted({g for (rank, g) in next_base if rank == me}, key=repr):
             width, dtype, device = group
             space = self._space(device)
-            weights = np.empty((next_base[me, group], width), dtype)
+            weights = aligned_empty((next_base[me, group], width), dtype)
             for shard in self.local_shards(group):
                 rows = shard.row_start + shard.row_step * np.arange(shard.num_rows, dtype=np.int64)
                 block = (initial(shard, rows) if initial is not None else

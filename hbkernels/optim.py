@@ -97,7 +97,7 @@ class SparseOptimizer:
         state = {"step": np.zeros(1, np.int64)}
         for name, per_row in self.slots:
             shape = (weights.shape[0],) if per_row else tuple(weights.shape)
-            state[name] = family.full(shape, self._initial_value(name), dtype)
+            state[name] = family.full(shape, self._initial_value(name), dtype, aligned=not per_row)
         return state
 
     def _state_arrays(self, family, weights, state):

@@ -13,6 +13,7 @@ import hbkernels.data.parquet
 import hbkernels.data.synthetic
 import hbkernels.dist
 import hbkernels.embedding_collection
+import hbkernels.memory
 import hbkernels.metrics
 import hbkernels.ops
 import hbkernels.optim
@@ -20,7 +21,7 @@ import hbkernels.plan
 import hbkernels.types
 
 MODULES = [hbkernels, hbkernels.ops, hbkernels.optim, hbkernels.types, hbkernels.dist,
-           hbkernels.plan, hbkernels.embedding_collection, hbkernels.data.parquet,
+           hbkernels.plan, hbkernels.embedding_collection, hbkernels.memory, hbkernels.data.parquet,
            hbkernels.data.hashing, hbkernels.data.convert, hbkernels.data.synthetic,
            hbkernels.data.ctr, hbkernels.metrics, hbkernels.cli.info, hbkernels.cli.progress]
 

@@ -93,6 +93,21 @@ def test_empty_batch_and_all_empty_bags(backend):
     np.testing.assert_array_equal(out, np.zeros((3, 3), np.float32))
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+def test_sums_start_at_positive_zero(backend, combiner, dtype):
+    """Bags sum from +0.0, as torch's embedding_bag and NumPy 2's sum do: a bag of
+    -0.0 rows gives +0.0, as do empty bags and bags of only bad ids."""
+    weights = np.array([[-0.0, 1.0], [0.0, -0.0], [-0.0, -0.0]], dtype)
+    values = np.array([0, 2, 0, 1, 5, 2], np.int64)
+    offsets = np.array([0, 1, 3, 3, 4, 5, 6], np.int64)
+    out = backend.get(hbk.embedding_bag(backend.put(weights), backend.put(values),
+                                        backend.put(offsets), combiner=combiner, bounds="zero"))
+    expected = reference_embedding_bag(weights, values, offsets, combiner, skip_bad=True)
+    assert_close(out, expected, dtype)
+    assert not np.signbit(out[out == 0]).any()
+
+
 def test_zero_weight_sum_gives_zeros(backend):
     weights = np.arange(6, dtype=np.float32).reshape(3, 2)
     psw = np.array([1.0, -1.0, 2.0], np.float32)

@@ -97,14 +97,15 @@ def test_bf16_narrowing_rounds_like_ml_dtypes(rng):
 
 def test_fp16_tables_through_the_kernels_keep_every_value(rng):
     """Each finite fp16 value as a one-row bag: the fast-math pooling kernel widens and
-    narrows it back to the same bits; a weighted mean of two rows matches NumPy."""
+    narrows it back to the same bits (-0.0 to +0.0: sums start at +0.0); a weighted
+    mean of two rows matches NumPy."""
     import hbkernels as hbk
 
     values = ALL_BITS.view(np.float16)
     table = values[np.isfinite(values)].reshape(-1, 1).copy()
     n = table.shape[0]
     out = hbk.embedding_bag(table, np.arange(n), np.arange(n + 1))
-    np.testing.assert_array_equal(out.view(np.uint16), table.view(np.uint16))
+    np.testing.assert_array_equal(out.view(np.uint16), (table + np.float16(0)).view(np.uint16))
     wide = rng.standard_normal((n // 64, 64)).astype(np.float16)
     ids = rng.integers(0, wide.shape[0], size=2 * 500)
     weights = rng.random(ids.shape[0]).astype(np.float32)

@@ -156,8 +156,11 @@ TORCH_STATE = {"SGD": {}, "Adagrad": {"sum": "sum"},
 
 @pytest.mark.parametrize("name", sorted(TORCH))
 @pytest.mark.parametrize("mode, weighted", [("sum", False), ("sum", True), ("mean", False)])
-def test_against_torch(backend, rng, name, mode, weighted):
-    num_rows, dim, batch, max_len, steps = (12, 3, 4, 3, 3) if backend.small else (60, 8, 64, 6, 4)
+@pytest.mark.parametrize("dim", [1, 8, 33])
+def test_against_torch(backend, rng, name, mode, weighted, dim):
+    if backend.small and dim != 8:
+        pytest.skip("one (small) D under the CUDA simulator")
+    num_rows, dim, batch, max_len, steps = (12, 3, 4, 3, 3) if backend.small else (60, dim, 64, 6, 4)
     w0 = rng.standard_normal((num_rows, dim)).astype(np.float32)
     opt = make_opt(name)
     plain, fused = Table(backend, opt, w0), Table(backend, opt, w0)

@@ -2,8 +2,8 @@
 
 As FBGEMM JIT-generates a kernel per embedding dim, :func:`pool_kernel`
 compiles one kernel per ``(D, weighted, check_ids, identity)``: with D a
-compile-time constant LLVM unrolls and vectorises the row loop, and the
-flags cost nothing when off. Ids are checked inside the parallel loop: a bad
+compile-time constant each row is added as explicit SIMD vectors
+(:func:`._common.add_row`), and the flags cost nothing when off. Ids are checked inside the parallel loop: a bad
 id is skipped and the first bad position of each bag is kept in
 ``first_bad`` (-1 where none), so ``bounds="raise"`` costs no extra pass.
 Every cache line of the row ``PREFETCH_DISTANCE`` ids ahead is prefetched
@@ -24,6 +24,7 @@ from numba import njit, prange
 
 from ._common import (
     accumulator_dtype,
+    add_row,
     first_bad_offset,
     kernel_table,
     narrow,
@@ -32,10 +33,9 @@ from ._common import (
     prefetch_row,
     scratch_row,
     stack_row_fits,
-    widen,
 )
 
-PREFETCH_DISTANCE = 16
+PREFETCH_DISTANCE = 32
 NO_WEIGHTS = np.ones(1, np.float32)
 NO_IDS = np.zeros(1, np.int64)
 
@@ -53,7 +53,7 @@ def pool_kernel(dim, weighted, check_ids, identity):
         for b in prange(offsets.shape[0] - 1):
             acc = scratch_row(dim, out, b)
             for d in range(dim):
-                acc[d] = 0
+                acc[d] = 0  # sums start at +0.0 (as torch's and NumPy's): a bag of -0.0 gives +0.0
             w_sum = 0.0
             w_sq = 0.0
             num_good = offsets[b + 1] - offsets[b]
@@ -72,11 +72,9 @@ def pool_kernel(dim, weighted, check_ids, identity):
                     w = weights[np.uint64(j)]
                     w_sum += w
                     w_sq += w * w
-                    for d in range(dim):
-                        acc[d] += w * widen(table[row, d])
+                    add_row(acc, table, row, w, dim)
                 else:
-                    for d in range(dim):
-                        acc[d] += widen(table[row, d])
+                    add_row(acc, table, row, None, dim)
             if combiner == 0:
                 for d in range(dim):
                     out[b, d] = narrow_to(acc[d], out)

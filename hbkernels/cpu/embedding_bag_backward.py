@@ -24,7 +24,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from ._common import accumulator_dtype, first_bad_offset, first_out_of_range, kernel_table, narrow, widen
+from ._common import accumulator_dtype, add_row, first_bad_offset, first_out_of_range, kernel_table, narrow
 from .unique import hash_unique
 
 # LLVM fast-math flags of these kernels: no 'nnan'/'ninf' (the non-finite checks
@@ -127,11 +127,9 @@ def accumulate_kernel(dim):
             for k in range(chunks[c], chunks[c + 1]):
                 for d in range(dim):
                     rows[k, d] = 0
+                row = rows[k]
                 for s in range(starts[k], starts[k + 1]):
-                    b = occ_bag[s]
-                    coef = occ_coef[s]
-                    for d in range(dim):
-                        rows[k, d] += coef * widen(grad[b, d])
+                    add_row(row, grad, occ_bag[s], occ_coef[s], dim)
 
     return accumulate
 

@@ -12,7 +12,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from ._common import accumulator_dtype, first_out_of_range, kernel_table, narrow, widen
+from ._common import accumulator_dtype, add_row, first_out_of_range, kernel_table, narrow
 
 
 @functools.lru_cache(maxsize=None)
@@ -29,8 +29,7 @@ def scatter_add_kernel(dim, skip_bad):
                     continue
                 if s % num_owners != owner:
                     continue
-                for d in range(dim):
-                    out[s, d] += widen(data[i, d])
+                add_row(out[s], data, i, None, dim)
 
     return scatter_add
 

@@ -33,7 +33,8 @@ from numba.extending import intrinsic, overload
 
 from .. import _rules as rules
 from .._validate import is_bfloat16
-from ._common import accumulator_dtype, first_bad_offset, kernel_table, narrow, prefetch_row, widen
+from ._common import (accumulator_dtype, add_row, first_bad_offset, kernel_table, narrow,
+                      prefetch_row, widen)
 from ._common import first_out_of_range as _first_out_of_range
 from .embedding_bag_backward import FASTMATH, balanced_chunks, group_occurrences
 
@@ -308,10 +309,7 @@ def fused_kernel(dim):
                 for d in range(dim):
                     g[d] = 0
                 for s in range(starts[k], starts[k + 1]):
-                    b = occ_bag[s]
-                    coef = occ_coef[s]
-                    for d in range(dim):
-                        g[d] += coef * grad[b, d]
+                    add_row(g, grad, occ_bag[s], occ_coef[s], dim)
                 if skip and not all_finite(g, dim):
                     updated[k] = False
                     continue
