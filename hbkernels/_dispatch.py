@@ -18,6 +18,7 @@ import os
 import numpy as np
 
 from . import _validate
+from .memory import aligned_full
 
 _DLPACK_CUDA_DEVICES = (2, 13)  # kDLCUDA, kDLCUDAManaged
 
@@ -40,8 +41,6 @@ class NumpyFamily:
         """``aligned``: data start on a cache line (:func:`hbkernels.memory.aligned_full`),
         for tables whose rows are read at random."""
         if aligned:
-            from .memory import aligned_full
-
             return aligned_full(shape, value, dtype)
         return np.full(shape, value, dtype)
 

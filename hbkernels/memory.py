@@ -4,9 +4,9 @@ NumPy's large arrays start 16 bytes into a page (glibc's ``malloc`` header), so
 every row of 64 bytes or a multiple of it straddles one cache line more than it
 needs: a 256-byte row (D = 64, fp32) spans 5 lines instead of 4, a 64-byte row
 (D = 16) 2 instead of 1. Lookups wait on lines, so on the 2-core EPYC of
-``bench/results/amd-epyc.md`` ``embedding_bag`` at D = 64 ran 1.3x faster on
-an aligned copy of the same table, for hbkernels and torch alike (torch's own
-tensors are 64-byte aligned). Tables that hbkernels makes on the CPU
+``bench/results/amd-epyc.md`` ``embedding_bag`` at D = 64 ran 1.04-1.7x faster
+on an aligned copy of the same table, for hbkernels and torch alike (torch's
+own tensors are 64-byte aligned). Tables that hbkernels makes on the CPU
 (:class:`hbkernels.EmbeddingCollection`, optimizer state) use
 :func:`aligned_empty`; CuPy's allocations already start on 256 bytes.
 """

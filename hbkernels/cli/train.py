@@ -48,6 +48,7 @@ CONFIG_KEYS = ("data", "tables", "dense_features", "alpha", "label", "dense_colu
                "sparse_columns", "num_rows", "dim", "bottom", "top", "batch_size", "seed",
                "sparse_lr", "dense_lr", "shuffle_buffer")
 LATEST = "latest"
+ABORT_PAUSE_SECONDS = 0.5  # see abort_all
 
 
 def int_list(text):
@@ -178,10 +179,13 @@ def open_communicator(device):
 
 
 def abort_all(comm, exc):
-    """Print ``exc`` as one line and end every rank (a peer would wait in a collective)."""
+    """Print ``exc`` as one line and end every rank (a peer would wait in a collective).
+    The pause lets mpiexec's proxy forward the line before the abort kills it (without
+    it the line was lost in about 1 run of 5)."""
     print(f"hbkernels train: error on rank {comm.rank}: {error_line(exc)}", flush=True)
     from mpi4py import MPI
 
+    time.sleep(ABORT_PAUSE_SECONDS)
     MPI.COMM_WORLD.Abort(1)
 
 

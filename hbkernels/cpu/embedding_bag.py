@@ -3,9 +3,10 @@
 As FBGEMM JIT-generates a kernel per embedding dim, :func:`pool_kernel`
 compiles one kernel per ``(D, weighted, check_ids, identity)``: with D a
 compile-time constant each row is added as explicit SIMD vectors
-(:func:`._common.add_row`), and the flags cost nothing when off. Ids are checked inside the parallel loop: a bad
-id is skipped and the first bad position of each bag is kept in
-``first_bad`` (-1 where none), so ``bounds="raise"`` costs no extra pass.
+(:func:`._common.add_row`), and the flags cost nothing when off. Ids are
+checked inside the parallel loop: a bad id is skipped and the first bad
+position of each bag is kept in ``first_bad`` (-1 where none), so
+``bounds="raise"`` costs no extra pass.
 Every cache line of the row ``PREFETCH_DISTANCE`` ids ahead is prefetched
 (clamped into the table, so no check is needed), indices are unsigned so
 Numba adds no negative-index wraparound, and each bag is summed in a
