@@ -11,7 +11,9 @@ by LLVM) where Numba's target has it, else through integer operations.
 inside a kernel, to nearest even, as NumPy's and ml_dtypes' ``astype`` do;
 :func:`narrow` does it for a whole float32 array.
 """
+import hashlib
 import platform
+from pathlib import Path
 
 import llvmlite.binding as llvm
 import numpy as np
@@ -21,6 +23,34 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from .._validate import accumulator_dtype, is_bfloat16  # noqa: F401 (accumulator_dtype: for the kernels)
+
+
+def _kernel_sources_digest():
+    """12 hex digits of sha256 over the sources compiled into the CPU kernels: the
+    modules of this package and hbkernels' ``_rules`` and ``_validate``."""
+    here = Path(__file__).resolve().parent
+    digest = hashlib.sha256()
+    for path in sorted(here.glob("*.py")) + [here.parent / "_rules.py", here.parent / "_validate.py"]:
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+KERNEL_SOURCES_DIGEST = _kernel_sources_digest()
+
+
+def cached_njit(**options):
+    """``njit(cache=True, **options)`` whose on-disk cache entry also depends on
+    :data:`KERNEL_SOURCES_DIGEST`. Numba invalidates a cached function only when its
+    own file changes, so a kernel that inlines a helper of this file (``add_row``,
+    ``widen``) kept the old helper after an edit here; the digest in the
+    function's qualified name (which names its cache files) makes such a kernel
+    compile again."""
+    def decorate(function):
+        function.__qualname__ = f"{function.__qualname__}__src{KERNEL_SOURCES_DIGEST}"
+        return njit(cache=True, **options)(function)
+
+    return decorate
 
 
 def kernel_table(a):
@@ -179,7 +209,7 @@ def narrows_in_kernel(dtype):
     return dtype != np.float16 or NATIVE_HALF
 
 
-@njit(parallel=True, cache=True)
+@cached_njit(parallel=True)
 def _narrow_elements(src, dst):
     for i in prange(src.shape[0]):
         dst[i] = narrow_to(src[i], dst)
@@ -200,7 +230,7 @@ def narrow(a, dtype):
     return a.astype(dtype)
 
 
-@njit(cache=True)
+@cached_njit()
 def first_bad_offset(offsets, n_values):
     """First k where CSR breaks (offsets[0] != 0, a decrease, or offsets[-1] != n), else -1."""
     if offsets[0] != 0:
@@ -214,7 +244,7 @@ def first_bad_offset(offsets, n_values):
     return -1
 
 
-@njit(cache=True)
+@cached_njit()
 def first_out_of_range(ids, limit):
     """First position with ids[i] outside [0, limit) (limit < 0: no upper limit), else -1."""
     for i in range(ids.shape[0]):

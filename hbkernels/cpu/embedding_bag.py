@@ -21,11 +21,12 @@ import functools
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
 from ._common import (
     accumulator_dtype,
     add_row,
+    cached_njit,
     first_bad_offset,
     kernel_table,
     narrow,
@@ -47,7 +48,7 @@ def pool_kernel(dim, weighted, check_ids, identity):
     out[b] = combine_j w_j * table[row_j] over j in [offsets[b], offsets[b+1]),
     row_j = values[j] (or j when ``identity``); combiner 0 sum, 1 mean, 2 sqrtn."""
 
-    @njit(parallel=True, fastmath=True, cache=True)
+    @cached_njit(parallel=True, fastmath=True)
     def pool(table, values, offsets, weights, combiner, out, first_bad):
         num_rows = table.shape[0]
         last_id = offsets[offsets.shape[0] - 1] - 1

@@ -22,9 +22,10 @@ import math
 
 import numba
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
-from ._common import accumulator_dtype, add_row, first_bad_offset, first_out_of_range, kernel_table, narrow
+from ._common import (accumulator_dtype, add_row, cached_njit, first_bad_offset, first_out_of_range,
+                      kernel_table, narrow)
 from .unique import hash_unique
 
 # LLVM fast-math flags of these kernels: no 'nnan'/'ninf' (the non-finite checks
@@ -35,7 +36,7 @@ ID_COST = 4
 CHUNKS_PER_THREAD = 4
 
 
-@njit(cache=True)
+@cached_njit()
 def _place(values, offsets, weights, weighted, combiner, num_rows, skip_bad, uniq, inverse,
            counts):
     """Drop bad distinct ids (``skip_bad``), then counting-sort the occurrences by
@@ -121,7 +122,7 @@ def accumulate_kernel(dim):
     """Kernel ``(grad, starts, occ_bag, occ_coef, chunks, rows)``:
     ``rows[k] = Σ occ_coef[s]·grad[occ_bag[s]]`` over ``s`` in ``[starts[k], starts[k+1])``."""
 
-    @njit(parallel=True, fastmath=FASTMATH, cache=True)
+    @cached_njit(parallel=True, fastmath=FASTMATH)
     def accumulate(grad, starts, occ_bag, occ_coef, chunks, rows):
         for c in prange(chunks.shape[0] - 1):
             for k in range(chunks[c], chunks[c + 1]):

@@ -1,11 +1,11 @@
 """Row gather on the CPU."""
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
-from ._common import first_out_of_range
+from ._common import cached_njit, first_out_of_range
 
 
-@njit(parallel=True, cache=True)
+@cached_njit(parallel=True)
 def gather_rows(table, ids, zero_bad, out):
     num_rows = table.shape[0]
     for i in prange(ids.shape[0]):

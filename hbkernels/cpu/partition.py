@@ -1,11 +1,10 @@
 """Stable partition of ids by owning shard on the CPU: a counting sort over shards."""
 import numpy as np
-from numba import njit
 
-from ._common import first_out_of_range
+from ._common import cached_njit, first_out_of_range
 
 
-@njit(cache=True)
+@cached_njit()
 def counting_sort_by_shard(ids, num_shards, mode, block):
     n = ids.shape[0]
     shard = np.empty(n, np.int64)

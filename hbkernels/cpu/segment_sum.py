@@ -10,16 +10,16 @@ import functools
 
 import numba
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
-from ._common import accumulator_dtype, add_row, first_out_of_range, kernel_table, narrow
+from ._common import accumulator_dtype, add_row, cached_njit, first_out_of_range, kernel_table, narrow
 
 
 @functools.lru_cache(maxsize=None)
 def scatter_add_kernel(dim, skip_bad):
     """Kernel ``(data, segment_ids, num_owners, out)`` adding rows into ``out``."""
 
-    @njit(parallel=True, fastmath=True, cache=True)
+    @cached_njit(parallel=True, fastmath=True)
     def scatter_add(data, segment_ids, num_owners, out):
         num_segments = out.shape[0]
         for owner in prange(num_owners):

@@ -33,8 +33,8 @@ from numba.extending import intrinsic, overload
 
 from .. import _rules as rules
 from .._validate import is_bfloat16
-from ._common import (accumulator_dtype, add_row, first_bad_offset, kernel_table, narrow,
-                      prefetch_row, widen)
+from ._common import (accumulator_dtype, add_row, cached_njit, first_bad_offset, kernel_table,
+                      narrow, prefetch_row, widen)
 from ._common import first_out_of_range as _first_out_of_range
 from .embedding_bag_backward import FASTMATH, balanced_chunks, group_occurrences
 
@@ -60,7 +60,7 @@ def first_out_of_range(family, ids, limit):
     return int(_first_out_of_range(ids, limit))
 
 
-@njit(parallel=True, cache=True)  # no fast-math: NaN and Inf must stay visible
+@cached_njit(parallel=True)  # no fast-math: NaN and Inf must stay visible
 def _first_nonfinite_row(a, num_chunks):
     """First row holding NaN/Inf (x - x is NaN exactly for those), -1 if none; rows are
     scanned in parallel chunks with a branch-free (vectorisable) test per row."""
@@ -134,7 +134,7 @@ def uniform(key, row, d):
     return np.float64(_fmix32(h ^ np.uint64(d))) * _TWO_POW_M32
 
 
-@njit(cache=True)
+@cached_njit()
 def stochastic_round(value, u, min_exp, bits, max_value):
     """``value`` rounded down or up to a neighbouring value of the 2-byte format
     (fp16: ``FP16_*``, bf16: ``BF16_*``), up with probability equal to its
@@ -275,7 +275,7 @@ def update_kernel(dim):
     """Kernel ``(rule, p, rows, ids, weights, s1, s2, out, skip, stochastic, key,
     updated)``: row ``ids[k]`` from ``rows[k]``, ids distinct."""
 
-    @njit(parallel=True, fastmath=FASTMATH, cache=True)
+    @cached_njit(parallel=True, fastmath=FASTMATH)
     def update(rule, p, rows, ids, weights, s1, s2, out, skip, stochastic, key, updated):
         num_ids = ids.shape[0]
         for k in prange(num_ids):
@@ -297,7 +297,7 @@ def fused_kernel(dim):
     s2, out, skip, stochastic, key, updated)``: per distinct id, its gradient summed in
     input order into a scratch row, then the rule."""
 
-    @njit(parallel=True, fastmath=FASTMATH, cache=True)
+    @cached_njit(parallel=True, fastmath=FASTMATH)
     def fused(rule, p, grad, starts, occ_bag, occ_coef, chunks, ids, weights, s1, s2, out,
               skip, stochastic, key, updated):
         for c in prange(chunks.shape[0] - 1):

@@ -6,6 +6,8 @@ when there are few distinct ids (the Zipf case) and never needs a sort.
 import numpy as np
 from numba import njit
 
+from ._common import cached_njit
+
 _FIB = np.uint64(0x9E3779B97F4A7C15)  # 2^64 / golden ratio: Fibonacci hashing
 _MIN_BITS = 10
 
@@ -15,7 +17,7 @@ def _slot(key, shift):
     return np.int64((np.uint64(key) * _FIB) >> np.uint64(shift))
 
 
-@njit(cache=True)
+@cached_njit()
 def _rehash(uniq, num_uniq, bits):
     size = 1 << bits
     slots = np.full(size, -1, np.int64)
@@ -29,7 +31,7 @@ def _rehash(uniq, num_uniq, bits):
     return slots
 
 
-@njit(cache=True)
+@cached_njit()
 def hash_unique(ids, want_inverse, want_counts):
     """(uniq, inverse, counts): distinct ids in first-occurrence order."""
     n = ids.shape[0]
@@ -64,7 +66,7 @@ def hash_unique(ids, want_inverse, want_counts):
     return uniq[:num_uniq], inverse, counts[:num_uniq]
 
 
-@njit(cache=True)
+@cached_njit()
 def _sort_distinct(uniq, inverse, counts):
     order = np.argsort(uniq)
     rank = np.empty(order.shape[0], np.int64)
