@@ -23,6 +23,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from .._validate import accumulator_dtype, is_bfloat16  # noqa: F401 (accumulator_dtype: for the kernels)
+from ..memory import CACHE_LINE_BYTES
 
 
 def _kernel_sources_digest():
@@ -410,9 +411,6 @@ def prefetch(typingctx, array, row, col):
         return context.get_dummy_value()
 
     return types.void(array, row, col), codegen
-
-
-CACHE_LINE_BYTES = 64
 
 
 def elements_per_line(array):
