@@ -30,6 +30,10 @@ if "NUMBA_ENABLE_CUDASIM" not in os.environ:
     os.environ["NUMBA_ENABLE_CUDASIM"] = "0" if _real_gpu_present() else "1"
 SIMULATOR = os.environ["NUMBA_ENABLE_CUDASIM"] == "1"
 HAVE_NUMBA_CUDA = importlib.util.find_spec("numba.cuda") is not None
+if SIMULATOR and HAVE_NUMBA_CUDA:  # note each kernel launch, to compile it for a real GPU
+    import compile_kernels
+
+    compile_kernels.record_launches()
 
 
 class Backend:
@@ -98,12 +102,29 @@ def rng(request):
     return np.random.default_rng([SESSION_SEED, zlib.crc32(request.node.nodeid.encode())])
 
 
+LAST_MODULE = "test_compile_kernels.py"  # compiles what the tests before it launched
+SESSION = {"deselected": 0, "whole_suite": False}
+
+
 def pytest_collection_modifyitems(config, items):
     if SIMULATOR or not HAVE_NUMBA_CUDA:
         skip = pytest.mark.skip(reason="needs a real CUDA GPU")
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+    items.sort(key=lambda item: item.path.name == LAST_MODULE)  # stable: the rest keep their order
+
+
+def pytest_deselected(items):
+    SESSION["deselected"] += len(items)
+
+
+def pytest_collection_finish(session):
+    """Note whether this session runs every test module with nothing deselected."""
+    here = os.path.dirname(__file__)
+    modules = {name for name in os.listdir(here) if name.startswith("test_") and name.endswith(".py")}
+    collected = {item.path.name for item in session.items}
+    SESSION["whole_suite"] = collected == modules and SESSION["deselected"] == 0
 
 
 # One tolerance table per dtype: (rtol, atol) for results computed in a

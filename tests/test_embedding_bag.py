@@ -39,7 +39,7 @@ def make_case(rng, backend, num_rows, dim, batch, max_len, dtype, id_dtype, off_
 
 
 @pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
-@pytest.mark.parametrize("dim", [1, 3, 16, 33])
+@pytest.mark.parametrize("dim", [1, 3, 16, 33, 70, 200])  # 70, 200: 3 and 4 columns per lane, ragged
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
 def test_matches_reference(backend, rng, combiner, dim, dtype):
     batch, max_len = (5, 4) if backend.small else (300, 40)

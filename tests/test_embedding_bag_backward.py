@@ -67,7 +67,7 @@ def sizes(backend):
 
 @pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
 @pytest.mark.parametrize("weighted", [False, True])
-@pytest.mark.parametrize("dim", [1, 3, 16, 33])
+@pytest.mark.parametrize("dim", [1, 3, 16, 33, 200])  # 200: 4 columns per lane, ragged
 def test_matches_dense_reference(backend, rng, combiner, weighted, dim):
     batch, max_len, num_rows = sizes(backend)
     grad_out, values, offsets = make_case(rng, num_rows, dim, batch, max_len)

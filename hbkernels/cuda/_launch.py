@@ -6,6 +6,8 @@ slots back once (one small device-to-host copy) unless ``bounds="unchecked"``.
 Under the simulator (``NUMBA_ENABLE_CUDASIM=1``) grids are kept tiny: every
 simulated thread is a Python thread.
 """
+import functools
+
 import numpy as np
 from numba import cuda
 from numba.cuda import libdevice
@@ -15,9 +17,30 @@ from .._validate import accumulator_dtype, is_bfloat16
 
 
 NO_ERROR_SLOT = np.iinfo(np.int64).max
+UNROLL = 4  # columns a lane of a row group reads per pass (column_reader)
 _SIM_MAX_BLOCKS = 2
 _MAX_BLOCKS = 65535 * 16
 WARP = 32
+
+
+def kernel_factory(make):
+    """Cache ``make(*args)``, a function that builds a kernel or a tuple of kernels,
+    and tag each kernel it builds with ``built_by = (module, name, args, position)``
+    (position None for a lone kernel), so a kernel launched under the simulator
+    can be rebuilt for a real GPU (``tests/compile_kernels.py``). Parameters named
+    ``tpb`` and ``items`` are launch geometry, rebuilt at the real GPU's values."""
+
+    @functools.lru_cache(maxsize=None)
+    @functools.wraps(make)
+    def cached(*args):
+        built = make(*args)
+        for position, kernel in enumerate(built if isinstance(built, tuple) else (built,)):
+            kernel.built_by = (make.__module__, make.__name__, args,
+                               position if isinstance(built, tuple) else None)
+        return built
+
+    cached.builds_kernels = True
+    return cached
 
 
 def threads_per_block(preferred=256):
@@ -121,6 +144,40 @@ def store_as(dtype):
 def dtype_key(dtype):
     """``dtype`` as the hashable key the kernel factories are cached by (None stays None)."""
     return None if dtype is None else np.dtype(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def column_reader(dtype, columns):
+    """Device function ``(array, row, c0, group) -> (v0, v1, v2, v3)``: columns
+    ``c0 + k·group`` of ``array[row]`` (elements of ``dtype``, a :func:`dtype_key`)
+    as accumulator floats, for ``k < columns`` (a compile-time constant, 1 to
+    ``UNROLL`` = 4); the others are 0, with no load.
+
+    The loads have no branch between them, so all are in flight at once (a load
+    followed by ``if c1 < dim:`` waits for the first before issuing the second).
+    A column past the row's end reads column ``c0`` again: callers must not store
+    or sum it."""
+    load = load_as_float(dtype)
+    zero = np.dtype(accumulator_dtype(dtype)).type(0)
+
+    @cuda.jit(device=True, inline=True)
+    def read_columns(array, row, c0, group):
+        dim = array.shape[1]
+        c1 = c0 + group
+        c2 = c1 + group
+        c3 = c2 + group
+        v0 = load(array[row, c0])
+        v1 = load(array[row, c1 if c1 < dim else c0]) if columns > 1 else zero
+        v2 = load(array[row, c2 if c2 < dim else c0]) if columns > 2 else zero
+        v3 = load(array[row, c3 if c3 < dim else c0]) if columns > 3 else zero
+        return v0, v1, v2, v3
+
+    return read_columns
+
+
+def columns_per_lane(dim, group):
+    """Columns a lane of a ``group``-lane row group reads per pass: 1 to ``UNROLL``."""
+    return max(1, min(UNROLL, -(-int(dim) // group)))
 
 
 @cuda.jit

@@ -21,14 +21,13 @@ runs the same number of loop trips, so each barrier is reached by all of them.
   digits of ``key - lo`` (as uint64, which maps signed order to unsigned
   order), one stable :func:`bucket_scatter` per digit.
 """
-import functools
 import math
 
 import numpy as np
 from numba import cuda, int64, uint64
 
 from .._dispatch import simulator_enabled
-from ._launch import blocks_for, fill, threads_per_block
+from ._launch import blocks_for, fill, kernel_factory, threads_per_block
 
 RADIX_BITS = 4
 RADIX = 1 << RADIX_BITS
@@ -41,7 +40,7 @@ def _items_per_thread():
 # ---------------------------------------------------------------------------
 # exclusive prefix sum
 # ---------------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
+@kernel_factory
 def _scan_kernels(tpb, items):
     tile = tpb * items
 
@@ -117,7 +116,7 @@ def exclusive_scan(a, stream=0, tpb=None, items=None):
 # ---------------------------------------------------------------------------
 # stable bucket scatter
 # ---------------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
+@kernel_factory
 def _bucket_kernels(tpb):
     @cuda.jit(device=True)
     def _rank_in_tile(sh, tid, width):

@@ -11,7 +11,9 @@ slice of one when ``D < 32``, several bags per warp) owns a bag, grid-stride ove
 bags. Lane ``d`` accumulates columns ``d, d+G, d+2G, d+3G`` in registers (fp32
 for fp16/bf16/fp32 tables, fp64 for fp64; bf16 is read as its int16 bits and
 rounded back to nearest even), so each table row is read coalesced; wider
-rows take further passes over the bag's ids. No atomics touch the output and
+rows take further passes over the bag's ids. A lane's loads of one row have no
+branch between them (:func:`._launch.column_reader`), so they are all in flight
+before the first multiply-add waits. No atomics touch the output and
 no warp shuffles are used, so the kernel runs unchanged in Numba's simulator.
 
 The same kernel checks its input on the way: offsets are clamped to
@@ -20,27 +22,27 @@ the first malformed offset position in error slot 0 and the first out-of-range
 id in slot 1 (``cuda.atomic.min``), and out-of-range ids are always skipped.
 The slots are read back once, except under ``bounds="unchecked"`` (no host sync).
 """
-import functools
 import math
 
-import numpy as np
 from numba import cuda
 
 from ._launch import (
+    UNROLL,
     WIDEN,
     accumulator_dtype,
     blocks_for,
+    column_reader,
+    columns_per_lane,
     dtype_key,
     error_slots,
     group_size,
+    kernel_factory,
     load_as_float,
     no_error_slots,
     read_error_slots,
     store_as,
     threads_per_block,
 )
-
-UNROLL = 4  # columns per lane per pass over a bag's ids
 
 
 @cuda.jit(device=True, inline=True)
@@ -55,13 +57,14 @@ def check_bag_offsets(slots, b, lo, hi, num_bags, n_values):
         cuda.atomic.min(slots, 0, num_bags)
 
 
-@functools.lru_cache(maxsize=None)
-def pool_kernel(table_dtype, weights_dtype):
-    """The pooling kernel for a table of ``table_dtype`` (:func:`dtype_key`) and
-    weights of ``weights_dtype`` (None: no weights), accumulating in the table's
-    accumulator type; bf16 elements are converted from their bits."""
+@kernel_factory
+def pool_kernel(table_dtype, weights_dtype, columns):
+    """The pooling kernel for a table of ``table_dtype`` (:func:`dtype_key`),
+    weights of ``weights_dtype`` (None: no weights) and ``columns`` per lane
+    (:func:`columns_per_lane`), accumulating in the table's accumulator type;
+    bf16 elements are converted from their bits."""
     widen = WIDEN[accumulator_dtype(table_dtype)]
-    load = load_as_float(table_dtype)
+    read_columns = column_reader(table_dtype, columns)
     load_weight = load_as_float(weights_dtype or table_dtype)
     store = store_as(table_dtype)
 
@@ -84,9 +87,6 @@ def pool_kernel(table_dtype, weights_dtype):
             if check_offsets and lane == 0:
                 check_bag_offsets(slots, b, lo, hi, num_bags, n_values)
             for c0 in range(lane, dim, chunk):
-                c1 = c0 + group
-                c2 = c1 + group
-                c3 = c2 + group
                 a0 = widen(0)
                 a1 = widen(0)
                 a2 = widen(0)
@@ -102,18 +102,19 @@ def pool_kernel(table_dtype, weights_dtype):
                     w = widen(load_weight(weights[j])) if has_weights else widen(1)
                     w_sum += w
                     w_sq += w * w
-                    a0 += w * load(table[row, c0])
-                    if c1 < dim:
-                        a1 += w * load(table[row, c1])
-                        if c2 < dim:
-                            a2 += w * load(table[row, c2])
-                            if c3 < dim:
-                                a3 += w * load(table[row, c3])
+                    v0, v1, v2, v3 = read_columns(table, row, c0, group)
+                    a0 += w * v0
+                    a1 += w * v1
+                    a2 += w * v2
+                    a3 += w * v3
                 scale = widen(1)
                 if combiner == 1:
                     scale = widen(1) / w_sum if w_sum != 0 else widen(0)
                 elif combiner == 2:
                     scale = widen(1) / math.sqrt(w_sq) if w_sq != 0 else widen(0)
+                c1 = c0 + group
+                c2 = c1 + group
+                c3 = c2 + group
                 out[b, c0] = store(a0 * scale)
                 if c1 < dim:
                     out[b, c1] = store(a1 * scale)
@@ -151,7 +152,8 @@ def pool(family, table, values, offsets, n_values, weights, combiner, identity, 
     group = group_size(dim)
     tpb = threads_per_block()
     kernel = pool_kernel(dtype_key(table.dtype),
-                         dtype_key(None if weights is None else weights.dtype))
+                         dtype_key(None if weights is None else weights.dtype),
+                         columns_per_lane(dim, group))
     kernel[blocks_for(num_bags, tpb // group), tpb, stream](
         family.kernel_array(table), k_values, k_offsets, n_values, k_weights, weights is not None,
         combiner, identity, check_offsets, record_ids, group, family.kernel_array(out), slots,

@@ -42,12 +42,16 @@ import numpy as np
 from numba import cuda
 
 from ._launch import (
+    UNROLL,
     WIDEN,
     accumulator_dtype,
     blocks_for,
+    column_reader,
+    columns_per_lane,
     dtype_key,
     error_slots,
     group_size,
+    kernel_factory,
     load_as_float,
     no_error_slots,
     read_error_slots,
@@ -55,7 +59,7 @@ from ._launch import (
     threads_per_block,
 )
 from ._scan import radix_sort
-from .embedding_bag import UNROLL, check_bag_offsets, empty_batch_bad_offset
+from .embedding_bag import check_bag_offsets, empty_batch_bad_offset
 from .segment_sum import cast_kernel
 from .unique import EMPTY, unique
 
@@ -63,7 +67,7 @@ from .unique import EMPTY, unique
 # ---------------------------------------------------------------------------
 # 1. per-position bag, coefficient and hash key
 # ---------------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
+@kernel_factory
 def prepare_kernel(acc_dtype, weights_dtype):
     """The per-bag pass writing coefficients in ``acc_dtype`` from weights of
     ``weights_dtype`` (:func:`dtype_key`; weights None: unweighted)."""
@@ -185,21 +189,19 @@ def distinct_keys(family, keys):
 
 
 @functools.lru_cache(maxsize=None)
-def make_accumulate(acc_dtype, grad_dtype):
-    """Device function summing one lane's four columns of a distinct id's gradient:
-    ``Σ_{i in [lo, hi)} coef[p]·grad[bag_of[p], c]`` with ``p = pos[i]``, in order,
-    in ``acc_dtype`` from a ``grad`` of ``grad_dtype`` (:func:`dtype_key`;
-    columns ``>= D`` give 0)."""
+def make_accumulate(acc_dtype, grad_dtype, columns):
+    """Device function summing one lane's ``columns`` columns (1 to 4) of a distinct
+    id's gradient: ``Σ_{i in [lo, hi)} coef[p]·grad[bag_of[p], c]`` with ``p = pos[i]``,
+    in order, in ``acc_dtype`` from a ``grad`` of ``grad_dtype`` (:func:`dtype_key`;
+    columns ``>= D`` give 0: row-wise Adagrad sums the squares of all four). Each
+    occurrence's loads are in flight together (:func:`._launch.column_reader`)."""
     widen = WIDEN[np.dtype(acc_dtype)]
-    load = load_as_float(grad_dtype)
+    read_columns = column_reader(grad_dtype, columns)
 
     @cuda.jit(device=True, inline=True)
     def accumulate(grad, lo, hi, pos, bag_of, coef, c0, group):
         dim = grad.shape[1]
         num_bags = grad.shape[0]
-        c1 = c0 + group
-        c2 = c1 + group
-        c3 = c2 + group
         a0 = widen(0)
         a1 = widen(0)
         a2 = widen(0)
@@ -211,23 +213,29 @@ def make_accumulate(acc_dtype, grad_dtype):
                 if b < 0 or b >= num_bags:  # only reachable with malformed unchecked CSR
                     continue
                 cf = coef[p]
-                a0 += cf * widen(load(grad[b, c0]))
-                if c1 < dim:
-                    a1 += cf * widen(load(grad[b, c1]))
-                    if c2 < dim:
-                        a2 += cf * widen(load(grad[b, c2]))
-                        if c3 < dim:
-                            a3 += cf * widen(load(grad[b, c3]))
+                v0, v1, v2, v3 = read_columns(grad, b, c0, group)
+                a0 += cf * widen(v0)
+                a1 += cf * widen(v1)
+                a2 += cf * widen(v2)
+                a3 += cf * widen(v3)
+        # column_reader read column c0 in place of those past the row's end
+        if c0 + group >= dim:
+            a1 = widen(0)
+        if c0 + 2 * group >= dim:
+            a2 = widen(0)
+        if c0 + 3 * group >= dim:
+            a3 = widen(0)
         return a0, a1, a2, a3
 
     return accumulate
 
 
-@functools.lru_cache(maxsize=None)
-def gather_kernel(grad_dtype):
+@kernel_factory
+def gather_kernel(grad_dtype, columns):
     """The deterministic kernel for a gradient of ``grad_dtype`` (a :func:`dtype_key`),
-    summing in its accumulator type and storing rows of ``grad_dtype``."""
-    accumulate = make_accumulate(dtype_key(accumulator_dtype(grad_dtype)), grad_dtype)
+    ``columns`` per lane (:func:`columns_per_lane`), summing in its accumulator type
+    and storing rows of ``grad_dtype``."""
+    accumulate = make_accumulate(dtype_key(accumulator_dtype(grad_dtype)), grad_dtype, columns)
     store = store_as(grad_dtype)
 
     @cuda.jit(cache=False)
@@ -257,7 +265,7 @@ def gather_kernel(grad_dtype):
     return gather_kernel
 
 
-@functools.lru_cache(maxsize=None)
+@kernel_factory
 def scatter_kernel(grad_dtype):
     """The atomic kernel for a gradient of ``grad_dtype`` (a :func:`dtype_key`),
     adding into a buffer of its accumulator type."""
@@ -335,7 +343,8 @@ def embedding_bag_backward(family, grad_out, values, offsets, num_rows, per_samp
     if deterministic:
         starts, pos = group_positions(family.kernel_array(inverse), uniq.shape[0], stream)
         rows = family.empty((num_ids, dim), grad_out.dtype)
-        gather_kernel(dtype_key(grad_out.dtype))[blocks_for(num_ids, tpb // group), tpb, stream](
+        kernel = gather_kernel(dtype_key(grad_out.dtype), columns_per_lane(dim, group))
+        kernel[blocks_for(num_ids, tpb // group), tpb, stream](
             k_grad, starts, pos, bag_of, coef, num_ids, group, family.kernel_array(rows),
         )
         return ids, rows, -1, -1

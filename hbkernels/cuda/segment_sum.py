@@ -8,7 +8,6 @@ kernel rounds it into the output (to nearest even). Rows with a segment id
 outside ``[0, num_segments)`` are always dropped; under ``bounds="raise"``
 lane 0 also records the first bad position in an error slot, read back once.
 """
-import functools
 
 from numba import cuda
 
@@ -18,6 +17,7 @@ from ._launch import (
     dtype_key,
     error_slots,
     group_size,
+    kernel_factory,
     load_as_float,
     no_error_slots,
     read_error_slots,
@@ -26,7 +26,7 @@ from ._launch import (
 )
 
 
-@functools.lru_cache(maxsize=None)
+@kernel_factory
 def scatter_add_kernel(data_dtype):
     """The scatter-add kernel for data of ``data_dtype`` (a :func:`dtype_key`)."""
     load = load_as_float(data_dtype)
@@ -50,7 +50,7 @@ def scatter_add_kernel(data_dtype):
     return scatter_add_kernel
 
 
-@functools.lru_cache(maxsize=None)
+@kernel_factory
 def cast_kernel(dst_dtype):
     """Kernel ``(src, dst)``: dst[k] = src[k] converted to ``dst_dtype`` (a
     :func:`dtype_key`; bf16 rounded to nearest even into its bits); 1-D, same length."""

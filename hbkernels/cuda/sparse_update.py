@@ -32,18 +32,21 @@ from numba import cuda, from_dtype, int32, int64, uint64
 
 from .. import _rules as rules
 from ._launch import (
+    UNROLL,
     WIDEN,
     accumulator_dtype,
     blocks_for,
+    columns_per_lane,
     dtype_key,
     error_slots,
     group_size,
+    kernel_factory,
     load_as_float,
     read_error_slots,
     store_as,
     threads_per_block,
 )
-from .embedding_bag import UNROLL, empty_batch_bad_offset
+from .embedding_bag import empty_batch_bad_offset
 from .embedding_bag import check_bag_offsets
 from .embedding_bag_backward import (
     distinct_keys,
@@ -85,7 +88,7 @@ def first_out_of_range(family, ids, limit):
     return read_error_slots(slots, stream)[0]
 
 
-@functools.lru_cache(maxsize=None)
+@kernel_factory
 def nonfinite_kernel(dtype):
     """The kernel finding the first row of a ``dtype`` array holding NaN or Inf."""
     load = load_as_float(dtype)
@@ -220,11 +223,12 @@ def _stochastic_round(x32, key_lo, key_hi, row, col, min_exp, bits, max_value):
 # ---------------------------------------------------------------------------
 # the update kernel
 # ---------------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
-def _update_kernel(table_dtype, grad_dtype, fused, tpb):
+@kernel_factory
+def _update_kernel(table_dtype, grad_dtype, fused, tpb, columns):
     """Update kernel for a table of ``table_dtype`` (a :func:`dtype_key`), computing in
     its accumulator type. ``fused``: the gradient is summed from ``grad_out`` (of
-    ``grad_dtype``) in that type, else loaded from ``rows`` (``grad``, of ``grad_dtype``)."""
+    ``grad_dtype``) in that type, ``columns`` per lane (:func:`columns_per_lane`), else
+    loaded from ``rows`` (``grad``, of ``grad_dtype``)."""
     table_acc = accumulator_dtype(table_dtype)
     widen = WIDEN[table_acc]
     acc_type = from_dtype(table_acc)
@@ -234,7 +238,7 @@ def _update_kernel(table_dtype, grad_dtype, fused, tpb):
     min_exp, bits, max_value = STOCHASTIC_FORMATS.get(table_dtype.name, (0, 0, 0.0))
     load_grad = load_as_float(grad_dtype)
     if fused:
-        accumulate = make_accumulate(table_acc, grad_dtype)
+        accumulate = make_accumulate(table_acc, grad_dtype, columns)
 
         @cuda.jit(device=True, inline=True)
         def load(grad, r, lo, hi, pos, bag_of, coef, c0, group):
@@ -396,7 +400,8 @@ def _launch_update(family, rule, weights, state1, state2, hp, ids, grad, starts,
     key = int(key)
     group = group_size(dim)
     tpb = threads_per_block()
-    kernel = _update_kernel(dtype_key(weights.dtype), dtype_key(grad_dtype), fused, tpb)
+    kernel = _update_kernel(dtype_key(weights.dtype), dtype_key(grad_dtype), fused, tpb,
+                            columns_per_lane(dim, group) if fused else 0)
     kernel[blocks_for(num_ids, tpb // group), tpb, stream](
         family.kernel_array(weights),
         _state_view(family, state1, table_acc, stream),

@@ -16,12 +16,11 @@
 device LSD radix sort (:func:`._scan.radix_sort`) and rewrites
 ``occ[slot] = rank`` before the inverse and counts are gathered.
 """
-import functools
 
 import numpy as np
 from numba import cuda, int64, uint64
 
-from ._launch import blocks_for, fill, threads_per_block, to_host
+from ._launch import blocks_for, fill, kernel_factory, threads_per_block, to_host
 from ._scan import exclusive_scan, radix_sort
 
 EMPTY = np.int64(np.iinfo(np.int64).min)
@@ -85,7 +84,7 @@ def _insert(ids, table, bits, slot_of, want_slot, hits, want_hits, occ):
             cuda.atomic.add(hits, s, 1)
 
 
-@functools.lru_cache(maxsize=None)
+@kernel_factory
 def _occupancy_kernel(tpb):
     @cuda.jit
     def occupancy(table, size, occ, stats, want_range):

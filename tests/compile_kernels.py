@@ -1,0 +1,255 @@
+"""Compile every CUDA kernel the test suite launches for a real GPU, with no GPU.
+
+Numba's simulator runs kernels as Python, so it never types them with Numba,
+lowers them to PTX, or assembles them for a real architecture: a kernel can pass
+every simulator test and still fail to compile on a GPU. This module closes that
+gap in two steps:
+
+1. under the simulator, :func:`record_launches` notes each kernel launch as
+   ``(how the kernel was built, argument types)`` (``conftest.py`` installs it);
+2. in a process without the simulator, :func:`compile_all` rebuilds each
+   kernel from its factory (``hbkernels.cuda._launch.kernel_factory``; ``tpb``
+   and ``items`` at the real GPU's values), compiles it through Numba and NVVM
+   to PTX, and links it with nvJitLink (ptxas) into a cubin for the
+   architecture; the report gives each kernel's error, or its registers,
+   spills and shared memory.
+
+``tests/test_compile_kernels.py`` does both in every simulator run of the suite.
+By hand (a table of every kernel's resources, as in ``bench/results/``)::
+
+    python3 tests/compile_kernels.py record launches.pkl     # runs the suite (pytest args may follow)
+    python3 tests/compile_kernels.py compile launches.pkl report.json --csv resources.csv
+
+Needs the NVVM, NVRTC and nvJitLink libraries (the ``test`` extra installs their
+wheels), not a driver.
+"""
+import importlib
+import inspect
+import json
+import os
+import pickle
+import pkgutil
+import re
+import sys
+import types as pytypes
+
+LAUNCHES = {}  # (source, argument types) -> launches seen, filled by record_launches
+GEOMETRY = ("tpb", "items")  # factory parameters rebuilt at the real GPU's values
+
+
+# -- step 1: record, under the simulator --------------------------------------------------
+def kernel_source(kernel):
+    """``(module, name, factory args or None, position or None)`` of a launched kernel."""
+    built_by = getattr(kernel, "built_by", None)
+    if built_by is not None:
+        return built_by
+    fn = kernel.fn
+    return (fn.__module__, fn.__qualname__, None, None)
+
+
+def argument_type(arg):
+    """The Numba type a real launch gives ``arg``: device arrays are mutable and aligned."""
+    from numba import typeof, types
+
+    arg = getattr(arg, "_ary", arg)  # a simulator device array wraps a NumPy array
+    ty = typeof(arg)
+    if isinstance(ty, types.Array):
+        return types.Array(ty.dtype, ty.ndim, ty.layout)
+    return ty
+
+
+def record_launches():
+    """Wrap the simulator's kernel call so that each host launch is noted in LAUNCHES."""
+    from numba.cuda.simulator import kernel as sim_kernel
+
+    call = sim_kernel.FakeCUDAKernel.__call__
+    if getattr(call, "records_launches", False):
+        return
+
+    def recording_call(self, *args):
+        if not self._device and not sim_kernel._kernel_context:
+            key = (kernel_source(self), tuple(argument_type(a) for a in args))
+            LAUNCHES[key] = LAUNCHES.get(key, 0) + 1
+        return call(self, *args)
+
+    recording_call.records_launches = True
+    sim_kernel.FakeCUDAKernel.__call__ = recording_call
+
+
+def defined_kernels():
+    """``(module, name)`` of every kernel factory and module-level kernel in hbkernels.cuda."""
+    import hbkernels.cuda
+
+    found = set()
+    for info in pkgutil.iter_modules(hbkernels.cuda.__path__):
+        module = importlib.import_module(f"hbkernels.cuda.{info.name}")
+        for name, obj in vars(module).items():
+            if getattr(obj, "__module__", None) != module.__name__:
+                continue  # imported from elsewhere
+            if getattr(obj, "builds_kernels", False):
+                found.add((module.__name__, name))
+            elif hasattr(obj, "py_func") or hasattr(obj, "fn"):  # a dispatcher (real or simulated)
+                if not _is_device_function(obj):
+                    found.add((module.__name__, name))
+    return found
+
+
+def _is_device_function(dispatcher):
+    if hasattr(dispatcher, "_device"):  # simulator
+        return dispatcher._device
+    return dispatcher.targetoptions.get("device", False)
+
+
+def save(launches, path):
+    with open(path, "wb") as f:
+        pickle.dump(dict(launches), f)
+
+
+# -- step 2: compile, without the simulator -----------------------------------------------
+_RESOURCES = {
+    "registers": r"used (\d+) registers",
+    "stack_bytes": r"(\d+) stack",
+    "shared_bytes": r"(\d+) bytes smem",
+    "local_bytes": r"(\d+) bytes lmem",
+    "spill_store_bytes": r"(\d+) bytes spill stores",
+    "spill_load_bytes": r"(\d+) bytes spill loads",
+}
+
+
+def _pretend_device(cc):
+    """Numba asks the current device for its compute capability when it compiles
+    a device function; with no GPU, answer ``cc``."""
+    import numba.cuda.dispatcher as dispatcher
+
+    dispatcher.get_current_device = lambda: pytypes.SimpleNamespace(compute_capability=cc)
+
+
+def rebuild(source):
+    """``(real dispatcher, factory arguments used)`` for a recorded kernel source."""
+    module_name, name, args, position = source
+    module = importlib.import_module(module_name)
+    obj = getattr(module, name)
+    if args is None:
+        return obj, None
+    params = list(inspect.signature(obj.__wrapped__).parameters)
+    launch = importlib.import_module("hbkernels.cuda._launch")
+    scan = importlib.import_module("hbkernels.cuda._scan")
+    real = {"tpb": launch.threads_per_block(), "items": scan._items_per_thread()}
+    args = tuple(real[p] if p in GEOMETRY else a for p, a in zip(params, args))
+    built = obj(*args)
+    return (built if position is None else built[position]), args
+
+
+def compile_one(dispatcher, argtypes, cc):
+    """Compile to PTX and link to a cubin for ``cc``; returns the resources ptxas reports."""
+    from cuda.core import Linker, LinkerOptions, ObjectCode
+    from numba import cuda
+
+    options = dispatcher.targetoptions
+    ptx, _ = cuda.compile_ptx(dispatcher.py_func, argtypes, cc=cc,
+                              fastmath=options.get("fastmath", False),
+                              lineinfo=options.get("lineinfo", False))
+    linker = Linker(ObjectCode.from_ptx(ptx.encode(), name="kernel"),
+                    options=LinkerOptions(arch=f"sm_{cc[0]}{cc[1]}", verbose=True))
+    linker.link("cubin")
+    log = linker.get_info_log()
+    resources = {}
+    for key, pattern in _RESOURCES.items():
+        values = [int(v) for v in re.findall(pattern, log)]
+        resources[key] = max(values) if values else 0
+    return resources
+
+
+def blocks_per_sm(registers, shared_bytes, threads=256, sm_registers=65536, sm_shared=228 * 1024,
+                  max_threads=2048):
+    """Resident blocks of ``threads`` per SM (H100 limits; registers allocated in 8s)."""
+    by_registers = sm_registers // (-(-registers // 8) * 8 * threads)
+    by_shared = sm_shared // shared_bytes if shared_bytes else max_threads
+    return min(by_registers, by_shared, max_threads // threads)
+
+
+def compile_all(launches, cc):
+    """A report row per recorded launch: kernel, argument types, error or resources."""
+    _pretend_device(cc)
+    rows = []
+    for (source, argtypes), count in sorted(launches.items(), key=lambda kv: str(kv[0])):
+        module_name, name, args, position = source
+        row = {"kernel": f"{module_name}.{name}" + (f"[{position}]" if position is not None else ""),
+               "factory_args": repr(args), "argtypes": [str(t) for t in argtypes],
+               "launches": count}
+        try:
+            dispatcher, args = rebuild(source)
+            row["factory_args"] = repr(args)
+            row.update(compile_one(dispatcher, argtypes, cc))
+        except Exception as error:  # noqa: BLE001 - every failure goes in the report
+            row["error"] = f"{type(error).__name__}: {error}"
+        rows.append(row)
+    return rows
+
+
+def write_csv(rows, path, threads=256):
+    """One line per kernel and factory arguments (its most demanding argument types)."""
+    import csv
+
+    worst = {}
+    for r in rows:
+        if "error" not in r:
+            key = (r["kernel"], r["factory_args"])
+            if key not in worst or r["registers"] > worst[key]["registers"]:
+                worst[key] = r
+    with open(path, "w", newline="") as f:
+        out = csv.writer(f)
+        out.writerow(["kernel", "factory_args", "registers", "shared_bytes", "spill_store_bytes",
+                      f"blocks_per_sm_at_{threads}", "occupancy"])
+        for (kernel, args), r in sorted(worst.items()):
+            blocks = blocks_per_sm(r["registers"], r["shared_bytes"], threads)
+            out.writerow([kernel.removeprefix("hbkernels.cuda."), args, r["registers"],
+                          r["shared_bytes"], r["spill_store_bytes"], blocks,
+                          f"{blocks * threads / 2048:.3f}"])
+
+
+def record(path, pytest_args):
+    """Run pytest under the simulator in this process and save every launch to ``path``."""
+    import pytest
+
+    os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = pytest.main(["-q", "-p", "no:cacheprovider", *(pytest_args or [here])])
+    launches = importlib.import_module("compile_kernels").LAUNCHES  # what conftest recorded into
+    save(launches, path)
+    print(f"{len(launches)} distinct kernel launches saved to {path}")
+    return int(code)
+
+
+def main(argv):
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    rec = sub.add_parser("record", help="run the tests under the simulator, save their launches")
+    rec.add_argument("launches")
+    rec.add_argument("pytest_args", nargs=argparse.REMAINDER)
+    comp = sub.add_parser("compile", help="compile saved launches for a GPU architecture")
+    comp.add_argument("launches", help="pickle written by record (or save())")
+    comp.add_argument("report", help="JSON report to write")
+    comp.add_argument("--arch", default="sm_90", help="target architecture (default sm_90, H100)")
+    comp.add_argument("--csv", help="also write a table of each kernel's resources")
+    opts = parser.parse_args(argv)
+    if opts.command == "record":
+        return record(opts.launches, opts.pytest_args)
+    os.environ["NUMBA_ENABLE_CUDASIM"] = "0"  # before numba is imported (unpickling imports it)
+    cc = divmod(int(opts.arch.removeprefix("sm_")), 10)  # sm_90 -> (9, 0), sm_100 -> (10, 0)
+    with open(opts.launches, "rb") as f:
+        launches = pickle.load(f)
+    rows = compile_all(launches, cc)
+    with open(opts.report, "w") as f:
+        json.dump({"arch": opts.arch, "kernels": rows}, f, indent=1)
+    if opts.csv:
+        write_csv(rows, opts.csv)
+    failed = [r for r in rows if "error" in r]
+    print(f"{len(rows) - len(failed)} of {len(rows)} kernel launches compiled for {opts.arch}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,80 @@
+"""Every CUDA kernel the suite launched under the simulator compiles for an H100.
+
+conftest runs this module last; :mod:`compile_kernels` has recorded each launch
+(kernel and argument types) of the tests before it. Here a process without the
+simulator rebuilds those kernels and compiles them through Numba, NVVM and
+ptxas for sm_90, which the simulator never does. In a whole-suite run every
+kernel in ``hbkernels.cuda`` must have been launched, so a kernel with no
+simulator test fails here too.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import compile_kernels
+from conftest import HAVE_NUMBA_CUDA, SESSION, SIMULATOR
+
+ARCH = "sm_90"
+REPO = Path(__file__).resolve().parent.parent
+
+
+def have_cuda_compilers():
+    """NVVM, NVRTC and nvJitLink loadable (wheels of the ``test`` extra), no driver needed."""
+    probe = ("from cuda.pathfinder import load_nvidia_dynamic_lib as load\n"
+             "for lib in ('nvvm', 'nvrtc', 'nvJitLink'): load(lib)")
+    return subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0
+
+
+pytestmark = [
+    pytest.mark.skipif(not HAVE_NUMBA_CUDA, reason="numba-cuda is not installed"),
+    pytest.mark.skipif(not SIMULATOR, reason="on a real GPU the suite compiles and runs every "
+                       "kernel itself"),
+]
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """The compile report of every launch recorded so far in this session."""
+    if not have_cuda_compilers():
+        missing = "NVVM, NVRTC or nvJitLink is missing: pip install -e '.[test]'"
+        if sys.platform == "linux":  # where the test extra installs them
+            pytest.fail(missing)
+        pytest.skip(missing)
+    if not compile_kernels.LAUNCHES:
+        pytest.skip("no CUDA kernel was launched before this test in this session")
+    work = tmp_path_factory.mktemp("compile")
+    compile_kernels.save(compile_kernels.LAUNCHES, work / "launches.pkl")
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", PYTHONPATH=str(REPO))
+    res = subprocess.run(
+        [sys.executable, str(Path(compile_kernels.__file__)), "compile", str(work / "launches.pkl"),
+         str(work / "report.json"), "--arch", ARCH],
+        capture_output=True, text=True, env=env, timeout=900,
+    )
+    assert (work / "report.json").exists(), res.stdout + res.stderr
+    return json.loads((work / "report.json").read_text())["kernels"]
+
+
+def test_every_launched_kernel_compiles_for_sm90(compiled):
+    failed = [f"{r['kernel']} {r['factory_args']} {r['argtypes']}: {r['error']}"
+              for r in compiled if "error" in r]
+    assert not failed, "\n".join(failed)
+    assert all(r["registers"] > 0 for r in compiled), "ptxas reported no registers"
+
+
+def test_no_kernel_spills_registers(compiled):
+    spilling = [f"{r['kernel']} {r['argtypes']}: {r['spill_store_bytes']} B stored"
+                for r in compiled if "error" not in r and r["spill_store_bytes"]]
+    assert not spilling, "\n".join(spilling)
+
+
+def test_every_kernel_was_launched():
+    """Each kernel factory and module-level kernel of hbkernels.cuda ran at least once."""
+    if not SESSION["whole_suite"]:
+        pytest.skip("only a run of the whole suite launches every kernel")
+    launched = {(source[0], source[1]) for source, _ in compile_kernels.LAUNCHES}
+    missing = compile_kernels.defined_kernels() - launched
+    assert not missing, f"never launched under the simulator: {sorted(missing)}"
