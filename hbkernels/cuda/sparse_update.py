@@ -226,9 +226,9 @@ def _stochastic_round(x32, key_lo, key_hi, row, col, min_exp, bits, max_value):
 @kernel_factory
 def _update_kernel(table_dtype, grad_dtype, fused, tpb, columns):
     """Update kernel for a table of ``table_dtype`` (a :func:`dtype_key`), computing in
-    its accumulator type. ``fused``: the gradient is summed from ``grad_out`` (of
-    ``grad_dtype``) in that type, ``columns`` per lane (:func:`columns_per_lane`), else
-    loaded from ``rows`` (``grad``, of ``grad_dtype``)."""
+    its accumulator type, ``columns`` per lane (:func:`columns_per_lane`). ``fused``: the
+    gradient is summed from ``grad_out`` (of ``grad_dtype``) in that type, else loaded
+    from ``rows`` (``grad``, of ``grad_dtype``)."""
     table_acc = accumulator_dtype(table_dtype)
     widen = WIDEN[table_acc]
     acc_type = from_dtype(table_acc)
@@ -262,12 +262,22 @@ def _update_kernel(table_dtype, grad_dtype, fused, tpb, columns):
         return 0 if math.isfinite(g) else 1
 
     @cuda.jit(device=True, inline=True)
-    def apply(weights, state1, state2, row, c, g, rule, row_step, hp, stochastic, key_lo, key_hi):
-        w = widen(load_weight(weights[row, c]))
+    def read_element(weights, state1, state2, row, c, rule):
+        """``(w, s1, s2)`` of element ``(row, c)``: the weight and the rule's state."""
         has1 = rule == rules.ADAGRAD or rule == rules.ADAM or rule == rules.FTRL
         has2 = rule == rules.ADAM or rule == rules.FTRL
+        w = widen(load_weight(weights[row, c]))
         s1 = state1[row, c] if has1 else widen(0)
         s2 = state2[row, c] if has2 else widen(0)
+        return w, s1, s2
+
+    @cuda.jit(device=True, inline=True)
+    def apply(weights, state1, state2, row, c, g, element, rule, row_step, hp, stochastic,
+              key_lo, key_hi):
+        """Update element ``(row, c)``, read before as ``element``, with gradient ``g``."""
+        w, s1, s2 = element
+        has1 = rule == rules.ADAGRAD or rule == rules.ADAM or rule == rules.FTRL
+        has2 = rule == rules.ADAM or rule == rules.FTRL
         lr, eps, one_m_b1, one_m_b2, l1, two_l2, neg_power, sqrt_power, step_size = hp
         w_new, s1, s2 = rule_update(rule, g, w, s1, s2, row_step, lr, eps, one_m_b1, one_m_b2,
                                     l1, two_l2, neg_power, sqrt_power, step_size)
@@ -364,19 +374,30 @@ def _update_kernel(table_dtype, grad_dtype, fused, tpb, columns):
                     break
                 if not (need_row and single):
                     g0, g1, g2, g3 = load(grad, r, lo, hi, pos, bag_of, coef, c0, group)
-                apply(weights, state1, state2, row, c0, g0, rule, row_step, hp, stochastic,
-                      key_lo, key_hi)
                 c1 = c0 + group
+                c2 = c1 + group
+                c3 = c2 + group
+                # Every column is read before the first store: the compiler would not move a
+                # load above a store that may alias it, so each column would wait for the
+                # last. Columns past the row's end read c0 and are not written.
+                e0 = read_element(weights, state1, state2, row, c0, rule)
+                e1 = e2 = e3 = e0
+                if columns > 1:
+                    e1 = read_element(weights, state1, state2, row, c1 if c1 < dim else c0, rule)
+                if columns > 2:
+                    e2 = read_element(weights, state1, state2, row, c2 if c2 < dim else c0, rule)
+                if columns > 3:
+                    e3 = read_element(weights, state1, state2, row, c3 if c3 < dim else c0, rule)
+                apply(weights, state1, state2, row, c0, g0, e0, rule, row_step, hp, stochastic,
+                      key_lo, key_hi)
                 if c1 < dim:
-                    apply(weights, state1, state2, row, c1, g1, rule, row_step, hp, stochastic,
-                          key_lo, key_hi)
-                    c2 = c1 + group
+                    apply(weights, state1, state2, row, c1, g1, e1, rule, row_step, hp,
+                          stochastic, key_lo, key_hi)
                     if c2 < dim:
-                        apply(weights, state1, state2, row, c2, g2, rule, row_step, hp,
+                        apply(weights, state1, state2, row, c2, g2, e2, rule, row_step, hp,
                               stochastic, key_lo, key_hi)
-                        c3 = c2 + group
                         if c3 < dim:
-                            apply(weights, state1, state2, row, c3, g3, rule, row_step, hp,
+                            apply(weights, state1, state2, row, c3, g3, e3, rule, row_step, hp,
                                   stochastic, key_lo, key_hi)
 
     return update_kernel
@@ -401,7 +422,7 @@ def _launch_update(family, rule, weights, state1, state2, hp, ids, grad, starts,
     group = group_size(dim)
     tpb = threads_per_block()
     kernel = _update_kernel(dtype_key(weights.dtype), dtype_key(grad_dtype), fused, tpb,
-                            columns_per_lane(dim, group) if fused else 0)
+                            columns_per_lane(dim, group))
     kernel[blocks_for(num_ids, tpb // group), tpb, stream](
         family.kernel_array(weights),
         _state_view(family, state1, table_acc, stream),
