@@ -262,10 +262,15 @@ def _update_kernel(table_dtype, grad_dtype, fused, tpb, columns):
         return 0 if math.isfinite(g) else 1
 
     @cuda.jit(device=True, inline=True)
+    def state_slots(rule):
+        """Whether ``rule`` keeps per-element state in slot 1 and in slot 2."""
+        has1 = rule == rules.ADAGRAD or rule == rules.ADAM or rule == rules.FTRL
+        return has1, rule == rules.ADAM or rule == rules.FTRL
+
+    @cuda.jit(device=True, inline=True)
     def read_element(weights, state1, state2, row, c, rule):
         """``(w, s1, s2)`` of element ``(row, c)``: the weight and the rule's state."""
-        has1 = rule == rules.ADAGRAD or rule == rules.ADAM or rule == rules.FTRL
-        has2 = rule == rules.ADAM or rule == rules.FTRL
+        has1, has2 = state_slots(rule)
         w = widen(load_weight(weights[row, c]))
         s1 = state1[row, c] if has1 else widen(0)
         s2 = state2[row, c] if has2 else widen(0)
@@ -276,8 +281,7 @@ def _update_kernel(table_dtype, grad_dtype, fused, tpb, columns):
               key_lo, key_hi):
         """Update element ``(row, c)``, read before as ``element``, with gradient ``g``."""
         w, s1, s2 = element
-        has1 = rule == rules.ADAGRAD or rule == rules.ADAM or rule == rules.FTRL
-        has2 = rule == rules.ADAM or rule == rules.FTRL
+        has1, has2 = state_slots(rule)
         lr, eps, one_m_b1, one_m_b2, l1, two_l2, neg_power, sqrt_power, step_size = hp
         w_new, s1, s2 = rule_update(rule, g, w, s1, s2, row_step, lr, eps, one_m_b1, one_m_b2,
                                     l1, two_l2, neg_power, sqrt_power, step_size)
