@@ -206,7 +206,7 @@ def partition(ids, num_shards, *, mode="mod", num_rows=None):
 
 def embedding_bag_backward(
     grad_out, values, offsets, *, num_rows, combiner="sum", per_sample_weights=None,
-    bounds="raise", deterministic=True,
+    bounds="raise", deterministic=True, padded=False,
 ):
     """Sparse gradient of :func:`embedding_bag` w.r.t. the table, as
     :class:`hbkernels.SparseGrad` ``(ids, rows)``.
@@ -219,7 +219,10 @@ def embedding_bag_backward(
     absent: no row, no share of a denominator. On the GPU ``deterministic=True``
     (default) sums each row in input order (same bits every run);
     ``deterministic=False`` uses atomics (faster, order varies). The CPU is
-    always deterministic.
+    always deterministic. ``padded=True`` gives ``len(values)`` entries, the distinct
+    ids first (with id -1 for out-of-range ids under ``bounds="zero"`` on the GPU),
+    then id -1 with zero rows: on the GPU its size needs no read-back, so with
+    ``bounds="unchecked"`` the call never waits for the device.
 
     >>> import numpy as np, hbkernels as hbk
     >>> g = hbk.embedding_bag_backward(np.ones((2, 1), np.float32), np.array([4, 1, 4]),
@@ -242,7 +245,8 @@ def embedding_bag_backward(
     mode = check.choice("bounds", bounds, check.BOUNDS)
     comb = check.choice("combiner", combiner, check.COMBINERS)
     ids, rows, bad_offset, bad_id = kernels(family, "embedding_bag_backward").embedding_bag_backward(
-        family, grad_out, values, offsets, num_rows, psw, comb, mode, bool(deterministic)
+        family, grad_out, values, offsets, num_rows, psw, comb, mode, bool(deterministic),
+        bool(padded),
     )
     _raise_ragged_errors(family, values, offsets, bad_offset, bad_id, num_rows)
     return SparseGrad(ids, rows)

@@ -153,7 +153,7 @@ class SparseOptimizer:
         if bad != -1:
             check.raise_bad_id(family, "grad.ids", ids, bad, weights.shape[0])
         if self.nonfinite == "raise":
-            _raise_nonfinite(family, backend, "grad.rows", rows)
+            _raise_nonfinite("grad.rows", backend.first_nonfinite_row(family, rows))
         uniq, inverse = unique(ids, return_inverse=True)
         if uniq.shape[0] != ids.shape[0]:  # sum duplicate ids first, as torch coalesces
             ids, rows = uniq, segment_sum(rows, inverse, uniq.shape[0])
@@ -166,7 +166,9 @@ class SparseOptimizer:
     def fused_step(self, weights, state, grad_out, values, offsets, *, combiner="sum",
                    per_sample_weights=None, bounds="raise"):
         """``step(weights, state, embedding_bag_backward(grad_out, values, offsets, ...))``
-        in one pass per distinct row, without materialising the gradient rows."""
+        in one pass per distinct row, without materialising the gradient rows. On the
+        GPU the input checks read back once; with ``bounds="unchecked"`` and
+        ``nonfinite="skip"`` the step never waits for the device."""
         family, a = resolve(
             ("per_sample_weights",), weights=weights, grad_out=grad_out, values=values,
             offsets=offsets, per_sample_weights=per_sample_weights,
@@ -187,11 +189,11 @@ class SparseOptimizer:
         comb = check.choice("combiner", combiner, check.COMBINERS)
         s1, s2 = self._state_arrays(family, weights, state)
         backend = kernels(family, "sparse_update")
-        if self.nonfinite == "raise":
-            _raise_nonfinite(family, backend, "grad_out", grad_out)
-            if psw is not None:
-                _raise_nonfinite(family, backend, "per_sample_weights", psw.reshape(-1, 1))
-        bad_offset, bad_id = backend.check_ragged(family, values, offsets, weights.shape[0], mode)
+        bad_grad, bad_psw, bad_offset, bad_id = backend.fused_checks(
+            family, grad_out, psw, values, offsets, weights.shape[0], mode,
+            self.nonfinite == "raise")
+        _raise_nonfinite("grad_out", bad_grad)
+        _raise_nonfinite("per_sample_weights", bad_psw)
         _raise_ragged_errors(family, values, offsets, bad_offset, bad_id, weights.shape[0])
         hp, key = self._begin_step(state)
         backend.fused_sparse_update(
@@ -200,8 +202,7 @@ class SparseOptimizer:
         )
 
 
-def _raise_nonfinite(family, backend, name, a):
-    row = backend.first_nonfinite_row(family, a)
+def _raise_nonfinite(name, row):
     if row != -1:
         raise ValueError(
             f"{name} has NaN or Inf in row {row}; nothing was updated "

@@ -9,7 +9,7 @@ gap in two steps:
    ``(how the kernel was built, argument types)`` (``conftest.py`` installs it);
 2. in a process without the simulator, :func:`compile_all` rebuilds each
    kernel from its factory (``hbkernels.cuda._launch.kernel_factory``; ``tpb``
-   and ``items`` at the real GPU's values), compiles it through Numba and NVVM
+   at the real GPU's value), compiles it through Numba and NVVM
    to PTX, and links it with nvJitLink (ptxas) into a cubin for the
    architecture; the report gives each kernel's error, or its registers,
    spills and shared memory.
@@ -34,7 +34,8 @@ import sys
 import types as pytypes
 
 LAUNCHES = {}  # (source, argument types) -> launches seen, filled by record_launches
-GEOMETRY = ("tpb", "items")  # factory parameters rebuilt at the real GPU's values
+BLOCK_THREADS = {}  # the same keys -> set of threads per block those launches used (simulator)
+GEOMETRY = ("tpb",)  # factory parameters rebuilt at the real GPU's values
 
 
 # -- step 1: record, under the simulator --------------------------------------------------
@@ -59,7 +60,8 @@ def argument_type(arg):
 
 
 def record_launches():
-    """Wrap the simulator's kernel call so that each host launch is noted in LAUNCHES."""
+    """Wrap the simulator's kernel call so that each host launch is noted in LAUNCHES
+    (and its threads per block in BLOCK_THREADS)."""
     from numba.cuda.simulator import kernel as sim_kernel
 
     call = sim_kernel.FakeCUDAKernel.__call__
@@ -70,6 +72,11 @@ def record_launches():
         if not self._device and not sim_kernel._kernel_context:
             key = (kernel_source(self), tuple(argument_type(a) for a in args))
             LAUNCHES[key] = LAUNCHES.get(key, 0) + 1
+            if self.block_dim is not None:
+                threads = 1
+                for extent in self.block_dim:
+                    threads *= int(extent)
+                BLOCK_THREADS.setdefault(key, set()).add(threads)
         return call(self, *args)
 
     recording_call.records_launches = True
@@ -133,39 +140,43 @@ def rebuild(source):
         return obj, None
     params = list(inspect.signature(obj.__wrapped__).parameters)
     launch = importlib.import_module("hbkernels.cuda._launch")
-    scan = importlib.import_module("hbkernels.cuda._scan")
-    real = {"tpb": launch.threads_per_block(), "items": scan._items_per_thread()}
+    real = {"tpb": launch.threads_per_block()}
     args = tuple(real[p] if p in GEOMETRY else a for p, a in zip(params, args))
     built = obj(*args)
     return (built if position is None else built[position]), args
 
 
-def compile_one(dispatcher, argtypes, cc):
-    """Compile to PTX and link to a cubin for ``cc``; returns the resources ptxas reports."""
+def compile_one(dispatcher, argtypes, cc, cubin=False):
+    """Compile to PTX and link to a cubin for ``cc``; returns the resources ptxas reports,
+    or ``(resources, the cubin's bytes)`` when ``cubin`` is true (for a disassembler)."""
     from cuda.core import Linker, LinkerOptions, ObjectCode
     from numba import cuda
 
     options = dispatcher.targetoptions
     ptx, _ = cuda.compile_ptx(dispatcher.py_func, argtypes, cc=cc,
                               fastmath=options.get("fastmath", False),
-                              lineinfo=options.get("lineinfo", False))
+                              lineinfo=options.get("lineinfo", False),
+                              launch_bounds=options.get("launch_bounds"))
     linker = Linker(ObjectCode.from_ptx(ptx.encode(), name="kernel"),
                     options=LinkerOptions(arch=f"sm_{cc[0]}{cc[1]}", verbose=True))
-    linker.link("cubin")
+    linked = linker.link("cubin")
     log = linker.get_info_log()
     resources = {}
     for key, pattern in _RESOURCES.items():
         values = [int(v) for v in re.findall(pattern, log)]
         resources[key] = max(values) if values else 0
-    return resources
+    return (resources, bytes(linked.code)) if cubin else resources
 
 
 def blocks_per_sm(registers, shared_bytes, threads=256, sm_registers=65536, sm_shared=228 * 1024,
-                  max_threads=2048):
-    """Resident blocks of ``threads`` per SM (H100 limits; registers allocated in 8s)."""
-    by_registers = sm_registers // (-(-registers // 8) * 8 * threads)
+                  max_threads=2048, max_blocks=32):
+    """Resident blocks of ``threads`` per SM (H100 limits: registers allocated per warp in
+    units of 256, i.e. 8 per thread; at most ``max_blocks`` blocks)."""
+    warps = -(-threads // 32)
+    per_warp = -(-max(registers, 1) * 32 // 256) * 256
+    by_registers = sm_registers // per_warp // warps
     by_shared = sm_shared // shared_bytes if shared_bytes else max_threads
-    return min(by_registers, by_shared, max_threads // threads)
+    return min(by_registers, by_shared, max_threads // (32 * warps), max_blocks)
 
 
 def compile_all(launches, cc):

@@ -306,3 +306,63 @@ def test_property_random_shapes_cpu(num_rows, dim, batch, max_len, combiner, wei
                                    combiner=combiner, per_sample_weights=psw)
     dense, touched = reference_backward(grad_out, values, offsets, num_rows, combiner, psw)
     check_against_dense(g.ids, g.rows, dense, touched, np.float32, np.int64)
+
+
+@pytest.fixture
+def small_chunks(backend, monkeypatch):
+    """On the CUDA path, cut ids into chunks of 4 occurrences, so small inputs take the
+    partial-row levels of the decomposition that real sizes take at CHUNK."""
+    if backend.is_cuda:
+        from hbkernels.cuda import _segments
+
+        monkeypatch.setattr(_segments, "CHUNK", 4)
+
+
+def skewed_case(rng, backend, dim, dtype=np.float64):
+    """One id thousands of times (hundreds under the simulator) among a few others,
+    ids at the table's edges, in bags of mixed lengths."""
+    num_rows = 50
+    n = 100 if backend.small else 5000
+    values = np.where(rng.random(n) < 0.9, 17, rng.choice([0, 3, num_rows - 1], n))
+    cuts = np.sort(rng.choice(np.arange(1, n), size=n // 10, replace=False))
+    offsets = np.concatenate([[0], cuts, [n]]).astype(np.int64)
+    grad_out = rng.standard_normal((len(offsets) - 1, dim)).astype(dtype)
+    return grad_out, values, offsets, num_rows
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
+@pytest.mark.parametrize("dim", [1, 33])
+def test_extremely_repeated_id(backend, rng, small_chunks, combiner, dim):
+    grad_out, values, offsets, num_rows = skewed_case(rng, backend, dim)
+    psw = rng.uniform(0.1, 2.0, size=values.shape)
+    kw = dict(combiner=combiner, per_sample_weights=psw)
+    ids, rows = run_backward(backend, grad_out, values, offsets, num_rows, **kw)
+    dense, touched = reference_backward(grad_out, values, offsets, num_rows, combiner, psw)
+    check_against_dense(ids, rows, dense, touched, np.float64, values.dtype)
+    again = run_backward(backend, grad_out, values, offsets, num_rows, **kw)
+    np.testing.assert_array_equal(ids, again[0])
+    np.testing.assert_array_equal(rows, again[1])  # the same bits every run
+
+
+def test_extremely_repeated_id_fp32_matches_float64(backend, rng, small_chunks):
+    grad_out, values, offsets, num_rows = skewed_case(rng, backend, 4, np.float32)
+    ids, rows = run_backward(backend, grad_out, values, offsets, num_rows, combiner="mean")
+    dense, touched = reference_backward(grad_out, values, offsets, num_rows, "mean")
+    check_against_dense(ids, rows, dense, touched, np.float32, values.dtype)
+
+
+@pytest.mark.parametrize("bounds", ["raise", "zero", "unchecked"])
+def test_padded(backend, rng, small_chunks, bounds):
+    grad_out, values, offsets, num_rows = skewed_case(rng, backend, 3)
+    if bounds == "zero":
+        values[[1, 7]] = [num_rows, -4]
+    ids, rows = run_backward(backend, grad_out, values, offsets, num_rows, bounds=bounds,
+                             padded=True)
+    assert ids.shape == (values.shape[0],) and rows.shape == (values.shape[0], 3)
+    real = ids != -1
+    dense, touched = reference_backward(grad_out, values, offsets, num_rows, "sum",
+                                        skip_bad=bounds == "zero")
+    check_against_dense(ids[real], rows[real], dense, touched, np.float64, values.dtype)
+    assert np.all(rows[~real] == 0)
+    pad = 1 + np.flatnonzero(ids[1:] == -1)  # ids[0] may be the -1 of the bad ids on the GPU
+    assert pad.size == 0 or np.all(ids[pad[0]:] == -1), "the distinct ids come first"

@@ -148,15 +148,26 @@ def first_errors(values, offsets, num_rows, bounds):
 
 
 def embedding_bag_backward(family, grad_out, values, offsets, num_rows, per_sample_weights,
-                           combiner, bounds, deterministic):
-    """The CPU is always deterministic: ``deterministic`` is accepted and ignored."""
+                           combiner, bounds, deterministic, padded=False):
+    """The CPU is always deterministic: ``deterministic`` is accepted and ignored.
+    ``padded``: one entry per value, the distinct ids first, then id -1 and zero rows."""
     bad_offset, bad_id = first_errors(values, offsets, num_rows, bounds)
     if bad_offset != -1 or bad_id != -1:
         return None, None, bad_offset, bad_id
+    ids, rows = _sparse_grad(grad_out, values, offsets, num_rows, per_sample_weights, combiner,
+                             bounds)
+    if padded:
+        pad = values.shape[0] - ids.shape[0]
+        ids = np.concatenate([ids, np.full(pad, -1, values.dtype)])
+        rows = np.concatenate([rows, np.zeros((pad, rows.shape[1]), rows.dtype)])
+    return ids, rows, -1, -1
+
+
+def _sparse_grad(grad_out, values, offsets, num_rows, per_sample_weights, combiner, bounds):
     dim = grad_out.shape[1]
     acc_dtype = accumulator_dtype(grad_out.dtype)
     if values.shape[0] == 0 or offsets.shape[0] < 2:
-        return np.zeros(0, values.dtype), np.zeros((0, dim), grad_out.dtype), -1, -1
+        return np.zeros(0, values.dtype), np.zeros((0, dim), grad_out.dtype)
     ids, starts, occ_bag, occ_coef = group_occurrences(
         values, offsets, per_sample_weights, combiner, num_rows, bounds != 2, acc_dtype)
     rows = np.empty((ids.shape[0], dim), acc_dtype)
@@ -164,4 +175,4 @@ def embedding_bag_backward(family, grad_out, values, offsets, num_rows, per_samp
         kernel_grad = kernel_table(np.ascontiguousarray(grad_out))
         accumulate_kernel(dim)(kernel_grad, starts, occ_bag, occ_coef,
                                balanced_chunks(starts), rows)
-    return ids, narrow(rows, grad_out.dtype), -1, -1
+    return ids, narrow(rows, grad_out.dtype)

@@ -99,6 +99,18 @@ def check_ragged(family, values, offsets, num_rows, bounds):
     return -1, -1
 
 
+def fused_checks(family, grad_out, per_sample_weights, values, offsets, num_rows, bounds,
+                 finite):
+    """``(first non-finite row of grad_out, of per_sample_weights, first bad offset,
+    first bad id)`` (-1: none), as the CUDA backend's; finiteness checked when ``finite``."""
+    bad_grad = bad_psw = -1
+    if finite:
+        bad_grad = first_nonfinite_row(family, grad_out)
+        if per_sample_weights is not None:
+            bad_psw = first_nonfinite_row(family, per_sample_weights.reshape(-1, 1))
+    return (bad_grad, bad_psw, *check_ragged(family, values, offsets, num_rows, bounds))
+
+
 @intrinsic
 def fsqrt(typingctx, x):
     """``llvm.sqrt`` (one instruction, vectorisable; NaN for x < 0), where ``math.sqrt``

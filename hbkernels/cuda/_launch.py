@@ -2,7 +2,8 @@
 
 Kernels report the first bad position of an input by ``cuda.atomic.min`` into
 an int64 *error slot* that starts at ``NO_ERROR_SLOT``; the launcher reads the
-slots back once (one small device-to-host copy) unless ``bounds="unchecked"``.
+slots back once (:func:`._device.to_host`, one host synchronisation) unless
+``bounds="unchecked"``.
 Under the simulator (``NUMBA_ENABLE_CUDASIM=1``) grids are kept tiny: every
 simulated thread is a Python thread.
 """
@@ -14,6 +15,7 @@ from numba.cuda import libdevice
 
 from .._dispatch import simulator_enabled
 from .._validate import accumulator_dtype, is_bfloat16
+from . import _device
 
 
 NO_ERROR_SLOT = np.iinfo(np.int64).max
@@ -28,7 +30,7 @@ def kernel_factory(make):
     and tag each kernel it builds with ``built_by = (module, name, args, position)``
     (position None for a lone kernel), so a kernel launched under the simulator
     can be rebuilt for a real GPU (``tests/compile_kernels.py``). Parameters named
-    ``tpb`` and ``items`` are launch geometry, rebuilt at the real GPU's values."""
+    ``tpb`` is launch geometry, rebuilt at the real GPU's value."""
 
     @functools.lru_cache(maxsize=None)
     @functools.wraps(make)
@@ -45,6 +47,15 @@ def kernel_factory(make):
 
 def threads_per_block(preferred=256):
     return 32 if simulator_enabled() else preferred
+
+
+def jit_kernel(min_blocks_per_sm):
+    """``cuda.jit`` for a kernel launched with ``threads_per_block()`` threads, with
+    launch bounds on a GPU: ptxas keeps the registers low enough for
+    ``min_blocks_per_sm`` resident blocks (the simulator has no launch bounds)."""
+    if simulator_enabled():
+        return cuda.jit(cache=False)
+    return cuda.jit(cache=False, launch_bounds=(threads_per_block(), min_blocks_per_sm))
 
 
 def blocks_for(work_items, threads, max_blocks=_MAX_BLOCKS):
@@ -196,27 +207,22 @@ def fill(a, value, stream=0):
     _fill_kernel[blocks_for(flat.shape[0], tpb), tpb, stream](flat, value)
 
 
-def error_slots(count, stream=0):
-    slots = cuda.device_array(count, np.int64, stream=stream)
-    fill(slots, NO_ERROR_SLOT, stream)
-    return slots
+def error_slots(count):
+    """``count`` error slots (int64, ``NO_ERROR_SLOT``), from the scratch pool."""
+    return _device.kernel(_device.full(count, NO_ERROR_SLOT, np.int64))
 
 
 def no_error_slots():
     """Stand-in slots for a launch that records nothing (``bounds="unchecked"``):
-    zero-sized, so no allocation and nothing to read back."""
-    return cuda.device_array(0, np.int64)
+    zero-sized, so nothing to fill or read back."""
+    return _device.kernel(_device.scratch(0, np.int64))
 
 
-def to_host(a, stream=0):
-    """Copy a (small) device array to a NumPy array, waiting for ``stream``."""
-    host = a.copy_to_host(stream=stream)
-    if stream != 0:
-        stream.synchronize()
-    return host
+def error_positions(values):
+    """Error-slot values read back to the host as first bad positions, -1 where none."""
+    return [-1 if v == NO_ERROR_SLOT else int(v) for v in values]
 
 
-def read_error_slots(slots, stream=0):
-    """Host list of first bad positions, -1 where none."""
-    host = to_host(slots, stream)
-    return [-1 if v == NO_ERROR_SLOT else int(v) for v in host]
+def read_error_slots(slots):
+    """Host list of first bad positions, -1 where none (one host synchronisation)."""
+    return error_positions(_device.to_host(slots))

@@ -26,6 +26,7 @@ import math
 
 from numba import cuda
 
+from . import _device
 from ._launch import (
     UNROLL,
     WIDEN,
@@ -131,7 +132,7 @@ def empty_batch_bad_offset(family, offsets, n_values):
     there are no values; either failure is at position 0 (reads one element)."""
     if n_values != 0:
         return 0
-    return 0 if int(family.to_numpy(offsets[:1])[0]) != 0 else -1
+    return 0 if int(_device.to_host(family.kernel_array(offsets)[:1])[0]) != 0 else -1
 
 
 def pool(family, table, values, offsets, n_values, weights, combiner, identity, check_offsets,
@@ -145,7 +146,7 @@ def pool(family, table, values, offsets, n_values, weights, combiner, identity, 
     if num_bags == 0:
         return out, stream, None
     record = check_offsets or record_ids
-    slots = error_slots(2, stream) if record else no_error_slots()
+    slots = error_slots(2) if record else no_error_slots()
     k_offsets = family.kernel_array(offsets)
     k_values = k_offsets if identity else family.kernel_array(values)
     k_weights = k_values if weights is None else family.kernel_array(weights)
@@ -173,5 +174,5 @@ def embedding_bag(family, weights, values, offsets, per_sample_weights, combiner
     )
     if slots is None:
         return out, -1, -1
-    bad_offset, bad_id = read_error_slots(slots, stream)
+    bad_offset, bad_id = read_error_slots(slots)
     return out, bad_offset, (bad_id if bounds == 0 else -1)

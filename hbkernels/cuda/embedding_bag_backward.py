@@ -5,42 +5,44 @@ With bag scale ``c_b`` (1 for sum, ``1/Σw`` for mean, ``1/sqrt(Σw²)`` for sqr
 
     rows[k] = Σ_{j: values[j] == ids[k]} c_{b(j)} · w_j · grad_out[b(j)]
 
-Pipeline (all on ``family.stream()``):
+Pipeline (all queued on the current stream):
 
 1. ``prepare``: one thread per bag (grid-stride) checks the bag's offsets (error
    slot 0, as the forward reports them), sums its weights (``Σw``, ``Σw²``, in
    input order, in fp64 as the CPU backend does; the weights are first cast to
    the accumulator type), and writes for every position ``j`` of the bag
    ``bag_of[j] = b``, ``coef[j] = c_b · w_j`` (fp64 product, stored in the
-   accumulator type) and the
-   hash key ``keys[j] = values[j]`` (int64). An out-of-range id is recorded in
-   error slot 1 and gets the key ``EMPTY`` (int64 min), which the hash unique
-   of :mod:`.unique` keeps in its reserved extra slot, compacted *last*: it
-   becomes the last distinct index and is simply dropped.
-2. Hash unique of ``keys`` with ``inverse`` (:func:`.unique.unique`).
-3. ``deterministic=True``: the positions ``0..n-1`` are stably radix-sorted by
-   ``inverse`` (:func:`._scan.radix_sort`), so each distinct id's occurrences
-   are contiguous and in input order; ``starts[r]`` (CSR, ``K + 1`` entries)
-   marks where distinct id ``r``'s run begins (a boundary kernel over the
-   sorted keys, equivalent to an exclusive scan of the counts but with no
-   atomic counting of hot ids). Then one row group of ``G = group_size(D)``
-   lanes per distinct id sums its occurrences in order: lane ``d`` owns
-   columns ``d, d+G, d+2G, d+3G`` in registers (fp32, fp64 for fp64 grads) and
-   wider rows take further passes, as in the forward kernel. No atomics touch
-   the output: the same bits every run.
-   ``deterministic=False``: one row group per position adds its contribution
-   with ``cuda.atomic.add`` into an fp32/fp64 buffer (rounded to fp16/bf16 after).
+   accumulator type) and the sort key ``keys[j] = values[j]`` (int32 when the
+   table has fewer than 2^31 rows). An out-of-range id (recorded in error slot 1
+   when checked) and a position no bag covers get the key -1, which sorts first
+   and is dropped.
+2. :func:`._segments.group`: the positions stably sorted by key (CuPy's CUB
+   radix sort), so each distinct id's occurrences are contiguous and in input
+   order, and :func:`._segments.plan`: ids with more than ``CHUNK`` occurrences
+   are cut into chunks whose sums (partial rows, in the accumulator type) are
+   combined level by level. ``(bag, coef)`` are gathered into sorted order.
+3. ``partial_kernel`` per level, then ``gather_kernel``: one row group of
+   ``G = group_size(D)`` lanes per chunk (per distinct id), summing its items in
+   order (:func:`make_accumulate`). No row group sums more than ``CHUNK`` items
+   and no atomics touch the result: the same bits every run, whatever the id
+   frequencies. ``deterministic=False``: one row group per occurrence adds its
+   contribution with ``cuda.atomic.add`` into an fp32/fp64 buffer instead.
 
-Host syncs: the error slots (unless ``bounds="unchecked"``) and the distinct
-count of the hash unique. :mod:`.sparse_update` reuses ``prepare``,
-``group_positions`` and ``make_accumulate`` for the fused optimizer step.
+Host syncs: one, reading the error slots (unless ``bounds="unchecked"``) and the
+distinct count together. ``padded=True`` sizes the result by ``len(values)`` (the
+distinct ids, then id -1 with zero rows), so nothing but the error slots is read
+back: no sync at all under ``bounds="unchecked"``.
+:mod:`.sparse_update` reuses ``prepare``, :func:`occurrences` and
+:func:`make_accumulate` for the fused optimizer step.
 """
 import functools
 import math
+from dataclasses import dataclass
 
 import numpy as np
 from numba import cuda
 
+from . import _device, _segments
 from ._launch import (
     UNROLL,
     WIDEN,
@@ -49,8 +51,10 @@ from ._launch import (
     column_reader,
     columns_per_lane,
     dtype_key,
+    error_positions,
     error_slots,
     group_size,
+    jit_kernel,
     kernel_factory,
     load_as_float,
     no_error_slots,
@@ -58,14 +62,15 @@ from ._launch import (
     store_as,
     threads_per_block,
 )
-from ._scan import radix_sort
+from ._warp import group_mask, shfl_idx
 from .embedding_bag import check_bag_offsets, empty_batch_bad_offset
 from .segment_sum import cast_kernel
-from .unique import EMPTY, unique
+
+ITEMS_IN_FLIGHT = 2  # occurrences whose rows a lane loads before the first add
 
 
 # ---------------------------------------------------------------------------
-# 1. per-position bag, coefficient and hash key
+# 1. per-position bag, coefficient and sort key
 # ---------------------------------------------------------------------------
 @kernel_factory
 def prepare_kernel(acc_dtype, weights_dtype):
@@ -76,7 +81,7 @@ def prepare_kernel(acc_dtype, weights_dtype):
 
     @cuda.jit(cache=False)
     def prepare_kernel(values, offsets, n_values, num_rows, weights, has_weights, combiner,
-                       trusted, check_offsets, record_ids, keys, bag_of, coef, slots):
+                       check_offsets, record_ids, keys, bag_of, coef, slots):
         num_bags = offsets.shape[0] - 1
         for b in range(cuda.grid(1), num_bags, cuda.gridsize(1)):
             lo = offsets[b]
@@ -89,7 +94,7 @@ def prepare_kernel(acc_dtype, weights_dtype):
             w_sq = 0.0
             for j in range(start, end):
                 row = values[j]
-                if trusted or (row >= 0 and row < num_rows):
+                if row >= 0 and row < num_rows:
                     w = np.float64(widen(load_weight(weights[j]))) if has_weights else 1.0
                     w_sum += w
                     w_sq += w * w
@@ -103,131 +108,211 @@ def prepare_kernel(acc_dtype, weights_dtype):
             for j in range(start, end):
                 row = values[j]
                 bag_of[j] = b
-                if trusted or (row >= 0 and row < num_rows):
+                if row >= 0 and row < num_rows:
                     w = np.float64(widen(load_weight(weights[j]))) if has_weights else 1.0
                     keys[j] = row
                     coef[j] = widen(scale * w)
                 else:
-                    keys[j] = EMPTY
+                    keys[j] = -1
                     coef[j] = widen(0)
 
     return prepare_kernel
 
 
-def prepare(family, values, offsets, weights, combiner, num_rows, acc_dtype, trusted,
-            check_offsets, record_ids, stream):
-    """Launch the per-bag pass. Returns ``(keys, bag_of, coef, slots)`` (device arrays;
-    ``slots`` holds (first bad offset, first bad id) when anything is recorded).
+def key_dtype(num_rows):
+    """Sort keys: int32 (half the radix passes) when every row id and -1 fit."""
+    return np.dtype(np.int32) if num_rows < 2**31 else np.dtype(np.int64)
 
-    ``trusted``: ids are not range-checked (``bounds="unchecked"``); otherwise an
-    out-of-range id gets key ``EMPTY``, coefficient 0 and no share of a denominator.
-    """
+
+def prepare(family, values, offsets, weights, combiner, num_rows, acc_dtype, check_offsets,
+            record_ids):
+    """Launch the per-bag pass. Returns ``(keys, bag_of, coef, slots)`` (``xp`` arrays;
+    ``slots`` holds (first bad offset, first bad id), or nothing when nothing is
+    recorded). Positions no bag covers (malformed unchecked CSR) keep key -1."""
     n = values.shape[0]
     num_bags = offsets.shape[0] - 1
-    keys = cuda.device_array(n, np.int64, stream=stream)
-    bag_of = cuda.device_array(n, np.int64, stream=stream)
-    coef = cuda.device_array(n, acc_dtype, stream=stream)
+    keys = _device.full(n, -1, key_dtype(num_rows))
+    bag_of = _device.scratch(n, np.int64)
+    coef = _device.scratch(n, acc_dtype)
     record = check_offsets or record_ids
-    slots = error_slots(2, stream) if record else no_error_slots()
+    slots = error_slots(2) if record else no_error_slots()
     k_values = family.kernel_array(values)
     k_weights = k_values if weights is None else family.kernel_array(weights)
     tpb = threads_per_block()
     kernel = prepare_kernel(dtype_key(acc_dtype),
                             dtype_key(None if weights is None else weights.dtype))
-    kernel[blocks_for(num_bags, tpb), tpb, stream](
+    kernel[blocks_for(num_bags, tpb), tpb, family.stream()](
         k_values, family.kernel_array(offsets), n, num_rows, k_weights, weights is not None,
-        combiner, trusted, check_offsets, record_ids, keys, bag_of, coef, slots,
+        combiner, check_offsets, record_ids, _device.kernel(keys), _device.kernel(bag_of),
+        _device.kernel(coef), slots,
     )
-    return keys, bag_of, coef, slots
+    return keys, bag_of, coef, _device.array(slots)
 
 
 # ---------------------------------------------------------------------------
-# 2-3. distinct ids, and their occurrences grouped in input order
+# 2. occurrences grouped by id, long groups cut into chunks
 # ---------------------------------------------------------------------------
-@cuda.jit
-def _iota(a):
-    for i in range(cuda.grid(1), a.shape[0], cuda.gridsize(1)):
-        a[i] = i
+@dataclass
+class Occurrences:
+    """Everything the summing kernels read: the grouping and plan of
+    :mod:`._segments`, ``(bag, coef)`` per sorted position, and the partial buffer."""
+
+    grouping: _segments.Grouping
+    plan: _segments.Plan
+    bag: object
+    coef: object
+    partials: object
 
 
-@cuda.jit
-def _run_starts(sorted_keys, starts):
-    """``starts[k]`` = first index of key ``k`` in ``sorted_keys`` (every key in
-    ``[0, K)`` occurs), ``starts[K] = n``."""
-    n = sorted_keys.shape[0]
-    for i in range(cuda.grid(1), n, cuda.gridsize(1)):
-        k = sorted_keys[i]
-        if i == 0 or sorted_keys[i - 1] != k:
-            starts[k] = i
-        if i == n - 1:
-            starts[starts.shape[0] - 1] = n
+def occurrences(keys, bag_of, coef, dim, acc_dtype):
+    """Group ``keys`` and plan the sums (no host synchronisation)."""
+    xp = _device.xp()
+    grouping = _segments.group(xp, keys)
+    plan = _segments.plan(xp, grouping, _segments.CHUNK)
+    partials = _device.scratch((max(plan.partial_rows, 1), dim), acc_dtype)
+    return Occurrences(grouping, plan, bag_of[grouping.order], coef[grouping.order], partials)
 
 
-def group_positions(inverse, num_distinct, stream):
-    """``(starts [K + 1], pos [n])``: ``pos[starts[r]:starts[r + 1]]`` are the positions
-    ``j`` with ``inverse[j] == r``, increasing (stable LSD radix sort of
-    ``(inverse, j)``). ``inverse`` (an int64 device array) is clobbered."""
-    n = inverse.shape[0]
-    tpb = threads_per_block()
-    grid = blocks_for(n, tpb)
-    iota = cuda.device_array(n, np.int64, stream=stream)
-    _iota[grid, tpb, stream](iota)
-    sorted_keys = cuda.device_array(n, np.int64, stream=stream)
-    pos = cuda.device_array(n, np.int64, stream=stream)
-    radix_sort(inverse, iota, sorted_keys, pos, 0, num_distinct - 1, stream)
-    starts = cuda.device_array(num_distinct + 1, np.int64, stream=stream)
-    _run_starts[grid, tpb, stream](sorted_keys, starts)
-    return starts, pos
-
-
-def distinct_keys(family, keys):
-    """Hash unique of the int64 ``keys``: ``(uniq, inverse)`` as family arrays. The
-    ``EMPTY`` key, when present, is the last distinct index (the reserved slot of
-    :mod:`.unique` comes last in its compaction)."""
-    uniq, inverse, _ = unique(family, keys, True, False, False)
-    return uniq, inverse
-
-
+# ---------------------------------------------------------------------------
+# 3. the sums
+# ---------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
 def make_accumulate(acc_dtype, grad_dtype, columns):
-    """Device function summing one lane's ``columns`` columns (1 to 4) of a distinct
-    id's gradient: ``Σ_{i in [lo, hi)} coef[p]·grad[bag_of[p], c]`` with ``p = pos[i]``,
-    in order, in ``acc_dtype`` from a ``grad`` of ``grad_dtype`` (:func:`dtype_key`;
-    columns ``>= D`` give 0: row-wise Adagrad sums the squares of all four). Each
-    occurrence's loads are in flight together (:func:`._launch.column_reader`)."""
+    """Device function ``(grad, bag, coef, partials, level, lo, hi, c0, lane, group)
+    -> (a0, a1, a2, a3)``: one lane's ``columns`` columns (1 to 4; ``c0 + k·group``)
+    of the in-order sum of items ``[lo, hi)``, in ``acc_dtype``. Level 0 items are
+    sorted occurrences: ``coef[i]·grad[bag[i]]`` (``grad`` of ``grad_dtype``); level
+    >= 1 items are rows of ``partials``. Every lane of the row group must call it
+    with the same items (the ``(bag, coef)`` of a batch of ``group`` occurrences are
+    read coalesced, one per lane, and broadcast by shuffles); a lane's columns at or
+    past the row's end give 0. ``ITEMS_IN_FLIGHT`` rows are loaded before their adds."""
     widen = WIDEN[np.dtype(acc_dtype)]
-    read_columns = column_reader(grad_dtype, columns)
+    zero = np.dtype(acc_dtype).type(0)
+    read_grad = column_reader(grad_dtype, columns)
+    read_partial = column_reader(acc_dtype, columns)
 
     @cuda.jit(device=True, inline=True)
-    def accumulate(grad, lo, hi, pos, bag_of, coef, c0, group):
+    def accumulate(grad, bag, coef, partials, level, lo, hi, c0, lane, group):
         dim = grad.shape[1]
         num_bags = grad.shape[0]
-        a0 = widen(0)
-        a1 = widen(0)
-        a2 = widen(0)
-        a3 = widen(0)
-        if c0 < dim:
-            for i in range(lo, hi):
-                p = pos[i]
-                b = bag_of[p]
-                if b < 0 or b >= num_bags:  # only reachable with malformed unchecked CSR
-                    continue
-                cf = coef[p]
-                v0, v1, v2, v3 = read_columns(grad, b, c0, group)
-                a0 += cf * widen(v0)
-                a1 += cf * widen(v1)
-                a2 += cf * widen(v2)
-                a3 += cf * widen(v3)
-        # column_reader read column c0 in place of those past the row's end
+        cc = c0 if c0 < dim else 0  # past the row: read column 0, return zeros
+        a0 = zero
+        a1 = zero
+        a2 = zero
+        a3 = zero
+        if level == 0:
+            warp_lane = cuda.threadIdx.x % 32
+            first = warp_lane - lane
+            mask = group_mask(warp_lane, group)
+            for base in range(lo, hi, group):
+                k = base + lane
+                my_bag = bag[k] if k < hi else 0
+                my_coef = widen(coef[k]) if k < hi else zero
+                if my_bag < 0 or my_bag >= num_bags:  # only with malformed unchecked CSR
+                    my_bag = 0
+                    my_coef = zero
+                count = min(group, hi - base)
+                for u in range(0, count, ITEMS_IN_FLIGHT):
+                    b0 = shfl_idx(mask, my_bag, first + u)
+                    f0 = shfl_idx(mask, my_coef, first + u)
+                    has1 = u + 1 < count
+                    b1 = shfl_idx(mask, my_bag, first + (u + 1 if has1 else u))
+                    f1 = shfl_idx(mask, my_coef, first + (u + 1 if has1 else u))
+                    v0, v1, v2, v3 = read_grad(grad, b0, cc, group)
+                    x0, x1, x2, x3 = read_grad(grad, b1, cc, group)
+                    a0 += f0 * widen(v0)
+                    a1 += f0 * widen(v1)
+                    a2 += f0 * widen(v2)
+                    a3 += f0 * widen(v3)
+                    if has1:
+                        a0 += f1 * widen(x0)
+                        a1 += f1 * widen(x1)
+                        a2 += f1 * widen(x2)
+                        a3 += f1 * widen(x3)
+        else:
+            for i in range(lo, hi, ITEMS_IN_FLIGHT):
+                has1 = i + 1 < hi
+                v0, v1, v2, v3 = read_partial(partials, i, cc, group)
+                x0, x1, x2, x3 = read_partial(partials, i + 1 if has1 else i, cc, group)
+                a0 += v0
+                a1 += v1
+                a2 += v2
+                a3 += v3
+                if has1:
+                    a0 += x0
+                    a1 += x1
+                    a2 += x2
+                    a3 += x3
+        # column_reader read column cc in place of those past the row's end
+        if c0 >= dim:
+            a0 = zero
         if c0 + group >= dim:
-            a1 = widen(0)
+            a1 = zero
         if c0 + 2 * group >= dim:
-            a2 = widen(0)
+            a2 = zero
         if c0 + 3 * group >= dim:
-            a3 = widen(0)
+            a3 = zero
         return a0, a1, a2, a3
 
     return accumulate
+
+
+@cuda.jit(device=True, inline=True)
+def store_columns(out, row, c0, group, store, a0, a1, a2, a3):
+    """``out[row, c0 + k·group] = store(a_k)`` for the columns inside the row."""
+    dim = out.shape[1]
+    c1 = c0 + group
+    c2 = c1 + group
+    c3 = c2 + group
+    if c0 < dim:
+        out[row, c0] = store(a0)
+        if c1 < dim:
+            out[row, c1] = store(a1)
+            if c2 < dim:
+                out[row, c2] = store(a2)
+                if c3 < dim:
+                    out[row, c3] = store(a3)
+
+
+@kernel_factory
+def partial_kernel(acc_dtype, grad_dtype, columns):
+    """Kernel writing one level's partial rows: ``partials[base + c]`` = the sum of
+    items ``[lo[c], hi[c])`` of the level below (``level`` 0: occurrences)."""
+    accumulate = make_accumulate(acc_dtype, grad_dtype, columns)
+    store = store_as(acc_dtype)
+
+    @jit_kernel(min_blocks_per_sm=2)
+    def partial_kernel(grad, bag, coef, partials, level, chunk_lo, chunk_hi, base, group):
+        dim = grad.shape[1]
+        tid = cuda.grid(1)
+        lane = tid % group
+        step = cuda.gridsize(1) // group
+        for c in range(tid // group, chunk_lo.shape[0], step):
+            lo = chunk_lo[c]
+            hi = chunk_hi[c]
+            for cb in range(0, dim, UNROLL * group):
+                a0, a1, a2, a3 = accumulate(grad, bag, coef, partials, level, lo, hi, cb + lane,
+                                            lane, group)
+                store_columns(partials, base + c, cb + lane, group, store, a0, a1, a2, a3)
+
+    return partial_kernel
+
+
+def sum_partials(family, grad, occ, columns, stream):
+    """Launch the partial kernels, level by level (nothing when no id is long)."""
+    levels = occ.plan.levels
+    if not levels:
+        return
+    group = group_size(grad.shape[1])
+    tpb = threads_per_block()
+    kernel = partial_kernel(dtype_key(occ.partials.dtype), dtype_key(grad.dtype), columns)
+    k_grad, k_bag, k_coef = family.kernel_array(grad), _device.kernel(occ.bag), _device.kernel(occ.coef)
+    k_partials = _device.kernel(occ.partials)
+    for level, lev in enumerate(levels):
+        kernel[blocks_for(lev.rows, tpb // group), tpb, stream](
+            k_grad, k_bag, k_coef, k_partials, level, _device.kernel(lev.lo),
+            _device.kernel(lev.hi), lev.base, group,
+        )
 
 
 @kernel_factory
@@ -235,32 +320,27 @@ def gather_kernel(grad_dtype, columns):
     """The deterministic kernel for a gradient of ``grad_dtype`` (a :func:`dtype_key`),
     ``columns`` per lane (:func:`columns_per_lane`), summing in its accumulator type
     and storing rows of ``grad_dtype``."""
-    accumulate = make_accumulate(dtype_key(accumulator_dtype(grad_dtype)), grad_dtype, columns)
+    acc = dtype_key(accumulator_dtype(grad_dtype))
+    accumulate = make_accumulate(acc, grad_dtype, columns)
     store = store_as(grad_dtype)
 
-    @cuda.jit(cache=False)
-    def gather_kernel(grad, starts, pos, bag_of, coef, num_ids, group, rows):
-        """rows[r] = in-order sum of distinct id r's occurrences (one row group each)."""
+    @jit_kernel(min_blocks_per_sm=2)
+    def gather_kernel(grad, bag, coef, partials, final_level, final_lo, final_hi, skip, group,
+                      rows):
+        """rows[r - skip] = the sum of distinct id r's occurrences (zeros for the padding
+        past the distinct ids, whose range is empty)."""
         dim = grad.shape[1]
         tid = cuda.grid(1)
         lane = tid % group
         step = cuda.gridsize(1) // group
-        chunk = UNROLL * group
-        for r in range(tid // group, num_ids, step):
-            lo = starts[r]
-            hi = starts[r + 1]
-            for c0 in range(lane, dim, chunk):
-                a0, a1, a2, a3 = accumulate(grad, lo, hi, pos, bag_of, coef, c0, group)
-                c1 = c0 + group
-                c2 = c1 + group
-                c3 = c2 + group
-                rows[r, c0] = store(a0)
-                if c1 < dim:
-                    rows[r, c1] = store(a1)
-                    if c2 < dim:
-                        rows[r, c2] = store(a2)
-                        if c3 < dim:
-                            rows[r, c3] = store(a3)
+        for r in range(tid // group + skip, rows.shape[0] + skip, step):
+            level = final_level[r]
+            lo = final_lo[r]
+            hi = final_hi[r]
+            for cb in range(0, dim, UNROLL * group):
+                a0, a1, a2, a3 = accumulate(grad, bag, coef, partials, level, lo, hi, cb + lane,
+                                            lane, group)
+                store_columns(rows, r - skip, cb + lane, group, store, a0, a1, a2, a3)
 
     return gather_kernel
 
@@ -272,45 +352,32 @@ def scatter_kernel(grad_dtype):
     load = load_as_float(grad_dtype)
 
     @cuda.jit(cache=False)
-    def scatter_kernel(grad, keys, inverse, bag_of, coef, group, acc):
-        """acc[inverse[j]] += coef[j]·grad[bag_of[j]] with atomics (one row group per j)."""
+    def scatter_kernel(grad, bag, coef, seg, skip, group, acc):
+        """acc[seg[i] - skip] += coef[i]·grad[bag[i]] with atomics (one row group per i)."""
         dim = grad.shape[1]
         num_bags = grad.shape[0]
         tid = cuda.grid(1)
         lane = tid % group
         step = cuda.gridsize(1) // group
-        for j in range(tid // group, keys.shape[0], step):
-            if keys[j] == EMPTY:  # out-of-range id: absent
+        for i in range(tid // group, seg.shape[0], step):
+            r = seg[i] - skip
+            b = bag[i]
+            if r < 0 or b < 0 or b >= num_bags:  # the -1 key, or malformed unchecked CSR
                 continue
-            b = bag_of[j]
-            if b < 0 or b >= num_bags:
-                continue
-            r = inverse[j]
-            cf = coef[j]
+            cf = coef[i]
             for c in range(lane, dim, group):
                 cuda.atomic.add(acc, (r, c), cf * load(grad[b, c]))
 
     return scatter_kernel
 
 
-def _ids_out(family, uniq, count, dtype, stream):
-    """The first ``count`` distinct keys in the ids' dtype."""
-    if np.dtype(dtype) == np.int64:
-        return uniq if uniq.shape[0] == count else uniq[:count]
-    out = family.empty(count, dtype)
-    tpb = threads_per_block()
-    cast_kernel(dtype_key(dtype))[blocks_for(count, tpb), tpb, stream](
-        family.kernel_array(uniq)[:count], family.kernel_array(out)
-    )
-    return out
-
-
 def embedding_bag_backward(family, grad_out, values, offsets, num_rows, per_sample_weights,
-                           combiner, bounds, deterministic):
+                           combiner, bounds, deterministic, padded=False):
     n = values.shape[0]
     num_bags = offsets.shape[0] - 1
     dim = grad_out.shape[1]
     check = bounds != 2
+    xp = _device.xp()
 
     def empty():
         return family.empty(0, values.dtype), family.empty((0, dim), grad_out.dtype)
@@ -320,38 +387,54 @@ def embedding_bag_backward(family, grad_out, values, offsets, num_rows, per_samp
         return (*empty(), bad_offset, -1)
     stream = family.stream()
     acc_dtype = accumulator_dtype(grad_out.dtype)
-    keys, bag_of, coef, slots = prepare(
-        family, values, offsets, per_sample_weights, combiner, num_rows, acc_dtype,
-        not check, check, check, stream,
-    )
-    has_bad = False
-    if check:
-        bad_offset, bad_id = read_error_slots(slots, stream)
+    keys, bag_of, coef, slots = prepare(family, values, offsets, per_sample_weights, combiner,
+                                        num_rows, acc_dtype, check, check)
+    if n == 0:
+        bad_offset = read_error_slots(_device.kernel(slots))[0] if check else -1
+        return (*empty(), bad_offset, -1)
+    occ = occurrences(keys, bag_of, coef, dim, acc_dtype)
+    grouping = occ.grouping
+    if padded:  # every distinct key (-1 for out-of-range ids), then -1: no count read back
+        if check:
+            bad_offset, bad_id = read_error_slots(_device.kernel(slots))
+            if bad_offset != -1 or (bounds == 0 and bad_id != -1):
+                return (*empty(), bad_offset, bad_id if bounds == 0 else -1)
+        skip, num_ids = 0, n
+        ids = grouping.ids.astype(values.dtype)
+        ids[xp.arange(n) >= grouping.count] = -1
+    else:  # one read: error slots, distinct count, first key (-1: the out-of-range ids)
+        info = _device.to_host(xp.concatenate([
+            slots.astype(np.int64), grouping.count, grouping.ids[:1].astype(np.int64)]))
+        bad_offset, bad_id = error_positions(info[:2]) if check else (-1, -1)
         if bad_offset != -1 or (bounds == 0 and bad_id != -1):
             return (*empty(), bad_offset, bad_id if bounds == 0 else -1)
-        has_bad = bad_id != -1  # bounds="zero": those ids share the EMPTY key, dropped below
-    if n == 0:
-        return (*empty(), -1, -1)
-    uniq, inverse = distinct_keys(family, keys)
-    num_ids = uniq.shape[0] - (1 if has_bad else 0)
-    if num_ids == 0:
-        return (*empty(), -1, -1)
-    ids = _ids_out(family, uniq, num_ids, values.dtype, stream)
+        skip = 1 if info[-1] < 0 else 0
+        num_ids = int(info[-2]) - skip
+        if num_ids == 0:
+            return (*empty(), -1, -1)
+        ids = grouping.ids[skip:skip + num_ids].astype(values.dtype)
+    ids = _device.to_family(family, ids)
     group = group_size(dim)
+    columns = columns_per_lane(dim, group)
     tpb = threads_per_block()
     k_grad = family.kernel_array(grad_out)
     if deterministic:
-        starts, pos = group_positions(family.kernel_array(inverse), uniq.shape[0], stream)
+        sum_partials(family, grad_out, occ, columns, stream)
         rows = family.empty((num_ids, dim), grad_out.dtype)
-        kernel = gather_kernel(dtype_key(grad_out.dtype), columns_per_lane(dim, group))
-        kernel[blocks_for(num_ids, tpb // group), tpb, stream](
-            k_grad, starts, pos, bag_of, coef, num_ids, group, family.kernel_array(rows),
+        p = occ.plan
+        gather_kernel(dtype_key(grad_out.dtype), columns)[
+            blocks_for(num_ids, tpb // group), tpb, stream](
+            k_grad, _device.kernel(occ.bag), _device.kernel(occ.coef),
+            _device.kernel(occ.partials), _device.kernel(p.final_level),
+            _device.kernel(p.final_lo), _device.kernel(p.final_hi), skip, group,
+            family.kernel_array(rows),
         )
         return ids, rows, -1, -1
     acc = family.zeros((num_ids, dim), acc_dtype)
     k_acc = family.kernel_array(acc)
     scatter_kernel(dtype_key(grad_out.dtype))[blocks_for(n, tpb // group), tpb, stream](
-        k_grad, keys, family.kernel_array(inverse), bag_of, coef, group, k_acc,
+        k_grad, _device.kernel(occ.bag), _device.kernel(occ.coef), _device.kernel(grouping.seg),
+        skip, group, k_acc,
     )
     if acc_dtype == np.dtype(grad_out.dtype):
         return ids, acc, -1, -1

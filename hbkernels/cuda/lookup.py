@@ -46,7 +46,7 @@ def lookup(family, weights, ids, bounds):
         return out, -1
     stream = family.stream()
     record = bounds == 0
-    slots = error_slots(1, stream) if record else no_error_slots()
+    slots = error_slots(1) if record else no_error_slots()
     group = group_size(dim)
     tpb = threads_per_block()
     gather_kernel[blocks_for(ids.shape[0], tpb // group), tpb, stream](
@@ -55,5 +55,5 @@ def lookup(family, weights, ids, bounds):
     )
     if not record:
         return out, -1
-    (bad,) = read_error_slots(slots, stream)
+    (bad,) = read_error_slots(slots)
     return out, bad

@@ -1,19 +1,20 @@
-"""Stable partition of ids by owning shard on the GPU: a chunked counting sort.
+"""Stable partition of ids by owning shard on the GPU.
 
-One thread per id computes its shard (``id % n`` or ``id // block``) and
-checks it (negative, or ``>= num_rows`` when given: first bad position by
-``atomic.min`` into an error slot, the id then counts as shard 0 so the rest
-stays in range). :func:`._scan.bucket_scatter` then sorts the ids by shard
-stably: per-(shard, chunk) counts in a shard-major matrix, an exclusive scan,
-and an in-order scatter per chunk, so the result equals the CPU's exactly.
-The error slot is read back once, at the end.
+One thread per id computes its shard (``id % n`` or ``id // block``) and checks
+it (negative, or ``>= num_rows`` when given: first bad position by
+``atomic.min`` into an error slot; the id then counts as shard 0 so the rest
+stays in range). The shards are then sorted stably (:func:`._segments.stable_argsort`:
+CUB radix sort on a GPU), ``counts`` come from a binary search of the sorted
+shards, so the result equals the CPU's exactly. The error slot is read back
+once, at the end.
 """
 import numpy as np
 from numba import cuda
 
 from ..cpu.partition import shard_block
+from . import _device
 from ._launch import blocks_for, error_slots, read_error_slots, threads_per_block
-from ._scan import bucket_scatter
+from ._segments import stable_argsort
 
 
 @cuda.jit
@@ -34,26 +35,23 @@ def _shard_of(ids, num_shards, mode, block, limit, shard, err):
 
 def partition(family, ids, num_shards, mode, num_rows):
     n = ids.shape[0]
-    stream = family.stream()
-    parted = family.empty(n, ids.dtype)
-    order = family.empty(n, np.int64)
     if n == 0:
-        return parted, family.zeros(num_shards, np.int64), order, -1
-    counts = family.empty(num_shards, np.int64)
+        return family.empty(0, ids.dtype), family.zeros(num_shards, np.int64), \
+            family.empty(0, np.int64), -1
+    xp = _device.xp()
     block = shard_block(mode, num_rows, num_shards)
     limit = -1 if num_rows is None else num_rows
     tpb = threads_per_block()
-    shard = cuda.device_array(n, np.int64, stream=stream)
-    err = error_slots(1, stream)
-    k_ids = family.kernel_array(ids)
-    _shard_of[blocks_for(n, tpb), tpb, stream](
-        k_ids, num_shards, mode, block, limit, shard, err
+    shard = _device.scratch(n, np.int64)
+    err = error_slots(1)
+    _shard_of[blocks_for(n, tpb), tpb, family.stream()](
+        family.kernel_array(ids), num_shards, mode, block, limit, _device.kernel(shard), err
     )
-    bucket_scatter(
-        shard, num_shards, k_ids, family.kernel_array(parted), family.kernel_array(order),
-        counts=family.kernel_array(counts), stream=stream,
-    )
-    (bad,) = read_error_slots(err, stream)
+    order = stable_argsort(xp, shard)
+    bounds = xp.searchsorted(shard[order], xp.arange(num_shards + 1), side="left")
+    (bad,) = read_error_slots(err)
     if bad != -1:
         return None, None, None, bad
-    return parted, counts, order, -1
+    parted = _device.array(family.kernel_array(ids))[order]
+    return (_device.to_family(family, parted), _device.to_family(family, xp.diff(bounds)),
+            _device.to_family(family, order.astype(np.int64)), -1)

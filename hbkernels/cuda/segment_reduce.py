@@ -14,5 +14,5 @@ def segment_reduce(family, data, offsets, combiner):
         bad_offset = empty_batch_bad_offset(family, offsets, n_rows)
         return family.empty((0, data.shape[1]), data.dtype), bad_offset
     out, stream, slots = pool(family, data, None, offsets, n_rows, None, combiner, True, True, False)
-    bad_offset, _ = read_error_slots(slots, stream)
+    bad_offset, _ = read_error_slots(slots)
     return out, bad_offset

@@ -72,7 +72,7 @@ def segment_sum(family, data, segment_ids, num_segments, bounds):
         return (acc if acc_dtype == data.dtype else family.zeros(acc.shape, data.dtype)), -1
     stream = family.stream()
     record = bounds == 0
-    slots = error_slots(1, stream) if record else no_error_slots()
+    slots = error_slots(1) if record else no_error_slots()
     group = group_size(dim)
     tpb = threads_per_block()
     k_acc = family.kernel_array(acc)
@@ -88,5 +88,5 @@ def segment_sum(family, data, segment_ids, num_segments, bounds):
                 k_acc.reshape(acc.size), flat_out)
     if not record:
         return out, -1
-    (bad,) = read_error_slots(slots, stream)
+    (bad,) = read_error_slots(slots)
     return out, bad

@@ -5,24 +5,23 @@ Both run one kernel, :func:`_update_kernel`, with one row group of
 ``G = group_size(D)`` lanes per distinct row (as the forward: lane ``d`` owns
 columns ``d, d+G, d+2G, d+3G`` of a pass, in registers; wider rows take several
 passes). A group gets its gradient ``g`` either by loading ``rows[k]`` (plain)
-or by summing the id's occurrences in input order (fused; the grouping of
-:mod:`.embedding_bag_backward`: ``prepare`` + hash unique + ``group_positions``),
-then applies the rule of :func:`_make_rule` element-wise and writes the weight back
-(fp16 and bf16 tables: nearest-even, or the stochastic rounding of
-:func:`_stochastic_round`, whose hash matches the CPU's bit for bit).
+or by summing the id's occurrences in input order (fused; the decomposition of
+:mod:`.embedding_bag_backward`: ``prepare``, :func:`.occurrences` and the
+partial rows of ids with more than ``CHUNK`` occurrences), then applies the rule
+of :func:`_make_rule` element-wise and writes the weight back (fp16 and bf16
+tables: nearest-even, or the stochastic rounding of :func:`_stochastic_round`,
+whose hash matches the CPU's bit for bit).
 
 Row-wide quantities, ``Σ_d g²`` (RowWiseAdagrad) and "is any g not finite"
-(``skip_nonfinite``), are reduced over the group's lanes through shared memory
-with block-wide ``cuda.syncthreads`` (no warp shuffles, so the simulator runs
-it). Every thread of a block runs the same loop trips around those barriers:
-the block walks the distinct ids in rounds of ``tpb / G`` rows and the columns
-in rounds of ``4G``; lanes past the end just carry zeros. When the row needs
-more than one pass, a first sweep computes the row statistics and the second
-sweep recomputes ``g`` (same order, same bits) and updates.
+(``skip_nonfinite``), are reduced over the group's lanes by a butterfly of
+shuffles (every lane ends with the same bits). When the row needs more than one
+pass, the first sweep keeps ``g`` in a per-lane array of the kernel's ``passes``
+x 4 elements and the second applies the rule from it: each row is summed once.
 
-The fused gradient is summed in the gradient's accumulator type and rounded to
-``grad_out``'s dtype before the rule widens it, which is what
-``sparse_update(*embedding_bag_backward(...))`` sees: both paths give the same bits.
+The fused gradient is summed in the table's accumulator type (as the CPU).
+``fused_sparse_update`` reads nothing back to the host; the checks in front of
+it (:func:`fused_checks`) read once, or not at all under ``bounds="unchecked"``
+with ``nonfinite="skip"``.
 """
 import functools
 import math
@@ -31,29 +30,27 @@ import numpy as np
 from numba import cuda, from_dtype, int32, int64, uint64
 
 from .. import _rules as rules
+from . import _device
 from ._launch import (
     UNROLL,
     WIDEN,
     accumulator_dtype,
     blocks_for,
+    column_reader,
     columns_per_lane,
     dtype_key,
     error_slots,
     group_size,
+    jit_kernel,
     kernel_factory,
     load_as_float,
     read_error_slots,
     store_as,
     threads_per_block,
 )
-from .embedding_bag import empty_batch_bad_offset
-from .embedding_bag import check_bag_offsets
-from .embedding_bag_backward import (
-    distinct_keys,
-    group_positions,
-    make_accumulate,
-    prepare,
-)
+from ._warp import group_mask, shfl_xor
+from .embedding_bag import check_bag_offsets, empty_batch_bad_offset
+from .embedding_bag_backward import make_accumulate, occurrences, prepare, sum_partials
 from .unique import _fmix32
 
 _M32 = np.uint64(0xFFFFFFFF)
@@ -81,41 +78,45 @@ def first_out_of_range(family, ids, limit):
     n = ids.shape[0]
     if n == 0:
         return -1
-    stream = family.stream()
-    slots = error_slots(1, stream)
+    slots = error_slots(1)
     tpb = threads_per_block()
-    _out_of_range_kernel[blocks_for(n, tpb), tpb, stream](family.kernel_array(ids), limit, slots)
-    return read_error_slots(slots, stream)[0]
+    _out_of_range_kernel[blocks_for(n, tpb), tpb, family.stream()](
+        family.kernel_array(ids), limit, slots)
+    return read_error_slots(slots)[0]
 
 
 @kernel_factory
 def nonfinite_kernel(dtype):
-    """The kernel finding the first row of a ``dtype`` array holding NaN or Inf."""
+    """The kernel recording in ``slots[slot]`` the first row of a ``dtype`` array
+    holding NaN or Inf."""
     load = load_as_float(dtype)
 
     @cuda.jit(cache=False)
-    def nonfinite_kernel(a, slots):
+    def nonfinite_kernel(a, slots, slot):
         m = a.shape[1]
         for i in range(cuda.grid(1), a.shape[0] * m, cuda.gridsize(1)):
             r = i // m
             if not math.isfinite(load(a[r, i - r * m])):
-                cuda.atomic.min(slots, 0, r)
+                cuda.atomic.min(slots, slot, r)
 
     return nonfinite_kernel
 
 
+def _record_nonfinite(family, a, slots, slot):
+    size = a.shape[0] * a.shape[1]
+    if size:
+        tpb = threads_per_block()
+        nonfinite_kernel(dtype_key(a.dtype))[blocks_for(size, tpb), tpb, family.stream()](
+            family.kernel_array(a), slots, slot)
+
+
 def first_nonfinite_row(family, a):
     """First row of the 2-D ``a`` holding NaN or Inf, -1 none."""
-    size = a.shape[0] * a.shape[1]
-    if size == 0:
+    if a.shape[0] * a.shape[1] == 0:
         return -1
-    stream = family.stream()
-    slots = error_slots(1, stream)
-    tpb = threads_per_block()
-    nonfinite_kernel(dtype_key(a.dtype))[blocks_for(size, tpb), tpb, stream](
-        family.kernel_array(a), slots
-    )
-    return read_error_slots(slots, stream)[0]
+    slots = error_slots(1)
+    _record_nonfinite(family, a, slots, 0)
+    return read_error_slots(slots)[0]
 
 
 @cuda.jit
@@ -130,23 +131,39 @@ def _ragged_kernel(values, offsets, n_values, num_rows, record_ids, slots):
                 cuda.atomic.min(slots, 1, i)
 
 
+def fused_checks(family, grad_out, per_sample_weights, values, offsets, num_rows, bounds,
+                 finite):
+    """``(first non-finite row of grad_out, of per_sample_weights, first bad offset,
+    first bad id)`` (-1: none) of a fused step's input, in one read-back; the id and
+    offset checks as the forward makes them under ``bounds`` (0: both, 1: offsets,
+    2: none), the finiteness checks when ``finite``. Nothing checked: no read-back."""
+    num_bags = offsets.shape[0] - 1
+    n = values.shape[0]
+    if bounds == 2 and not finite:
+        return -1, -1, -1, -1
+    if bounds != 2 and num_bags == 0:
+        bad = empty_batch_bad_offset(family, offsets, n)
+        if bad != -1:
+            return -1, -1, bad, -1
+    slots = error_slots(4)
+    if finite:
+        _record_nonfinite(family, grad_out, slots, 0)
+        if per_sample_weights is not None:
+            _record_nonfinite(family, per_sample_weights.reshape(-1, 1), slots, 1)
+    if bounds != 2 and num_bags:
+        tpb = threads_per_block()
+        _ragged_kernel[blocks_for(max(num_bags, n), tpb), tpb, family.stream()](
+            family.kernel_array(values), family.kernel_array(offsets), n, num_rows, bounds == 0,
+            slots[2:],
+        )
+    bad_grad, bad_psw, bad_offset, bad_id = read_error_slots(slots)
+    return bad_grad, bad_psw, bad_offset, (bad_id if bounds == 0 else -1)
+
+
 def check_ragged(family, values, offsets, num_rows, bounds):
     """``(first bad offset, first bad id)`` of CSR input, as the forward reports them.
     bounds 0: offsets and ids; 1: offsets only; 2: nothing (no launch, no sync)."""
-    if bounds == 2:
-        return -1, -1
-    n = values.shape[0]
-    num_bags = offsets.shape[0] - 1
-    if num_bags == 0:
-        return empty_batch_bad_offset(family, offsets, n), -1
-    stream = family.stream()
-    slots = error_slots(2, stream)
-    tpb = threads_per_block()
-    _ragged_kernel[blocks_for(max(num_bags, n), tpb), tpb, stream](
-        family.kernel_array(values), family.kernel_array(offsets), n, num_rows, bounds == 0, slots,
-    )
-    bad_offset, bad_id = read_error_slots(slots, stream)
-    return bad_offset, (bad_id if bounds == 0 else -1)
+    return fused_checks(family, None, None, values, offsets, num_rows, bounds, False)[2:]
 
 
 # ---------------------------------------------------------------------------
@@ -224,11 +241,12 @@ def _stochastic_round(x32, key_lo, key_hi, row, col, min_exp, bits, max_value):
 # the update kernel
 # ---------------------------------------------------------------------------
 @kernel_factory
-def _update_kernel(table_dtype, grad_dtype, fused, tpb, columns):
+def _update_kernel(table_dtype, grad_dtype, fused, columns, passes):
     """Update kernel for a table of ``table_dtype`` (a :func:`dtype_key`), computing in
-    its accumulator type, ``columns`` per lane (:func:`columns_per_lane`). ``fused``: the
-    gradient is summed from ``grad_out`` (of ``grad_dtype``) in that type, else loaded
-    from ``rows`` (``grad``, of ``grad_dtype``)."""
+    its accumulator type, ``columns`` per lane (:func:`columns_per_lane`) and
+    ``passes`` passes of ``UNROLL·G`` columns over a row. ``fused``: the gradient is
+    summed from ``grad_out`` (of ``grad_dtype``) in that type, else loaded from
+    ``rows`` (``grad``, of ``grad_dtype``)."""
     table_acc = accumulator_dtype(table_dtype)
     widen = WIDEN[table_acc]
     acc_type = from_dtype(table_acc)
@@ -236,26 +254,21 @@ def _update_kernel(table_dtype, grad_dtype, fused, tpb, columns):
     load_weight = load_as_float(table_dtype)
     store_weight = store_as(table_dtype)
     min_exp, bits, max_value = STOCHASTIC_FORMATS.get(table_dtype.name, (0, 0, 0.0))
-    load_grad = load_as_float(grad_dtype)
-    if fused:
-        accumulate = make_accumulate(table_acc, grad_dtype, columns)
+    accumulate = make_accumulate(dtype_key(table_acc), grad_dtype, columns)
+    read_row = column_reader(grad_dtype, columns)
+    zero = np.dtype(table_acc).type(0)
+    kept_size = UNROLL * passes
 
-        @cuda.jit(device=True, inline=True)
-        def load(grad, r, lo, hi, pos, bag_of, coef, c0, group):
-            return accumulate(grad, lo, hi, pos, bag_of, coef, c0, group)
-    else:
-
-        @cuda.jit(device=True, inline=True)
-        def load(grad, r, lo, hi, pos, bag_of, coef, c0, group):
-            dim = grad.shape[1]
-            c1 = c0 + group
-            c2 = c1 + group
-            c3 = c2 + group
-            g0 = widen(load_grad(grad[r, c0])) if c0 < dim else widen(0)
-            g1 = widen(load_grad(grad[r, c1])) if c1 < dim else widen(0)
-            g2 = widen(load_grad(grad[r, c2])) if c2 < dim else widen(0)
-            g3 = widen(load_grad(grad[r, c3])) if c3 < dim else widen(0)
-            return g0, g1, g2, g3
+    @cuda.jit(device=True, inline=True)
+    def gradient(grad, bag, coef, partials, level, lo, hi, r, c0, lane, group):
+        """This lane's 4 gradient values of columns ``c0 + k·group`` (0 past the row)."""
+        if fused:
+            return accumulate(grad, bag, coef, partials, level, lo, hi, c0, lane, group)
+        dim = grad.shape[1]
+        g0, g1, g2, g3 = read_row(grad, r, c0 if c0 < dim else 0, group)
+        return (widen(g0) if c0 < dim else zero, widen(g1) if c0 + group < dim else zero,
+                widen(g2) if c0 + 2 * group < dim else zero,
+                widen(g3) if c0 + 3 * group < dim else zero)
 
     @cuda.jit(device=True, inline=True)
     def bad(g):
@@ -272,9 +285,29 @@ def _update_kernel(table_dtype, grad_dtype, fused, tpb, columns):
         """``(w, s1, s2)`` of element ``(row, c)``: the weight and the rule's state."""
         has1, has2 = state_slots(rule)
         w = widen(load_weight(weights[row, c]))
-        s1 = state1[row, c] if has1 else widen(0)
-        s2 = state2[row, c] if has2 else widen(0)
+        s1 = state1[row, c] if has1 else zero
+        s2 = state2[row, c] if has2 else zero
         return w, s1, s2
+
+    @cuda.jit(device=True, inline=True)
+    def read_elements(weights, state1, state2, row, c0, group, rule):
+        """:func:`read_element` of this lane's columns ``c0 + k·group``, all loads before
+        any store: the compiler would not move a load above a store that may alias it.
+        Columns past the row's end read column ``c0`` (or 0) and must not be written."""
+        dim = weights.shape[1]
+        c0 = c0 if c0 < dim else 0
+        c1 = c0 + group
+        c2 = c1 + group
+        c3 = c2 + group
+        e0 = read_element(weights, state1, state2, row, c0, rule)
+        e1 = e2 = e3 = e0
+        if columns > 1:
+            e1 = read_element(weights, state1, state2, row, c1 if c1 < dim else c0, rule)
+        if columns > 2:
+            e2 = read_element(weights, state1, state2, row, c2 if c2 < dim else c0, rule)
+        if columns > 3:
+            e3 = read_element(weights, state1, state2, row, c3 if c3 < dim else c0, rule)
+        return e0, e1, e2, e3
 
     @cuda.jit(device=True, inline=True)
     def apply(weights, state1, state2, row, c, g, element, rule, row_step, hp, stochastic,
@@ -293,14 +326,13 @@ def _update_kernel(table_dtype, grad_dtype, fused, tpb, columns):
             w_new = _stochastic_round(w_new, key_lo, key_hi, row, c, min_exp, bits, max_value)
         weights[row, c] = store_weight(w_new)  # fp16, bf16: to nearest even (exact if stochastic)
 
-    @cuda.jit(cache=False)
-    def update_kernel(weights, state1, state2, ids, grad, starts, pos, bag_of, coef, rule,
-                      lr64, eps64, one_m_b1_64, one_m_b2_64, l1_64, two_l2_64, neg_power64,
-                      sqrt_power, step64, inv_dim64, skip_nonfinite, stochastic, key_lo, key_hi,
-                      group):
-        sh_sum = cuda.shared.array(tpb, acc_type)
-        sh_bad = cuda.shared.array(tpb, int32)
-        num_ids = ids.shape[0]
+    @jit_kernel(min_blocks_per_sm=2)
+    def update_kernel(weights, state1, state2, ids, count, grad, bag, coef, partials,
+                      final_level, final_lo, final_hi, rule, lr64, eps64, one_m_b1_64,
+                      one_m_b2_64, l1_64, two_l2_64, neg_power64, sqrt_power, step64, inv_dim64,
+                      skip_nonfinite, stochastic, key_lo, key_hi, group):
+        kept = cuda.local.array(kept_size, acc_type)  # g of every pass, when row-wide
+        num_ids = count[0]
         num_rows = weights.shape[0]
         dim = weights.shape[1]
         lr = widen(lr64)
@@ -308,90 +340,70 @@ def _update_kernel(table_dtype, grad_dtype, fused, tpb, columns):
         inv_dim = widen(inv_dim64)
         hp = (lr, eps, widen(one_m_b1_64), widen(one_m_b2_64), widen(l1_64), widen(two_l2_64),
               widen(neg_power64), sqrt_power, widen(step64))
-        tid = cuda.threadIdx.x
+        tid = cuda.grid(1)
         lane = tid % group
-        groups = tpb // group
+        step = cuda.gridsize(1) // group
         chunk = UNROLL * group
-        single = dim <= chunk
+        mask = group_mask(cuda.threadIdx.x % 32, group)
         rowwise = rule == rules.ROWWISE_ADAGRAD
         need_row = rowwise or skip_nonfinite
-        # block-uniform rounds: every thread reaches every barrier
-        for base in range(cuda.blockIdx.x * groups, num_ids, cuda.gridDim.x * groups):
-            r = base + tid // group
-            row = int64(-1)
-            if r < num_ids:
-                row = int64(ids[r])
-                if row < 0 or row >= num_rows:  # EMPTY key (bad id) or untrusted garbage
-                    row = int64(-1)
-            active = row >= 0
+        for r in range(tid // group, num_ids, step):
+            row = int64(ids[r])
+            if row < 0 or row >= num_rows:  # the -1 key (bad id) or untrusted garbage
+                continue
+            level = int64(0)
             lo = int64(0)
             hi = int64(0)
-            if fused and active:
-                lo = starts[r]
-                hi = starts[r + 1]
-            g0 = widen(0)
-            g1 = widen(0)
-            g2 = widen(0)
-            g3 = widen(0)
-            m = widen(0)
-            row_ok = True
+            if fused:
+                level = final_level[r]
+                lo = final_lo[r]
+                hi = final_hi[r]
+            # pass 0's weights and state are loaded before the gradient is summed, so
+            # their loads are in flight during the sum (no store comes in between)
+            e0, e1, e2, e3 = read_elements(weights, state1, state2, row, lane, group, rule)
+            row_step = zero
             if need_row:
-                ss = widen(0)
-                nb = 0
-                if active:
-                    if rowwise:
-                        m = state1[row, 0]  # read before lane 0 writes it (barriers below)
-                    if single:
-                        g0, g1, g2, g3 = load(grad, r, lo, hi, pos, bag_of, coef, lane, group)
-                        ss = g0 * g0 + g1 * g1 + g2 * g2 + g3 * g3
-                        nb = bad(g0) | bad(g1) | bad(g2) | bad(g3)
-                    else:
-                        for cb in range(0, dim, chunk):
-                            t0, t1, t2, t3 = load(grad, r, lo, hi, pos, bag_of, coef, cb + lane,
-                                                  group)
-                            ss += t0 * t0 + t1 * t1 + t2 * t2 + t3 * t3
-                            nb |= bad(t0) | bad(t1) | bad(t2) | bad(t3)
-                sh_sum[tid] = ss
-                sh_bad[tid] = nb
-                cuda.syncthreads()
+                m = state1[row, 0] if rowwise else zero  # read before lane 0 writes it
+                ss = zero
+                nb = int32(0)
+                for p in range(passes):
+                    g0, g1, g2, g3 = gradient(grad, bag, coef, partials, level, lo, hi, r,
+                                              p * chunk + lane, lane, group)
+                    kept[4 * p] = g0
+                    kept[4 * p + 1] = g1
+                    kept[4 * p + 2] = g2
+                    kept[4 * p + 3] = g3
+                    ss += g0 * g0 + g1 * g1 + g2 * g2 + g3 * g3
+                    nb |= bad(g0) | bad(g1) | bad(g2) | bad(g3)
                 half = group // 2
-                while half > 0:  # tree over the group's lanes, fixed order
-                    if lane < half:
-                        sh_sum[tid] += sh_sum[tid + half]
-                        sh_bad[tid] |= sh_bad[tid + half]
-                    cuda.syncthreads()
+                while half > 0:  # butterfly: every lane gets the same sum
+                    ss += shfl_xor(mask, ss, half)
+                    nb |= shfl_xor(mask, nb, half)
                     half //= 2
-                total = sh_sum[tid - lane]
-                row_ok = sh_bad[tid - lane] == 0
-                cuda.syncthreads()  # the shared slots are rewritten next round
-                m = m + total * inv_dim
-            if not active or (skip_nonfinite and not row_ok):
-                continue
-            row_step = widen(0)
-            if rowwise:
-                if lane == 0:
-                    state1[row, 0] = m
-                row_step = lr / (math.sqrt(m) + eps)
-            for cb in range(0, dim, chunk):
-                c0 = cb + lane
+                if skip_nonfinite and nb != 0:
+                    continue
+                if rowwise:
+                    m = m + ss * inv_dim
+                    if lane == 0:
+                        state1[row, 0] = m
+                    row_step = lr / (math.sqrt(m) + eps)
+            for p in range(passes):
+                c0 = p * chunk + lane
+                if need_row:
+                    g0 = kept[4 * p]
+                    g1 = kept[4 * p + 1]
+                    g2 = kept[4 * p + 2]
+                    g3 = kept[4 * p + 3]
+                else:  # every lane sums (shuffles inside), also past the row's end
+                    g0, g1, g2, g3 = gradient(grad, bag, coef, partials, level, lo, hi, r, c0,
+                                              lane, group)
                 if c0 >= dim:
-                    break
-                if not (need_row and single):
-                    g0, g1, g2, g3 = load(grad, r, lo, hi, pos, bag_of, coef, c0, group)
+                    continue
                 c1 = c0 + group
                 c2 = c1 + group
                 c3 = c2 + group
-                # Every column is read before the first store: the compiler would not move a
-                # load above a store that may alias it, so each column would wait for the
-                # last. Columns past the row's end read c0 and are not written.
-                e0 = read_element(weights, state1, state2, row, c0, rule)
-                e1 = e2 = e3 = e0
-                if columns > 1:
-                    e1 = read_element(weights, state1, state2, row, c1 if c1 < dim else c0, rule)
-                if columns > 2:
-                    e2 = read_element(weights, state1, state2, row, c2 if c2 < dim else c0, rule)
-                if columns > 3:
-                    e3 = read_element(weights, state1, state2, row, c3 if c3 < dim else c0, rule)
+                if p > 0:
+                    e0, e1, e2, e3 = read_elements(weights, state1, state2, row, c0, group, rule)
                 apply(weights, state1, state2, row, c0, g0, e0, rule, row_step, hp, stochastic,
                       key_lo, key_hi)
                 if c1 < dim:
@@ -407,31 +419,42 @@ def _update_kernel(table_dtype, grad_dtype, fused, tpb, columns):
     return update_kernel
 
 
-def _state_view(family, state, acc_dtype, stream):
+def _state_view(family, state, acc_dtype):
     """State as the 2-D array the kernel indexes ([E, D], or [E, 1] for per-row state);
     a zero-size dummy when the rule has no such slot."""
     if state is None:
-        return cuda.device_array((0, 1), acc_dtype, stream=stream)
+        return _device.kernel(_device.scratch((0, 1), acc_dtype))
     k = family.kernel_array(state)
     return k.reshape((k.shape[0], 1)) if k.ndim == 1 else k
 
 
-def _launch_update(family, rule, weights, state1, state2, hp, ids, grad, starts, pos, bag_of,
-                   coef, grad_dtype, fused, skip_nonfinite, stochastic, key, stream):
-    num_ids = ids.shape[0]
+def _launch_update(family, rule, weights, state1, state2, hp, ids, count, grad, occ, grad_dtype,
+                   num_ids_bound, skip_nonfinite, stochastic, key):
     dim = weights.shape[1]
     table_acc = accumulator_dtype(weights.dtype)
     stochastic = bool(stochastic) and np.dtype(weights.dtype).name in STOCHASTIC_FORMATS
     key = int(key)
     group = group_size(dim)
     tpb = threads_per_block()
-    kernel = _update_kernel(dtype_key(weights.dtype), dtype_key(grad_dtype), fused, tpb,
-                            columns_per_lane(dim, group))
-    kernel[blocks_for(num_ids, tpb // group), tpb, stream](
+    columns = columns_per_lane(dim, group)
+    passes = -(-dim // (UNROLL * group))
+    fused = occ is not None
+    if fused:
+        sums = (_device.kernel(occ.bag), _device.kernel(occ.coef), _device.kernel(occ.partials),
+                _device.kernel(occ.plan.final_level), _device.kernel(occ.plan.final_lo),
+                _device.kernel(occ.plan.final_hi))
+    else:
+        none_i = _device.kernel(_device.scratch(0, np.int64))
+        none_f = _device.kernel(_device.scratch((0, dim), table_acc))
+        sums = (none_i, _device.kernel(_device.scratch(0, table_acc)), none_f, none_i, none_i,
+                none_i)
+    kernel = _update_kernel(dtype_key(weights.dtype), dtype_key(grad_dtype), fused, columns,
+                            passes)
+    kernel[blocks_for(num_ids_bound, tpb // group), tpb, family.stream()](
         family.kernel_array(weights),
-        _state_view(family, state1, table_acc, stream),
-        _state_view(family, state2, table_acc, stream),
-        ids, grad, starts, pos, bag_of, coef, int(rule),
+        _state_view(family, state1, table_acc),
+        _state_view(family, state2, table_acc),
+        ids, count, grad, *sums, int(rule),
         float(hp[rules.LR]), float(hp[rules.EPS]), 1.0 - float(hp[rules.BETA1]),
         1.0 - float(hp[rules.BETA2]), float(hp[rules.L1]), 2.0 * float(hp[rules.L2]),
         -float(hp[rules.LR_POWER]), float(hp[rules.LR_POWER]) == -0.5, float(hp[rules.STEP_SIZE]),
@@ -444,40 +467,31 @@ def _launch_update(family, rule, weights, state1, state2, hp, ids, grad, starts,
 def sparse_update(family, rule, weights, state1, state2, hp, ids, rows, skip_nonfinite,
                   stochastic, key):
     """Update rows ``ids[k]`` (distinct, in range) of ``weights``/state from ``rows[k]``."""
-    if ids.shape[0] == 0:
+    num_ids = ids.shape[0]
+    if num_ids == 0:
         return
-    stream = family.stream()
-    table_acc = accumulator_dtype(weights.dtype)
-    dummy_i = cuda.device_array(0, np.int64, stream=stream)
-    dummy_f = cuda.device_array(0, table_acc, stream=stream)
-    _launch_update(
-        family, rule, weights, state1, state2, hp, family.kernel_array(ids),
-        family.kernel_array(rows), dummy_i, dummy_i, dummy_i, dummy_f, rows.dtype, False,
-        skip_nonfinite, stochastic, key, stream,
-    )
+    count = _device.kernel(_device.full(1, num_ids, np.int64))
+    _launch_update(family, rule, weights, state1, state2, hp, family.kernel_array(ids), count,
+                   family.kernel_array(rows), None, rows.dtype, num_ids, skip_nonfinite,
+                   stochastic, key)
 
 
 def fused_sparse_update(family, rule, weights, state1, state2, hp, grad_out, values, offsets,
                         psw, combiner, bounds, skip_nonfinite, stochastic, key):
     """``sparse_update(*embedding_bag_backward(...))`` without materialising the rows:
-    one row group per distinct id sums its occurrences in input order in registers
-    and applies the rule. Offsets/ids were checked by the front end (``check_ragged``):
-    bad ids are skipped under bounds 0 and 1, trusted under 2."""
+    one row group per distinct id sums its occurrences (or, for an id with more than
+    ``CHUNK`` of them, its partial rows) in order in registers and applies the rule.
+    Offsets and ids were checked by the front end (:func:`fused_checks`); ids out of
+    range are skipped in every mode. Reads nothing back to the host."""
     n = values.shape[0]
     if n == 0 or offsets.shape[0] == 1:
         return
-    stream = family.stream()
-    # as the CPU: sum in the table's accumulator type, never rounded to grad_out's dtype
-    grad_acc = accumulator_dtype(weights.dtype)
-    keys, bag_of, coef, _ = prepare(
-        family, values, offsets, psw, combiner, weights.shape[0], grad_acc, bounds == 2,
-        False, False, stream,
-    )
-    uniq, inverse = distinct_keys(family, keys)
-    num_distinct = uniq.shape[0]
-    starts, pos = group_positions(family.kernel_array(inverse), num_distinct, stream)
-    _launch_update(
-        family, rule, weights, state1, state2, hp, family.kernel_array(uniq),
-        family.kernel_array(grad_out), starts, pos, bag_of, coef, grad_out.dtype,
-        True, skip_nonfinite, stochastic, key, stream,
-    )
+    dim = weights.shape[1]
+    grad_acc = accumulator_dtype(weights.dtype)  # as the CPU: summed in the table's type
+    keys, bag_of, coef, _ = prepare(family, values, offsets, psw, combiner, weights.shape[0],
+                                    grad_acc, False, False)
+    occ = occurrences(keys, bag_of, coef, dim, grad_acc)
+    sum_partials(family, grad_out, occ, columns_per_lane(dim, group_size(dim)), family.stream())
+    _launch_update(family, rule, weights, state1, state2, hp, _device.kernel(occ.grouping.ids),
+                   _device.kernel(occ.grouping.count), family.kernel_array(grad_out), occ,
+                   grad_out.dtype, n, skip_nonfinite, stochastic, key)

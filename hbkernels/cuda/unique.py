@@ -5,26 +5,26 @@
    EMPTY (int64 min) slot with ``atomic.cas``; the id's slot is recorded
    (inverse) and ``atomic.add`` counts it (counts). The int64 min id itself
    cannot live in the table, so it gets the reserved extra slot ``2^b``.
-2. ``occ[s] = 1`` where slot ``s`` is occupied, then an exclusive scan:
-   ``occ[s]`` is the distinct index of slot ``s`` and ``occ[2^b + 1] = K``
-   (deterministic given the table). One read-back gives ``K`` (and the key
-   range, for ``sorted``).
-3. Compaction: ``uniq[occ[s]] = table[s]``, ``inverse[i] = occ[slot_i]``,
-   ``counts[occ[s]] = hits[s]``.
+2. ``occ[s] = 1`` where slot ``s`` is occupied, then an exclusive scan
+   (``xp.cumsum``: CUB on a GPU): ``rank[s]`` is the distinct index of slot ``s``
+   and ``rank[2^b + 1] = K`` (deterministic given the table). Reading ``K`` back
+   to size the result is the op's one host synchronisation.
+3. Compaction: ``uniq[rank[s]] = table[s]``, ``inverse[i] = rank[slot_i]``,
+   ``counts[rank[s]] = hits[s]``.
 
-``sorted=True`` sorts only the ``K`` distinct keys (with their slots) by a
-device LSD radix sort (:func:`._scan.radix_sort`) and rewrites
-``occ[slot] = rank`` before the inverse and counts are gathered.
+``sorted=True`` sorts only the ``K`` distinct keys (with their slots) by
+:func:`._segments.stable_argsort` (CUB radix sort on a GPU) and rewrites
+``rank[slot]`` before the inverse and counts are gathered.
 """
 
 import numpy as np
 from numba import cuda, int64, uint64
 
-from ._launch import blocks_for, fill, kernel_factory, threads_per_block, to_host
-from ._scan import exclusive_scan, radix_sort
+from . import _device
+from ._launch import blocks_for, threads_per_block
+from ._segments import stable_argsort
 
 EMPTY = np.int64(np.iinfo(np.int64).min)
-_INT64_MAX = np.iinfo(np.int64).max
 _M32 = np.uint64(0xFFFFFFFF)
 _S13 = np.uint64(13)
 _S16 = np.uint64(16)
@@ -84,50 +84,12 @@ def _insert(ids, table, bits, slot_of, want_slot, hits, want_hits, occ):
             cuda.atomic.add(hits, s, 1)
 
 
-@kernel_factory
-def _occupancy_kernel(tpb):
-    @cuda.jit
-    def occupancy(table, size, occ, stats, want_range):
-        """``occ[s] = table[s] != EMPTY`` for ``s < size``; with ``want_range`` the
-        min/max occupied key into ``stats[2]``/``stats[3]`` (block reduce + atomics)."""
-        lo_sh = cuda.shared.array(tpb, int64)
-        hi_sh = cuda.shared.array(tpb, int64)
-        start, step = cuda.grid(1), cuda.gridsize(1)
-        lo = int64(_INT64_MAX)
-        hi = int64(EMPTY)
-        for s in range(start, size, step):
-            k = table[s]
-            if k != EMPTY:
-                occ[s] = 1
-                lo = min(lo, k)
-                hi = max(hi, k)
-            else:
-                occ[s] = 0
-        if want_range:
-            tid = cuda.threadIdx.x
-            lo_sh[tid] = lo
-            hi_sh[tid] = hi
-            cuda.syncthreads()
-            half = tpb // 2
-            while half > 0:
-                if tid < half:
-                    lo_sh[tid] = min(lo_sh[tid], lo_sh[tid + half])
-                    hi_sh[tid] = max(hi_sh[tid], hi_sh[tid + half])
-                cuda.syncthreads()
-                half //= 2
-            if tid == 0:
-                cuda.atomic.min(stats, 2, lo_sh[0])
-                cuda.atomic.max(stats, 3, hi_sh[0])
-
-    return occupancy
-
-
 @cuda.jit
-def _summary(occ, size, stats):
-    """``stats[0]`` = distinct keys other than the sentinel, ``stats[1]`` = all (K)."""
-    if cuda.grid(1) == 0:
-        stats[0] = occ[size]
-        stats[1] = occ[size + 1]
+def _occupancy(table, occ):
+    """``occ[s] = 1`` where slot ``s < 2^b`` holds a key, else 0 (``occ[2^b]``, the
+    reserved slot, was set by ``_insert``)."""
+    for s in range(cuda.grid(1), table.shape[0] - 1, cuda.gridsize(1)):
+        occ[s] = 1 if table[s] != EMPTY else 0
 
 
 @cuda.jit
@@ -169,6 +131,7 @@ def unique(family, ids, return_inverse, return_counts, sorted):
             family.empty(0, np.int64) if return_inverse else None,
             family.empty(0, np.int64) if return_counts else None,
         )
+    xp = _device.xp()
     stream = family.stream()
     tpb = threads_per_block()
     grid_n = blocks_for(n, tpb)
@@ -176,52 +139,37 @@ def unique(family, ids, return_inverse, return_counts, sorted):
     size = 1 << bits
     grid_t = blocks_for(size + 1, tpb)
 
-    table = cuda.device_array(size + 1, np.int64, stream=stream)
-    fill(table, EMPTY, stream)
-    occ = cuda.device_array(size + 2, np.int64, stream=stream)
-    fill(occ[size:], 0, stream)
-    dummy = cuda.device_array(1, np.int64, stream=stream)
-    slot_of = cuda.device_array(n, np.int64, stream=stream) if return_inverse else dummy
-    hits = dummy
-    if return_counts:
-        hits = cuda.device_array(size + 1, np.int64, stream=stream)
-        fill(hits, 0, stream)
-    stats = cuda.to_device(np.array([0, 0, _INT64_MAX, EMPTY], np.int64), stream=stream)
+    table = _device.full(size + 1, EMPTY, np.int64)
+    occ = _device.zeros(size + 1, np.int64)
+    dummy = _device.scratch(1, np.int64)
+    slot_of = _device.scratch(n, np.int64) if return_inverse else dummy
+    hits = _device.zeros(size + 1, np.int64) if return_counts else dummy
+    k_table, k_occ = _device.kernel(table), _device.kernel(occ)
+    _insert[grid_n, tpb, stream](family.kernel_array(ids), k_table, bits, _device.kernel(slot_of),
+                                 return_inverse, _device.kernel(hits), return_counts, k_occ)
+    _occupancy[grid_t, tpb, stream](k_table, k_occ)
+    rank = _device.zeros(size + 2, np.int64)  # rank[s]: distinct index of slot s; rank[-1] = K
+    rank[1:] = xp.cumsum(occ)
+    k = int(_device.to_host(rank[-1:])[0])
 
-    _insert[grid_n, tpb, stream](
-        family.kernel_array(ids), table, bits, slot_of, return_inverse, hits, return_counts, occ
-    )
-    _occupancy_kernel(tpb)[grid_t, tpb, stream](table, size, occ, stats, sorted)
-    exclusive_scan(occ, stream)
-    _summary[1, 1, stream](occ, size, stats)
-    plain, k, lo, hi = (int(v) for v in to_host(stats, stream))
-    if k > plain:  # the sentinel id is present: it is the smallest key
-        lo = int(EMPTY)
-        if plain == 0:
-            hi = int(EMPTY)
-
-    uniq = family.empty(k, ids.dtype)
-    k_uniq = family.kernel_array(uniq)
-    slots = cuda.device_array(k, np.int64, stream=stream)
-    if sorted and k > 1:
-        ukeys = cuda.device_array(k, ids.dtype, stream=stream)
-        _compact[grid_t, tpb, stream](table, size, occ, ukeys, slots)
-        sorted_slots = cuda.device_array(k, np.int64, stream=stream)
-        radix_sort(ukeys, slots, k_uniq, sorted_slots, lo, hi, stream)
-        slots = sorted_slots
-        write_rank = True
-    else:
-        _compact[grid_t, tpb, stream](table, size, occ, k_uniq, slots)
-        write_rank = False
-
+    ukeys = _device.scratch(k, ids.dtype)
+    slots = _device.scratch(k, np.int64)
+    k_rank = _device.kernel(rank)
+    _compact[grid_t, tpb, stream](k_table, size, k_rank, _device.kernel(ukeys),
+                                  _device.kernel(slots))
+    write_rank = sorted and k > 1
+    if write_rank:
+        order = stable_argsort(xp, ukeys)
+        ukeys, slots = ukeys[order], slots[order]
     counts = family.empty(k, np.int64) if return_counts else None
     if write_rank or return_counts:
         _finalize[blocks_for(k, tpb), tpb, stream](
-            slots, occ, write_rank, hits,
-            family.kernel_array(counts) if return_counts else dummy, return_counts,
+            _device.kernel(slots), k_rank, write_rank, _device.kernel(hits),
+            family.kernel_array(counts) if return_counts else _device.kernel(dummy), return_counts,
         )
     inverse = None
     if return_inverse:
         inverse = family.empty(n, np.int64)
-        _gather_inverse[grid_n, tpb, stream](slot_of, occ, family.kernel_array(inverse))
-    return uniq, inverse, counts
+        _gather_inverse[grid_n, tpb, stream](_device.kernel(slot_of), k_rank,
+                                             family.kernel_array(inverse))
+    return _device.to_family(family, ukeys), inverse, counts

@@ -17,8 +17,32 @@ this communicator becomes unusable. ``alltoallv``/``allgatherv`` are grouped
 device copy. ``allreduce`` reduces natively (int16/uint16 through int32,
 float16 and bfloat16 wires in that precision). NumPy arrays given to an NCCL
 communicator travel over the MPI control channel.
+
+NCCL calls have deadlines too: the communicator is blocking, and NCCL
+connects peers inside ``ncclCommInitRank`` and lazily inside the first
+enqueues, so a dead or absent peer can block those calls forever. A daemon
+worker thread per communicator makes all its NCCL calls (group state is per
+thread; the worker's current device is this rank's GPU) while the caller
+waits with the call's deadline. Past it the caller aborts the NCCL
+communicator (``ncclCommAbort`` asks a blocked call to return; the abort runs
+in a thread of its own, waited for at most 2 s, ``_ABORT_WAIT_S``, as it can
+block too), marks this communicator unusable and raises :class:`CommError`. A
+stuck ``ncclCommInitRank`` has no handle to abort: ``init`` raises
+:class:`CommError` and leaves the thread behind.
+
+Why a thread and not a non-blocking communicator: in CuPy 13 and 14
+(``cupy_backends/cuda/libs/nccl.pyx``) ``NcclCommunicator.__init__``,
+``groupStart``, ``groupEnd``, ``send``, ``recv``, ``allGather``,
+``allReduce``, ``broadcast`` and ``abort`` call NCCL inside ``with nogil:``,
+so a thread blocked there does not hold the GIL; but ``ncclConfig_t.blocking``
+is out of reach (CuPy 13's constructor takes no config, CuPy 14's
+``NcclConfig`` sets ``splitShare`` only) and ``check_status`` raises on
+``ncclInProgress``.
 """
+import queue
+import threading
 import time
+import weakref
 
 import numpy as np
 
@@ -28,6 +52,7 @@ from .. import _dispatch
 _SPIN_S = 0.05
 _NAP_MAX_S = 1e-3
 _ASYNC_CHECK_S = 0.01
+_ABORT_WAIT_S = 2.0  # an ncclCommAbort still running after this is left to its thread
 
 # ncclDataType_t / ncclRedOp_t values of nccl.h, for CuPy builds that lack a constant
 _NCCL_TYPE_VALUES = {"int8": 0, "uint8": 1, "int32": 2, "uint32": 3, "int64": 4, "uint64": 5,
@@ -117,6 +142,60 @@ def plan_devices(ctl, required):
     raise RuntimeError("backend 'nccl' is not usable on some rank")
 
 
+class _Overdue(Exception):
+    """A job of a :class:`_Worker` did not finish by its deadline."""
+
+
+class _Job:
+    __slots__ = ("fn", "done", "result", "error")
+
+    def __init__(self, fn):
+        self.fn, self.done, self.result, self.error = fn, threading.Event(), None, None
+
+
+def _serve(jobs):
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        try:
+            job.result = job.fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
+            job.error = e
+        job.fn = None
+        job.done.set()
+        del job  # holds nothing of the caller's while idle
+
+
+class _Worker:
+    """A daemon thread running callables one at a time for a caller that
+    waits for each with a deadline. The thread ends on :meth:`close` (or when
+    this object is collected) once its current job returns; a job that never
+    returns keeps it forever, which a daemon thread may."""
+
+    def __init__(self, name):
+        jobs = queue.SimpleQueue()
+        self._jobs = jobs
+        threading.Thread(target=_serve, args=(jobs,), name=name, daemon=True).start()
+        self.close = weakref.finalize(self, jobs.put, None)
+
+    def run(self, fn, deadline):
+        """``fn()``'s result, or what it raised; :class:`_Overdue` once the
+        clock passes ``deadline`` (``fn`` goes on running in the thread)."""
+        job = _Job(fn)
+        self._jobs.put(job)
+        if not job.done.wait(max(deadline - _common.now(), 0.0)):
+            raise _Overdue
+        if job.error is not None:
+            raise job.error
+        return job.result
+
+
+def _late(what, timeout):
+    return (f"{what}: not complete after {timeout:g} s (HBK_COMM_TIMEOUT or init(timeout=)): "
+            "a peer died, hangs, or did not make the same call")
+
+
 def _uid_to_bytes(uid):
     if isinstance(uid, (bytes, bytearray)):
         return b"B" + bytes(uid)
@@ -144,7 +223,24 @@ class NcclCommunicator(Communicator):
         payload = _uid_to_bytes(nccl.get_unique_id()) if self.rank == 0 else b""
         uid = _uid_from_bytes(ctl._bcast_bytes(payload, 0, "init (NCCL unique id)"))
         cp.cuda.Device(self.device_id).use()
-        self._comm = nccl.NcclCommunicator(self.world_size, uid, self.rank)
+        self._worker = _Worker(f"hbk-nccl-rank{self.rank}")
+
+        def create():
+            cp.cuda.Device(self.device_id).use()  # the worker's device, for every NCCL call
+            return nccl.NcclCommunicator(self.world_size, uid, self.rank)
+
+        what = "init (ncclCommInitRank)"
+        try:
+            self._comm = self._worker.run(create, _common.now() + self.timeout)
+        except _Overdue:
+            self._broken = _late(what, self.timeout)
+            self._worker.close()
+            raise CommError(self._broken + "; its thread is left behind and this communicator "
+                            "is unusable") from None
+        except Exception as e:  # noqa: BLE001 - NcclError, CUDA errors
+            self._broken = f"{what}: NCCL error: {e}"
+            self._worker.close()
+            raise CommError(self._broken) from e
         try:
             self._bf16 = int(nccl.get_version()) >= 21000  # ncclBfloat16 since NCCL 2.10
         except Exception:  # noqa: BLE001
@@ -193,11 +289,16 @@ class NcclCommunicator(Communicator):
 
     # -- enqueue + wait with a deadline ---------------------------------------------------
     def _run(self, what, deadline, enqueue, keep):
+        """``enqueue(stream_ptr)`` (the NCCL calls) in the worker, for the caller's
+        current stream, bounded by ``deadline``; then wait for that work to finish."""
         cp = self._cp
         with cp.cuda.Device(self.device_id):
             stream = cp.cuda.get_current_stream()
+            ptr = stream.ptr
             try:
-                enqueue(stream.ptr)
+                self._worker.run(lambda: enqueue(ptr), deadline)
+            except _Overdue:
+                self._fail(_late(what, self.timeout), keep)
             except Exception as e:  # noqa: BLE001 - NcclError, CUDA errors
                 self._fail(f"{what}: NCCL error: {e}", keep)
             done = cp.cuda.Event(block=False, disable_timing=True)
@@ -224,17 +325,23 @@ class NcclCommunicator(Communicator):
             if t >= spin_end:
                 time.sleep(min(nap, max(deadline - t, 0)))
                 nap = min(2 * nap, _NAP_MAX_S)
-        self._fail(f"{what}: not complete after {self.timeout:g} s (HBK_COMM_TIMEOUT or "
-                   "init(timeout=)): a peer died, hangs, or did not make the same call", keep)
+        self._fail(_late(what, self.timeout), keep)
 
     def _fail(self, msg, keep):
-        self._orphans.append(keep)
+        self._orphans.append(keep)  # NCCL may still read and write these: never free them
         self._broken = msg
+        self._worker.close()
+        aborter = _Worker(f"hbk-nccl-abort-rank{self.rank}")
         try:
-            self._comm.abort()
+            aborter.run(self._comm.abort, _common.now() + _ABORT_WAIT_S)
+            state = "was aborted"
+        except _Overdue:
+            state = f"is being aborted (ncclCommAbort still running after {_ABORT_WAIT_S:g} s)"
         except Exception:  # noqa: BLE001
-            pass
-        raise CommError(msg + "; the NCCL communicator was aborted and is unusable")
+            state = "could not be aborted"
+        finally:
+            aborter.close()
+        raise CommError(f"{msg}; the NCCL communicator {state}; this communicator is unusable")
 
     # -- data calls ---------------------------------------------------------------------------
     def _alltoallv(self, call, metas, deadline):
@@ -270,10 +377,10 @@ class NcclCommunicator(Communicator):
                                   u8, p, stream)
             finally:
                 nccl.groupEnd()
-            n = int(send_counts[me])
-            if n:
-                recv[int(rdispl[me]):int(rdispl[me]) + n] = enc[int(sdispl[me]):int(sdispl[me]) + n]
 
+        n = int(send_counts[me])
+        if n:  # on the caller's stream, before the NCCL work
+            recv[int(rdispl[me]):int(rdispl[me]) + n] = enc[int(sdispl[me]):int(sdispl[me]) + n]
         self._run("alltoallv", deadline, enqueue, keep=(enc, recv))
         return call.decoded(recv), recv_counts
 
@@ -304,9 +411,9 @@ class NcclCommunicator(Communicator):
                                   u8, p, stream)
             finally:
                 nccl.groupEnd()
-            if mine:
-                out[int(displ[me]):int(displ[me]) + mine] = enc
 
+        if mine:  # on the caller's stream, before the NCCL work
+            out[int(displ[me]):int(displ[me]) + mine] = enc
         self._run("allgatherv", deadline, enqueue, keep=(enc, out))
         return call.decoded(out), counts
 
