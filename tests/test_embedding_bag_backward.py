@@ -346,9 +346,11 @@ def test_extremely_repeated_id(backend, rng, small_chunks, combiner, dim):
 
 def test_extremely_repeated_id_fp32_matches_float64(backend, rng, small_chunks):
     grad_out, values, offsets, num_rows = skewed_case(rng, backend, 4, np.float32)
-    ids, rows = run_backward(backend, grad_out, values, offsets, num_rows, combiner="mean")
-    dense, touched = reference_backward(grad_out, values, offsets, num_rows, "mean")
-    check_against_dense(ids, rows, dense, touched, np.float32, values.dtype)
+    ids, rows = run_backward(backend, grad_out, values, offsets, num_rows, combiner="sum")
+    dense, touched = reference_backward(grad_out, values, offsets, num_rows, "sum")
+    np.testing.assert_array_equal(np.sort(ids), touched)
+    # the hot row is a sum of thousands of fp32 terms (in input order on the CPU)
+    np.testing.assert_allclose(rows, dense[ids], rtol=2e-4, atol=2e-4)
 
 
 @pytest.mark.parametrize("bounds", ["raise", "zero", "unchecked"])
