@@ -1,3 +1,5 @@
+import itertools
+
 import numpy as np
 import pytest
 from conftest import assert_close, random_offsets
@@ -6,6 +8,16 @@ from hypothesis import strategies as st
 
 import hbkernels as hbk
 from hbkernels.cpu._common import STACK_ROW_MAX_BYTES
+
+try:
+    import ml_dtypes
+
+    FLOATS = [np.float16, np.dtype(ml_dtypes.bfloat16), np.float32, np.float64]
+except ImportError:
+    FLOATS = [np.float16, np.float32, np.float64]
+# every vector width and row-group shape of the CUDA kernels: V = 16 bytes / itemsize
+# down to 1 (odd D), G = 1..32 lanes per bag, 1 or 2 vectors per lane, ragged rows
+VECTOR_DIMS = [1, 2, 3, 4, 6, 8, 16, 33, 64, 128, 200]
 
 
 def reference_embedding_bag(weights, values, offsets, combiner, psw=None, skip_bad=False):
@@ -38,9 +50,14 @@ def make_case(rng, backend, num_rows, dim, batch, max_len, dtype, id_dtype, off_
     return weights, values, offsets
 
 
-@pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
-@pytest.mark.parametrize("dim", [1, 3, 16, 33, 70, 200])  # 70, 200: 3 and 4 columns per lane, ragged
-@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
+COMBINERS = ["sum", "mean", "sqrtn"]
+# fp32 with every combiner, the other dtypes with one each (the simulator is slow)
+CASES = [(dtype, dim, combiner)
+         for i, (dtype, dim) in enumerate(itertools.product(FLOATS, VECTOR_DIMS + [70]))
+         for combiner in (COMBINERS if dtype == np.float32 else [COMBINERS[i % 3]])]
+
+
+@pytest.mark.parametrize("dtype, dim, combiner", CASES)
 def test_matches_reference(backend, rng, combiner, dim, dtype):
     batch, max_len = (5, 4) if backend.small else (300, 40)
     weights, values, offsets = make_case(rng, backend, 50, dim, batch, max_len, dtype, np.int64, np.int64)
@@ -74,14 +91,141 @@ def test_rows_on_both_sides_of_the_stack_row_limit_cpu(rng, dtype, dim):
 @pytest.mark.parametrize("id_dtype", [np.int32, np.int64])
 @pytest.mark.parametrize("off_dtype", [np.int32, np.int64])
 @pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
-def test_int_dtypes_and_weights(backend, rng, id_dtype, off_dtype, combiner):
-    batch, max_len = (4, 3) if backend.small else (200, 20)
-    weights, values, offsets = make_case(rng, backend, 30, 5, batch, max_len, np.float32, id_dtype, off_dtype)
+@pytest.mark.parametrize("dim", [5, 64])
+def test_int_dtypes_and_weights(backend, rng, id_dtype, off_dtype, combiner, dim):
+    batch, max_len = (4, 6) if backend.small else (200, 20)
+    weights, values, offsets = make_case(rng, backend, 30, dim, batch, max_len, np.float32, id_dtype, off_dtype)
     psw = rng.uniform(0.1, 2.0, size=values.shape).astype(np.float32)
     out = hbk.embedding_bag(backend.put(weights), backend.put(values), backend.put(offsets),
                             combiner=combiner, per_sample_weights=backend.put(psw))
     assert_close(backend.get(out), reference_embedding_bag(weights, values, offsets, combiner, psw),
                  np.float32)
+
+
+def lengths_to_offsets(lengths, dtype=np.int64):
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(dtype)
+
+
+@pytest.mark.parametrize("dim, dtype", [(1, np.float32), (2, np.float32), (8, np.float32),
+                                        (16, np.float32), (64, np.float32), (128, np.float16),
+                                        (200, np.float32), (6, np.float64)])
+def test_bags_longer_than_an_id_batch(backend, rng, dim, dtype):
+    """A row group reads a bag's ids by batches of max(G, 4) and its rows 4 at a time:
+    bags longer than a batch, not a multiple of 4, empty, of one id."""
+    offsets = lengths_to_offsets([37, 0, 45, 1, 6])
+    weights = rng.standard_normal((40, dim)).astype(dtype)
+    values = rng.integers(0, 40, size=int(offsets[-1]))
+    values[[0, 36, -1]] = [39, 0, 39]
+    psw = rng.uniform(0.1, 2.0, size=values.shape).astype(np.float32)
+    for combiner in ["sqrtn"] if backend.small else COMBINERS:
+        out = hbk.embedding_bag(backend.put(weights), backend.put(values), backend.put(offsets),
+                                combiner=combiner, per_sample_weights=backend.put(psw))
+        assert_close(backend.get(out),
+                     reference_embedding_bag(weights, values, offsets, combiner, psw), dtype)
+
+
+@pytest.mark.parametrize("combiner", COMBINERS)
+@pytest.mark.parametrize("psw_dtype", FLOATS)
+@pytest.mark.parametrize("dim, dtype", [(3, np.float32), (8, np.float32), (128, np.float32),
+                                        (16, np.float16), (4, np.float64)])
+def test_weights_of_every_float_dtype(backend, rng, combiner, psw_dtype, dim, dtype):
+    batch, max_len = (4, 9) if backend.small else (60, 20)
+    weights, values, offsets = make_case(rng, backend, 25, dim, batch, max_len, dtype,
+                                         np.int64, np.int64)
+    psw = rng.uniform(0.1, 2.0, size=values.shape).astype(psw_dtype)
+    out = hbk.embedding_bag(backend.put(weights), backend.put(values), backend.put(offsets),
+                            combiner=combiner, per_sample_weights=backend.put(psw))
+    assert_close(backend.get(out), reference_embedding_bag(weights, values, offsets, combiner, psw),
+                 dtype)
+
+
+@pytest.mark.parametrize("dim, dtype, widths", [
+    (2, np.float32, (2, 2)),    # the view starts 8 bytes into a 16-byte line: 8-byte vectors
+    (6, np.float32, (2, 2)),    # 24 bytes: 8-byte vectors
+    (4, np.float32, (4, 4)),    # 16 bytes: still 16-byte vectors
+    (3, np.float32, (1, 1)),    # odd D: scalars
+    (4, np.float16, (4, 4)),    # 8 bytes: 4 halves
+    (2, np.float16, (2, 2)),    # 4 bytes: 2 halves
+    (5, np.float16, (1, 1)),
+    (1, np.float64, (1, 1)),
+    (2, np.float64, (2, 2)),
+    (3, np.float64, (1, 1)),
+])
+def test_table_views_off_a_16_byte_boundary(backend, rng, dim, dtype, widths):
+    """``table[1:]`` starts D * itemsize bytes into the table: the CUDA kernels choose the
+    widest vector whose loads stay aligned (``widths``: the table's, the view's)."""
+    table = rng.standard_normal((21, dim)).astype(dtype)
+    device = backend.put(table)
+    view = device[1:]
+    if backend.is_cuda:
+        from hbkernels.cuda._vector import data_pointer, vector_width
+        if data_pointer(device) % 16:
+            pytest.skip("the device allocation is not 16-byte aligned")
+        assert (vector_width(device), vector_width(view)) == widths
+    offsets = lengths_to_offsets([3, 0, 9, 1])
+    values = rng.integers(0, 20, size=int(offsets[-1]))
+    values[[0, -1]] = [19, 0]
+    for combiner in ["sum", "mean"]:
+        out = hbk.embedding_bag(view, backend.put(values), backend.put(offsets), combiner=combiner)
+        assert_close(backend.get(out), reference_embedding_bag(table[1:], values, offsets, combiner),
+                     dtype)
+
+
+@pytest.mark.parametrize("bounds", ["raise", "zero", "unchecked"])
+@pytest.mark.parametrize("id_dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("dim", [1, 16, 128])
+def test_bad_ids_in_every_bounds_mode(backend, rng, bounds, id_dtype, dim):
+    """Bad ids in several bags and batches (the first at position 38, lane 6 of the second
+    id batch of bag 0 when G = 32): "raise" names the first exactly, "zero" skips them all
+    (and does not count them), "unchecked" on the GPU skips them too (never reads out of
+    range), with no host read."""
+    num_rows = 30
+    offsets = lengths_to_offsets([40, 1, 49, 0, 6])
+    weights = rng.standard_normal((num_rows, dim)).astype(np.float32)
+    values = rng.integers(0, num_rows, size=int(offsets[-1])).astype(id_dtype)
+    bad = {45: num_rows, 38: -1, 70: np.iinfo(id_dtype).max, 93: -(2**31), 95: num_rows + 1}
+    for position, value in bad.items():
+        values[position] = value
+    values[[0, 1]] = [num_rows - 1, 0]  # the table's edges
+    args = (backend.put(weights), backend.put(values), backend.put(offsets))
+    if bounds == "raise":
+        with pytest.raises(hbk.BoundsError) as info:
+            hbk.embedding_bag(*args)
+        assert (info.value.position, info.value.value, info.value.limit) == (38, -1, num_rows)
+        return
+    if bounds == "unchecked" and not backend.is_cuda:
+        return  # the CPU kernels trust the caller
+    expected = reference_embedding_bag(weights, values, offsets, "mean", skip_bad=True)
+    out = backend.get(hbk.embedding_bag(*args, combiner="mean", bounds=bounds))
+    assert_close(out, expected, np.float32)
+
+
+@pytest.mark.parametrize("dim", [1, 16, 128])
+def test_one_id_thousands_of_times(backend, dim):
+    """Integer rows, so the sums are exact in any order (a few hundred under the simulator)."""
+    n = 300 if backend.small else 5000
+    weights = np.arange(9 * dim, dtype=np.float32).reshape(9, dim) % 13 - 6
+    values = np.full(n, 7, np.int64)
+    values[[0, n - 1]] = [8, 0]
+    offsets = np.array([0, n - 100, n - 100, n - 1, n], np.int64)
+    for combiner in ["sum", "mean"]:
+        out = backend.get(hbk.embedding_bag(backend.put(weights), backend.put(values),
+                                            backend.put(offsets), combiner=combiner))
+        expected = reference_embedding_bag(weights, values, offsets, combiner)
+        if combiner == "sum":
+            np.testing.assert_array_equal(out, expected)
+        assert_close(out, expected, np.float32)
+
+
+def test_table_without_rows(backend):
+    weights = np.ones((0, 4), np.float32)
+    values, offsets = np.array([0, 1, 0]), np.array([0, 2, 2, 3])
+    args = (backend.put(weights), backend.put(values), backend.put(offsets))
+    with pytest.raises(hbk.BoundsError) as info:
+        hbk.embedding_bag(*args)
+    assert info.value.position == 0
+    np.testing.assert_array_equal(backend.get(hbk.embedding_bag(*args, bounds="zero")),
+                                  np.zeros((3, 4), np.float32))
 
 
 def test_empty_batch_and_all_empty_bags(backend):

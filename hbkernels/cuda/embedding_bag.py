@@ -6,37 +6,42 @@ Bag ``b`` (ids ``i_j``, weights ``w_j``, ``j`` in ``[offsets[b], offsets[b+1])``
 
 (a zero denominator gives zeros, so an empty bag gives zeros).
 
-Thread mapping: a group of ``G = group_size(D)`` lanes (a warp, or a power-of-two
-slice of one when ``D < 32``, several bags per warp) owns a bag, grid-stride over
-bags. Lane ``d`` accumulates columns ``d, d+G, d+2G, d+3G`` in registers (fp32
-for fp16/bf16/fp32 tables, fp64 for fp64; bf16 is read as its int16 bits and
-rounded back to nearest even), so each table row is read coalesced; wider
-rows take further passes over the bag's ids. A lane's loads of one row have no
-branch between them (:func:`._launch.column_reader`), so they are all in flight
-before the first multiply-add waits. No atomics touch the output and
-no warp shuffles are used, so the kernel runs unchanged in Numba's simulator.
+Thread mapping: a row is ``D / V`` vectors of ``V`` elements (:func:`._vector.vector_width`:
+16 bytes where ``D`` and the table's alignment allow, else 8, 4, 2 or 1 element). A
+group of ``G`` lanes (the next power of two >= ``D / V``, at most a warp; several bags
+per warp when ``G < 32``) owns a bag, grid-stride over bags; lane ``l`` accumulates
+vectors ``l`` and ``l + G`` of the row (``K = chunks_per_lane`` of them, 1 or 2; wider
+rows take further passes over the bag's ids) in registers: fp32 for fp16/bf16/fp32
+tables, fp64 for fp64, bf16 read as its bits and rounded back to nearest even.
+
+Ids go by batches of ``max(G, U)`` positions: lane ``l`` reads positions ``l``,
+``l + G``, ... of the batch (coalesced, with their weights), checks them and records
+the first bad position, and reads the next batch's ids before the current batch's
+rows. Then, ``U = ROWS_IN_FLIGHT`` ids at a time, the group broadcasts ids and weights
+by warp shuffles (:mod:`._warp`), every lane loads its vectors of the ``U`` rows (no
+branch between the loads: a position past the bag's end or a bad id loads row 0 and
+its contribution is selected away), then adds them in order.
 
 The same kernel checks its input on the way: offsets are clamped to
-``[0, len(values)]`` so malformed CSR never reads out of range, lane 0 records
-the first malformed offset position in error slot 0 and the first out-of-range
-id in slot 1 (``cuda.atomic.min``), and out-of-range ids are always skipped.
-The slots are read back once, except under ``bounds="unchecked"`` (no host sync).
+``[0, len(values)]`` so malformed CSR never reads out of range, the group's lane 0
+records the first malformed offset position in error slot 0 and the lane that read an
+out-of-range id its position in slot 1 (``cuda.atomic.min``); out-of-range ids are
+always skipped. The slots are read back once, except under ``bounds="unchecked"``
+(no host sync).
 """
 import math
 
+import numpy as np
 from numba import cuda
 
-from . import _device
+from . import _device, _vector
 from ._launch import (
-    UNROLL,
     WIDEN,
     accumulator_dtype,
     blocks_for,
-    column_reader,
-    columns_per_lane,
     dtype_key,
     error_slots,
-    group_size,
+    jit_kernel,
     kernel_factory,
     load_as_float,
     no_error_slots,
@@ -44,6 +49,16 @@ from ._launch import (
     store_as,
     threads_per_block,
 )
+from ._warp import group_mask, shfl_idx
+
+ROWS_IN_FLIGHT = 4  # U: rows whose vectors a lane loads before the first add
+
+
+def min_blocks(table_dtype, chunks_per_lane):
+    """Blocks of 256 threads per SM the register cap (launch bounds) keeps room for: 3
+    (80 registers) hold 4 rows x 16 bytes in flight per lane with an fp32 accumulator;
+    2 (128 registers) for fp64 accumulators or 2 vectors per lane (sm_90, no spills)."""
+    return 3 if chunks_per_lane == 1 and accumulator_dtype(table_dtype) == np.float32 else 2
 
 
 @cuda.jit(device=True, inline=True)
@@ -59,70 +74,168 @@ def check_bag_offsets(slots, b, lo, hi, num_bags, n_values):
 
 
 @kernel_factory
-def pool_kernel(table_dtype, weights_dtype, columns):
-    """The pooling kernel for a table of ``table_dtype`` (:func:`dtype_key`),
-    weights of ``weights_dtype`` (None: no weights) and ``columns`` per lane
-    (:func:`columns_per_lane`), accumulating in the table's accumulator type;
-    bf16 elements are converted from their bits."""
+def pool_kernel(table_dtype, weights_dtype, width, group, chunks_per_lane, identity, narrow):
+    """The pooling kernel for a table of ``table_dtype`` (:func:`dtype_key`), weights of
+    ``weights_dtype`` (None: no weights), :func:`._vector.geometry` ``(width, group,
+    chunks_per_lane)``; ``identity``: row ``j`` for position ``j`` (no ids);
+    ``narrow``: the table has fewer than 2^31 rows (ids travel as int32)."""
+    U = ROWS_IN_FLIGHT
+    per_lane = max(1, U // group)  # ids a lane reads per batch
+    batch = group * per_lane
+    two = chunks_per_lane > 1
     widen = WIDEN[accumulator_dtype(table_dtype)]
-    read_columns = column_reader(table_dtype, columns)
+    load = _vector.loader(table_dtype, width)
     load_weight = load_as_float(weights_dtype or table_dtype)
     store = store_as(table_dtype)
+    weighted = weights_dtype is not None
+    zero = _vector.zeros(table_dtype, width)
+    row_type = np.int32 if narrow else np.int64
 
-    @cuda.jit(cache=False)
-    def pool_kernel(table, values, offsets, n_values, weights, has_weights, combiner, identity,
-                    check_offsets, record_ids, group, out, slots):
+    @cuda.jit(device=True, inline=True)
+    def read_id(values, j, end):
+        """The raw id at position ``j`` (-1 past ``end``)."""
+        if identity:
+            return j if j < end else -1
+        return values[j] if j < end else -1
+
+    @cuda.jit(device=True, inline=True)
+    def read_weight(weights, j, end):
+        if weighted and j < end:
+            return widen(load_weight(weights[j]))
+        return widen(1)
+
+    @cuda.jit(device=True, inline=True)
+    def read_batch(values, weights, j, end):
+        """A lane's raw ids and weights of a batch: positions ``j + k·G``, ``k < per_lane``
+        (the other slots repeat slot 0)."""
+        x0 = read_id(values, j, end)
+        y0 = read_weight(weights, j, end)
+        if per_lane == 1:
+            return (x0, x0, x0, x0), (y0, y0, y0, y0)
+        x1 = read_id(values, j + group, end)
+        y1 = read_weight(weights, j + group, end)
+        if per_lane == 2:
+            return (x0, x1, x0, x0), (y0, y1, y0, y0)
+        return ((x0, x1, read_id(values, j + 2 * group, end), read_id(values, j + 3 * group, end)),
+                (y0, y1, read_weight(weights, j + 2 * group, end),
+                 read_weight(weights, j + 3 * group, end)))
+
+    @cuda.jit(device=True, inline=True)
+    def checked(row, j, end, num_rows, record, slots):
+        """``row`` if in range, else -1 (recording position ``j < end`` when ``record``)."""
+        if j < end and (row < 0 or row >= num_rows):
+            if record:
+                cuda.atomic.min(slots, 1, j)
+            return row_type(-1)
+        return row_type(row)  # -1 past the end
+
+    @cuda.jit(device=True, inline=True)
+    def check_batch(xs, j, end, num_rows, record, slots):
+        return (checked(xs[0], j, end, num_rows, record, slots),
+                checked(xs[1], j + group, end, num_rows, record, slots),
+                checked(xs[2], j + 2 * group, end, num_rows, record, slots),
+                checked(xs[3], j + 3 * group, end, num_rows, record, slots))
+
+    @cuda.jit(device=True, inline=True)
+    def broadcast(mask, first, i, xs):
+        """Batch position ``i``'s value: slot ``i // G`` of lane ``i % G`` of the group."""
+        x = xs[0]
+        if per_lane > 1:  # then i < U: the slot is a constant
+            k = i // group
+            x = xs[0] if k == 0 else (xs[1] if k == 1 else (xs[2] if k == 2 else xs[3]))
+        return shfl_idx(mask, x, first | np.int32(i & (group - 1)))
+
+    @cuda.jit(device=True, inline=True)
+    def add_weight(ok, w, w_sum, w_sq):
+        if ok:
+            return w_sum + w, w_sq + w * w
+        return w_sum, w_sq
+
+    @jit_kernel(min_blocks(table_dtype, chunks_per_lane))
+    def pool_kernel(table, values, offsets, n_values, weights, combiner, check_offsets,
+                    record_ids, out, slots):
         """out[b] = combine_j w_j * table[row_j], row_j = values[j] (or j when ``identity``)."""
         num_rows = table.shape[0]
-        dim = table.shape[1]
+        vectors = table.shape[1] // width
         num_bags = offsets.shape[0] - 1
         tid = cuda.grid(1)
         lane = tid % group
-        step = cuda.gridsize(1) // group
-        chunk = UNROLL * group
-        for b in range(tid // group, num_bags, step):
+        first = np.int32(tid % 32 - lane)  # the group's lane 0 in the warp
+        mask = group_mask(tid % 32, group)
+        for b in range(tid // group, num_bags, cuda.gridsize(1) // group):
             lo = offsets[b]
             hi = offsets[b + 1]
             start = min(max(lo, 0), n_values)
             end = min(max(hi, start), n_values)
             if check_offsets and lane == 0:
                 check_bag_offsets(slots, b, lo, hi, num_bags, n_values)
-            for c0 in range(lane, dim, chunk):
-                a0 = widen(0)
-                a1 = widen(0)
-                a2 = widen(0)
-                a3 = widen(0)
+            for c0 in range(0, vectors, chunks_per_lane * group):
+                ca = c0 + lane
+                cb = ca + group
+                col_a = ca * width if ca < vectors else 0  # a lane past the row reads vector 0
+                col_b = cb * width if cb < vectors else 0
+                record = record_ids and c0 == 0
+                acc_a = zero
+                acc_b = zero
                 w_sum = widen(0)
                 w_sq = widen(0)
-                for j in range(start, end):
-                    row = j if identity else values[j]
-                    if row < 0 or row >= num_rows:
-                        if record_ids and c0 == 0:  # lane 0, first pass: once per id
-                            cuda.atomic.min(slots, 1, j)
-                        continue
-                    w = widen(load_weight(weights[j])) if has_weights else widen(1)
-                    w_sum += w
-                    w_sq += w * w
-                    v0, v1, v2, v3 = read_columns(table, row, c0, group)
-                    a0 += w * v0
-                    a1 += w * v1
-                    a2 += w * v2
-                    a3 += w * v3
+                xs, ys = read_batch(values, weights, start + lane, end)
+                for base in range(start, end, batch):
+                    rs = check_batch(xs, base + lane, end, num_rows, record, slots)
+                    ws = ys
+                    # the next batch's ids and weights, in flight during this batch's rows
+                    xs, ys = read_batch(values, weights, base + batch + lane, end)
+                    n = min(batch, end - base) if num_rows > 0 else 0
+                    for t in range(0, n, U):
+                        i0 = broadcast(mask, first, t, rs)
+                        i1 = broadcast(mask, first, t + 1, rs)
+                        i2 = broadcast(mask, first, t + 2, rs)
+                        i3 = broadcast(mask, first, t + 3, rs)
+                        v0 = broadcast(mask, first, t, ws) if weighted else ws[0]
+                        v1 = broadcast(mask, first, t + 1, ws) if weighted else ws[0]
+                        v2 = broadcast(mask, first, t + 2, ws) if weighted else ws[0]
+                        v3 = broadcast(mask, first, t + 3, ws) if weighted else ws[0]
+                        ok0 = i0 >= 0
+                        ok1 = i1 >= 0
+                        ok2 = i2 >= 0
+                        ok3 = i3 >= 0
+                        s0 = i0 if ok0 else 0  # a safe row: the table has one (n > 0)
+                        s1 = i1 if ok1 else 0
+                        s2 = i2 if ok2 else 0
+                        s3 = i3 if ok3 else 0
+                        e0a = load(table, s0, col_a)
+                        e1a = load(table, s1, col_a)
+                        e2a = load(table, s2, col_a)
+                        e3a = load(table, s3, col_a)
+                        e0b = load(table, s0, col_b) if two else zero
+                        e1b = load(table, s1, col_b) if two else zero
+                        e2b = load(table, s2, col_b) if two else zero
+                        e3b = load(table, s3, col_b) if two else zero
+                        acc_a = _vector.fma_where(ok0, acc_a, v0, e0a)
+                        acc_a = _vector.fma_where(ok1, acc_a, v1, e1a)
+                        acc_a = _vector.fma_where(ok2, acc_a, v2, e2a)
+                        acc_a = _vector.fma_where(ok3, acc_a, v3, e3a)
+                        if two:
+                            acc_b = _vector.fma_where(ok0, acc_b, v0, e0b)
+                            acc_b = _vector.fma_where(ok1, acc_b, v1, e1b)
+                            acc_b = _vector.fma_where(ok2, acc_b, v2, e2b)
+                            acc_b = _vector.fma_where(ok3, acc_b, v3, e3b)
+                        if combiner != 0:  # the denominators, in position order
+                            w_sum, w_sq = add_weight(ok0, v0, w_sum, w_sq)
+                            w_sum, w_sq = add_weight(ok1, v1, w_sum, w_sq)
+                            w_sum, w_sq = add_weight(ok2, v2, w_sum, w_sq)
+                            w_sum, w_sq = add_weight(ok3, v3, w_sum, w_sq)
                 scale = widen(1)
                 if combiner == 1:
                     scale = widen(1) / w_sum if w_sum != 0 else widen(0)
                 elif combiner == 2:
                     scale = widen(1) / math.sqrt(w_sq) if w_sq != 0 else widen(0)
-                c1 = c0 + group
-                c2 = c1 + group
-                c3 = c2 + group
-                out[b, c0] = store(a0 * scale)
-                if c1 < dim:
-                    out[b, c1] = store(a1 * scale)
-                    if c2 < dim:
-                        out[b, c2] = store(a2 * scale)
-                        if c3 < dim:
-                            out[b, c3] = store(a3 * scale)
+                if ca < vectors:
+                    for k in range(width):
+                        out[b, col_a + k] = store(acc_a[k] * scale)
+                if two and cb < vectors:
+                    for k in range(width):
+                        out[b, col_b + k] = store(acc_b[k] * scale)
 
     return pool_kernel
 
@@ -147,17 +260,19 @@ def pool(family, table, values, offsets, n_values, weights, combiner, identity, 
         return out, stream, None
     record = check_offsets or record_ids
     slots = error_slots(2) if record else no_error_slots()
+    k_table = family.kernel_array(table)
     k_offsets = family.kernel_array(offsets)
     k_values = k_offsets if identity else family.kernel_array(values)
     k_weights = k_values if weights is None else family.kernel_array(weights)
-    group = group_size(dim)
+    width, group, chunks_per_lane = _vector.geometry(k_table)
     tpb = threads_per_block()
     kernel = pool_kernel(dtype_key(table.dtype),
                          dtype_key(None if weights is None else weights.dtype),
-                         columns_per_lane(dim, group))
+                         width, group, chunks_per_lane, bool(identity),
+                         table.shape[0] < 2**31)
     kernel[blocks_for(num_bags, tpb // group), tpb, stream](
-        family.kernel_array(table), k_values, k_offsets, n_values, k_weights, weights is not None,
-        combiner, identity, check_offsets, record_ids, group, family.kernel_array(out), slots,
+        k_table, k_values, k_offsets, n_values, k_weights, combiner, check_offsets, record_ids,
+        family.kernel_array(out), slots,
     )
     return out, stream, (slots if record else None)
 

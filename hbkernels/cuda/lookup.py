@@ -1,57 +1,133 @@
 """Row gather on the GPU: ``out[i, d] = weights[ids[i], d]``.
 
-Thread mapping: a group of ``G = group_size(D)`` lanes per id, grid-stride over
-ids; lane ``d`` copies columns ``d, d+G, ...`` (one thread per output element
-when ``D <= 32``; loads and stores coalesced along ``d``). Out-of-range ids
-always give zero rows (no out-of-range read in any mode); under
-``bounds="raise"`` lane 0 also records the first bad position in an error slot,
-read back once. ``"unchecked"`` reads nothing back.
+Thread mapping: rows are copied as their bits (:func:`as_bits`: 32-bit words where rows
+are whole words), in vectors of ``V`` words (:func:`._vector.geometry`: 16 bytes where
+the row length and the table's alignment allow). A group of ``G`` lanes (the next power
+of two >= ``D / V``, at most a warp) copies ``U = IDS_IN_FLIGHT`` consecutive ids per
+step, grid-stride over steps: each lane reads the ``U`` ids, loads its ``K`` (1 or 2)
+vectors of all ``U`` rows, and only then stores them (wider rows take further passes).
+Out-of-range ids always give zero rows (all bits 0: +0.0); they load row 0, which is
+not stored, so nothing is read out of range in any mode. Under ``bounds="raise"`` lane
+0 also records the first bad position in an error slot, read back once;
+``"unchecked"`` reads nothing back.
 """
 import numpy as np
 from numba import cuda
 
+from . import _vector
 from ._launch import (
     blocks_for,
     error_slots,
-    group_size,
+    jit_kernel,
+    kernel_factory,
     no_error_slots,
     read_error_slots,
     threads_per_block,
 )
 
+IDS_IN_FLIGHT = 4  # U
 
-@cuda.jit(cache=False)
-def gather_kernel(table, ids, record, group, out, slots):
-    num_rows = table.shape[0]
-    dim = table.shape[1]
-    tid = cuda.grid(1)
-    lane = tid % group
-    step = cuda.gridsize(1) // group
-    for i in range(tid // group, ids.shape[0], step):
+
+@kernel_factory
+def gather_kernel(dtype, width, group, chunks_per_lane):
+    """The gather for a kernel array of integers ``dtype`` (:func:`as_bits`), ``width``
+    elements per vector, ``group`` lanes per id and ``chunks_per_lane`` vectors per lane."""
+    U = IDS_IN_FLIGHT
+    two = chunks_per_lane > 1
+    load = _vector.loader(dtype, width, widen=False)
+    zero = (np.dtype(dtype).type(0),) * width
+
+    @cuda.jit(device=True, inline=True)
+    def read_row(table, ids, i, n, record, slots):
+        """``ids[i]`` if it is a row of ``table``, else -1 (recorded when ``record``)."""
+        if i >= n:
+            return -1
         row = ids[i]
-        if row < 0 or row >= num_rows:
-            if record and lane == 0:
+        if row < 0 or row >= table.shape[0]:
+            if record:
                 cuda.atomic.min(slots, 0, i)
-            for d in range(lane, dim, group):
-                out[i, d] = np.float32(0)
-        else:
-            for d in range(lane, dim, group):
-                out[i, d] = table[row, d]
+            return -1
+        return row
+
+    @cuda.jit(device=True, inline=True)
+    def put(out, i, n, col, ok, values):
+        if i < n:
+            _vector.store(out, i, col, values if ok else zero)
+
+    @jit_kernel(4)
+    def gather_kernel(table, ids, record, out, slots):
+        n = ids.shape[0]
+        vectors = table.shape[1] // width
+        tid = cuda.grid(1)
+        lane = tid % group
+        step = U * (cuda.gridsize(1) // group)
+        for i in range(U * (tid // group), n, step):
+            first = record and lane == 0
+            r0 = read_row(table, ids, i, n, first, slots)
+            r1 = read_row(table, ids, i + 1, n, first, slots)
+            r2 = read_row(table, ids, i + 2, n, first, slots)
+            r3 = read_row(table, ids, i + 3, n, first, slots)
+            ok0 = r0 >= 0
+            ok1 = r1 >= 0
+            ok2 = r2 >= 0
+            ok3 = r3 >= 0
+            s0 = r0 if ok0 else 0
+            s1 = r1 if ok1 else 0
+            s2 = r2 if ok2 else 0
+            s3 = r3 if ok3 else 0
+            for c0 in range(0, vectors, chunks_per_lane * group):
+                ca = c0 + lane
+                cb = ca + group
+                col_a = ca * width if ca < vectors else 0  # a lane past the row reads vector 0
+                col_b = cb * width if cb < vectors else 0
+                e0a = load(table, s0, col_a)
+                e1a = load(table, s1, col_a)
+                e2a = load(table, s2, col_a)
+                e3a = load(table, s3, col_a)
+                e0b = load(table, s0, col_b) if two else zero
+                e1b = load(table, s1, col_b) if two else zero
+                e2b = load(table, s2, col_b) if two else zero
+                e3b = load(table, s3, col_b) if two else zero
+                if ca < vectors:
+                    put(out, i, n, col_a, ok0, e0a)
+                    put(out, i + 1, n, col_a, ok1, e1a)
+                    put(out, i + 2, n, col_a, ok2, e2a)
+                    put(out, i + 3, n, col_a, ok3, e3a)
+                if two and cb < vectors:
+                    put(out, i, n, col_b, ok0, e0b)
+                    put(out, i + 1, n, col_b, ok1, e1b)
+                    put(out, i + 2, n, col_b, ok2, e2b)
+                    put(out, i + 3, n, col_b, ok3, e3b)
+
+    return gather_kernel
+
+
+def as_bits(a):
+    """The 2-D kernel array ``a`` as the integers the gather copies: 32-bit words when
+    ``a`` is C-contiguous with rows of whole words, else integers of its itemsize."""
+    if a.is_c_contiguous() and a.shape[1] * a.dtype.itemsize % 4 == 0:
+        return a.view(np.int32)
+    return a.view({2: np.int16, 4: np.int32, 8: np.int64}[a.dtype.itemsize])
 
 
 def lookup(family, weights, ids, bounds):
     dim = weights.shape[1]
-    out = family.empty((ids.shape[0], dim), weights.dtype)
-    if ids.shape[0] == 0:
+    n = ids.shape[0]
+    record = bounds == 0
+    if weights.shape[0] == 0:  # every id is bad: zero rows, the first bad position is 0
+        return family.zeros((n, dim), weights.dtype), (0 if record and n else -1)
+    out = family.empty((n, dim), weights.dtype)
+    if n == 0:
         return out, -1
     stream = family.stream()
-    record = bounds == 0
     slots = error_slots(1) if record else no_error_slots()
-    group = group_size(dim)
+    table, k_out = as_bits(family.kernel_array(weights)), as_bits(family.kernel_array(out))
+    width, group, chunks_per_lane = _vector.geometry(table)
     tpb = threads_per_block()
-    gather_kernel[blocks_for(ids.shape[0], tpb // group), tpb, stream](
-        family.kernel_array(weights), family.kernel_array(ids), record, group,
-        family.kernel_array(out), slots,
+    kernel = gather_kernel(np.dtype(table.dtype), width, group, chunks_per_lane)
+    steps = -(-n // IDS_IN_FLIGHT)
+    kernel[blocks_for(steps, tpb // group), tpb, stream](
+        table, family.kernel_array(ids), record, k_out, slots,
     )
     if not record:
         return out, -1
