@@ -17,7 +17,7 @@ def reference_segment_reduce(data, offsets, combiner):
 
 
 @pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
-@pytest.mark.parametrize("shape", [(), (1,), (5,), (2, 3)])
+@pytest.mark.parametrize("shape", [(), (1,), (5,), (2, 3), (4,), (2, 8), (33,)])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
 def test_matches_reference(backend, rng, combiner, shape, dtype):
     offsets = random_offsets(rng, 4 if backend.small else 100, 3 if backend.small else 10)
@@ -26,6 +26,17 @@ def test_matches_reference(backend, rng, combiner, shape, dtype):
                                          combiner=combiner))
     assert out.shape == (len(offsets) - 1,) + shape
     assert_close(out, reference_segment_reduce(data, offsets, combiner), dtype)
+
+
+@pytest.mark.parametrize("width", [1, 8, 64])
+def test_segments_longer_than_a_row_batch(backend, rng, width):
+    """Rows go 4 at a time by batches of max(G, 4): segments of 37 and 45 rows."""
+    offsets = np.array([0, 37, 37, 82, 83, 89])
+    data = rng.standard_normal((89, width)).astype(np.float32)
+    for combiner in ["mean"] if backend.small else ["sum", "mean", "sqrtn"]:
+        out = backend.get(hbk.segment_reduce(backend.put(data), backend.put(offsets),
+                                             combiner=combiner))
+        assert_close(out, reference_segment_reduce(data, offsets, combiner), np.float32)
 
 
 def test_empty(backend):

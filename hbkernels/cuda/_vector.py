@@ -10,13 +10,13 @@
 * :func:`fma_where` ``(ok, acc, w, v)``: ``acc + w * v`` element-wise where ``ok``,
   else ``acc`` (selected, never multiplied by 0).
 
-On a GPU a load or store is one ``<width x T>`` access aligned to ``width * itemsize``
-bytes (``LDG.E.128`` for 16 bytes, ``.64`` for 8): the caller guarantees the alignment,
-which :func:`vector_width` checks on the host. Under Numba's simulator they are
-element accesses.
+On a GPU a load or store is one access of ``width * itemsize`` bytes, aligned to its
+size (``LDG.E.128`` for 16 bytes, ``.64`` for 8; 2-byte elements travel packed in 32-bit
+words): the caller guarantees the alignment, which :func:`vector_width` checks on the
+host. Under Numba's simulator they are element accesses.
 """
 import numpy as np
-from numba import cuda, types
+from numba import types
 
 from .._dispatch import simulator_enabled
 from .._validate import accumulator_dtype, is_bfloat16
@@ -87,9 +87,9 @@ else:
         from numba.core.extending import intrinsic
 
     def _pointer(context, builder, array_type, array, row_type, row, col_type, col, width):
-        """``&array[row, col]`` as a pointer to ``<n x iB>``, the ``width`` elements packed
-        in ``B = max(32, bitwidth)``-bit words (NVPTX splits ``<8 x i16>`` into two
-        8-byte accesses), and the elements per word."""
+        """``(&array[row, col]`` as a pointer to a vector of integer words, elements per
+        word)``: ``width`` elements, packed ``min(width, 32 // bitwidth)`` (at least 1) to
+        a word, low bits first (NVPTX would split ``<8 x i16>`` into two 8-byte accesses)."""
         ary = context.make_array(array_type)(context, builder, array)
         inds = [context.cast(builder, row, row_type, types.intp),
                 context.cast(builder, col, col_type, types.intp)]
