@@ -217,6 +217,25 @@ def test_one_id_thousands_of_times(backend, dim):
         assert_close(out, expected, np.float32)
 
 
+@pytest.mark.parametrize("dim, dtype", [(1, np.float32), (16, np.float32), (128, np.float16),
+                                        (3, np.float64)])
+def test_positions_past_a_bag_and_bad_ids_add_nothing(backend, rng, dim, dtype):
+    """Padding positions of a 4-row step and bad ids load row 0, which holds inf and NaN
+    here: their contributions are selected away, never multiplied by 0 (0 * inf is NaN)."""
+    weights = rng.standard_normal((10, dim)).astype(dtype)
+    weights[0, ::2], weights[0, 1::2] = np.inf, np.nan
+    offsets = lengths_to_offsets([1, 2, 3, 5, 0, 6])
+    values = rng.integers(1, 10, size=int(offsets[-1]))
+    values[[4, 12]] = [10, -1]  # bad: skipped under bounds="zero"
+    psw = rng.uniform(0.1, 2.0, size=values.shape).astype(np.float32)
+    out = backend.get(hbk.embedding_bag(backend.put(weights), backend.put(values),
+                                        backend.put(offsets), combiner="mean",
+                                        per_sample_weights=backend.put(psw), bounds="zero"))
+    assert np.isfinite(out.astype(np.float64)).all()
+    assert_close(out, reference_embedding_bag(weights, values, offsets, "mean", psw, skip_bad=True),
+                 dtype)
+
+
 def test_table_without_rows(backend):
     weights = np.ones((0, 4), np.float32)
     values, offsets = np.array([0, 1, 0]), np.array([0, 2, 2, 3])

@@ -54,7 +54,7 @@ def gather_kernel(dtype, width, group, chunks_per_lane):
         if i < n:
             _vector.store(out, i, col, values if ok else zero)
 
-    @jit_kernel(4)
+    @jit_kernel(4 if chunks_per_lane == 1 else 2)  # 64 / 128 registers, no spills (sm_90)
     def gather_kernel(table, ids, record, out, slots):
         n = ids.shape[0]
         vectors = table.shape[1] // width
