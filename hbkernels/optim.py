@@ -126,11 +126,14 @@ class SparseOptimizer:
         hp[rules.LR] = self.lr
         return hp
 
-    def _begin_step(self, state):
-        state["step"][0] += 1
-        step = int(state["step"][0])
+    def _step_constants(self, step):
+        """``(hyper-parameters, stochastic-rounding key)`` of step number ``step``."""
         key = _mix64((self.seed << 32) ^ step) if self.rounding == "stochastic" else 0
         return self.hyper(step), key
+
+    def _begin_step(self, state):
+        state["step"][0] += 1
+        return self._step_constants(int(state["step"][0]))
 
     # -- updates ------------------------------------------------------------
     def step(self, weights, state, grad):
@@ -188,18 +191,19 @@ class SparseOptimizer:
         mode = check.choice("bounds", bounds, check.BOUNDS)
         comb = check.choice("combiner", combiner, check.COMBINERS)
         s1, s2 = self._state_arrays(family, weights, state)
+        step = int(state["step"][0]) + 1
+        hp, key = self._step_constants(step)
         backend = kernels(family, "sparse_update")
-        bad_grad, bad_psw, bad_offset, bad_id = backend.fused_checks(
-            family, grad_out, psw, values, offsets, weights.shape[0], mode,
-            self.nonfinite == "raise")
+        # the backend checks first and updates nothing when a check fails
+        bad_grad, bad_psw, bad_offset, bad_id = backend.fused_sparse_update(
+            family, self.rule, weights, s1, s2, hp, grad_out, values, offsets, psw, comb,
+            mode, self.nonfinite == "raise", self.nonfinite == "skip",
+            self.rounding == "stochastic", key,
+        )
         _raise_nonfinite("grad_out", bad_grad)
         _raise_nonfinite("per_sample_weights", bad_psw)
         _raise_ragged_errors(family, values, offsets, bad_offset, bad_id, weights.shape[0])
-        hp, key = self._begin_step(state)
-        backend.fused_sparse_update(
-            family, self.rule, weights, s1, s2, hp, grad_out, values, offsets, psw, comb,
-            mode, self.nonfinite == "skip", self.rounding == "stochastic", key,
-        )
+        state["step"][0] = step
 
 
 def _raise_nonfinite(name, row):

@@ -57,8 +57,7 @@ Definitions (one CSV row per case, :data:`COLUMNS`):
 * ``max_serial_items_per_warp``: the most items one row group sums one after
   another: L for the forward, 1 for lookup and unique, and for the backward and
   ``fused_step`` :func:`hbkernels.cuda._segments.max_serial_items` of the real
-  size's ids (where that function does not exist: the largest id count, one row
-  group walking all of an id's occurrences).
+  size's ids.
 
 Real sizes (``bench/bench_roofline.py``'s GPU sizes): E = 1e7 rows, B = 65536 bags,
 L = 32 (backward and fused: B x L = 2,097,152 ids), Zipf(1.05) ids of
@@ -68,12 +67,12 @@ backward are computed from those ids with NumPy.
 
 Bytes a phase moves (what DRAM moves, not what the op counts): each array read or
 written once per pass; an array of at most :data:`L2_BYTES` (``grad_out``, the
-backward's per-id arrays) is read from DRAM once however often it is gathered; a
-scattered access of 8 bytes or less into a larger array (unique's hash table) moves
-a :data:`SECTOR`; CuPy's argsort is :func:`sort_bytes`; the element-wise CuPy
-passes of ``_segments.group`` and ``_segments.plan`` are measured by running them
-at the real size with :class:`CountingXP`. Launch overheads and host
-synchronisations are not modelled.
+backward's sort keys) is read from DRAM once however often it is gathered; a
+scattered access of 8 bytes or less into a larger array (unique's hash table, the
+positions read at the heads of runs) moves a :data:`SECTOR`; CuPy's argsort is
+:func:`sort_bytes`; the partial and final sums read what :func:`_segments.walks`
+counts for the real ids. Launch overheads and host synchronisations are not
+modelled.
 
 Command line (``--report PATH``: a Markdown, or with ``.json`` a JSON, detail report)::
 
@@ -506,32 +505,43 @@ def phases(case, real):
             Phase("gather inverse", 8 * n + SECTOR * n + 8 * n, "unique._gather_inverse"),
         ], 1
 
-    # backward and fused_step: embedding_bag_backward.py / sparse_update.py
+    # backward and fused_step: embedding_bag_backward.py, _segments.py, sparse_update.py;
+    # unweighted sum: no coefficients; bounds checked: the keys need no fill
     n = BAGS * case.length
     k = real.distinct
     key = 4 if E < 2**31 else 8  # sort keys: int32 when the row ids fit
-    acc = 4  # fp32 accumulators (coefficients, partial rows)
+    index = 4  # bags, run numbers, run bounds: int32
+    position = 8  # CuPy's argsort gives int64 positions
+    acc = 4  # fp32 partial rows
     grad_out = BAGS * D * item
     grad_rows_gathered = 0 if grad_out <= L2_BYTES else D * item  # per item summed, past L2
     seg = real.segments
     ids, offsets = 8 * n, 8 * (BAGS + 1)
     common = [
-        Phase("fill sort keys (CuPy)", key * n),
-        # values read, offsets, per position: key, bag, coefficient written
-        Phase("prepare", ids + offsets + n * (key + 8 + acc), "embedding_bag_backward.prepare_kernel"),
-        Phase("sort keys (CuPy argsort, CUB radix sort)", sort_bytes(n, key)),
-        Phase("group + plan (CuPy element-wise, cumsum)", seg.elementwise_bytes),
-        # bag_of[order], coef[order]: the order read twice, each gathered and written
-        Phase("gather bag, coef to sorted order (CuPy)", 2 * 8 * n + (8 + 8) * n + (acc + acc) * n),
+        # ids and offsets read (and checked); per position the sort key and the bag written
+        Phase("prepare", ids + offsets + n * (key + index), "embedding_bag_backward.prepare_kernel"),
+        Phase("sort keys (CuPy argsort, CUB radix sort)", sort_bytes(n, key, position)),
+        # the positions read, the keys gathered (they fit in L2), a byte per position written
+        Phase("run heads", n * (position + key + 1), "_segments.heads_kernel"),
+        Phase("scan heads (CuPy cumsum)", n * (1 + index)),
+        # run numbers and positions read; at each head its key (a sector each, at most the
+        # array), the run's start and key written
+        Phase("run bounds", n * (index + position) + min(n * key, SECTOR * k)
+              + k * (index + key), "_segments.compact_kernel"),
+        # each slot: its window's run numbers and the run's bounds and key (a sector each);
+        # occurrences summed: position and bag (the rows of grad_out come from L2); partial
+        # rows read and written
         Phase("partial rows (level by level)",
-              seg.partial_items0 * (8 + acc + grad_rows_gathered) + seg.partial_itemsN * D * acc
-              + seg.partial_rows * D * acc + 16 * seg.partial_slots,
+              seg.slots * 5 * SECTOR
+              + (seg.direct - seg.direct_final) * (position + index + grad_rows_gathered)
+              + (seg.partials_read - seg.partials_read_final) * D * acc
+              + seg.partial_rows * D * acc,
               "embedding_bag_backward.partial_kernel"),
     ]
-    # the final sums: grad_out once (it fits in L2), (bag, coef) of the items of short
-    # segments, partial rows of long ones, the plan's per-segment level and range
-    final_reads = (grad_out + seg.final_items0 * (8 + acc + grad_rows_gathered)
-                   + seg.final_partials * D * acc + 24 * k)
+    # the final sums: grad_out once (it fits in L2), position and bag of the occurrences
+    # summed directly, the partial rows of long runs, each run's bounds and key
+    final_reads = (grad_out + seg.direct_final * (position + index + grad_rows_gathered)
+                   + seg.partials_read_final * D * acc + k * (index + key))
     if case.op == "embedding_bag_backward":
         counted = grad_out + k * D * item + 8 * k + ids + offsets
         return counted, [
@@ -546,19 +556,18 @@ def phases(case, real):
     counted = grad_out + 2 * k * D * item + state + ids + offsets
     return counted, [
         Phase("check grad_out finite", grad_out, "sparse_update.nonfinite_kernel"),
-        Phase("check offsets and ids", offsets + ids, "sparse_update._ragged_kernel"),
         *common,
         Phase("update: sum each id's rows, apply the rule",
-              final_reads + key * k + 2 * k * D * item + state, "sparse_update._update_kernel"),
+              final_reads + 2 * k * D * item + state, "sparse_update._update_kernel"),
     ], seg.max_serial
 
 
 def sort_bytes(n, key_bytes, index_bytes=8):
-    """Bytes CuPy's argsort of ``n`` keys moves: copy the keys, write the positions, then
-    one CUB radix pass per ``RADIX_BITS`` key bits, each reading and writing keys and
-    positions."""
+    """Bytes CuPy's argsort of ``n`` keys moves: copy the keys, write the positions, read
+    the keys once for CUB's histograms, then one CUB radix pass per ``RADIX_BITS`` key
+    bits, each reading and writing keys and positions."""
     passes = -(-8 * key_bytes // RADIX_BITS)
-    return n * (2 * key_bytes + index_bytes) + passes * 2 * n * (key_bytes + index_bytes)
+    return n * (3 * key_bytes + index_bytes) + passes * 2 * n * (key_bytes + index_bytes)
 
 
 def simulated_op(case):
@@ -614,16 +623,15 @@ def simulated_op(case):
 # ======================================================================================
 @dataclass
 class Segments:
-    """The backward's work decomposition of the real ids (:mod:`hbkernels.cuda._segments`)."""
+    """The backward's work decomposition of the real ids (:func:`_segments.walks`)."""
 
     max_serial: int
-    elementwise_bytes: float = 0  # CuPy element-wise and scan traffic of group + plan
-    final_items0: int = 0  # occurrences summed directly by the final kernel
-    final_partials: int = 0  # partial rows summed by the final kernel
-    partial_items0: int = 0  # occurrences summed into partial rows
-    partial_itemsN: int = 0  # partial rows summed into partial rows of the next level
+    direct: int = 0  # occurrences summed (final sums at level 0 and level-1 pieces)
+    direct_final: int = 0  # of which by the final sums
+    partials_read: int = 0  # partial rows summed (final sums above level 0, pieces above 1)
+    partials_read_final: int = 0  # of which by the final sums
     partial_rows: int = 0  # partial rows written
-    partial_slots: int = 0  # chunk slots the partial kernels visit (bounds, some empty)
+    slots: int = 0  # window slots the partial kernels visit
 
 
 @dataclass
@@ -645,151 +653,21 @@ def real_sizes():
 
 
 def segments(keys):
-    """:class:`Segments` of ``keys``: the decomposition built by ``_segments.group`` and
-    ``_segments.plan`` (run with :class:`CountingXP`, which also measures their
-    element-wise traffic), or, where ``_segments`` does not exist, one row group per
-    distinct id (no partial rows)."""
-    try:
-        from hbkernels.cuda import _segments
-    except ImportError:
-        _segments = None
-    counts = np.unique(keys, return_counts=True)[1]
-    if _segments is None or not hasattr(_segments, "plan"):
-        return Segments(int(counts.max()), final_items0=len(keys))
-    xp = CountingXP()
-    # as embedding_bag_backward.occurrences() builds it, on the int32 sort keys of prepare
-    grouping = _segments.group(xp, xp.asarray(keys.astype(np.int32)))
-    plan = _segments.plan(xp, grouping, _segments.CHUNK)
-    k = int(grouping.count[0])
-    level = np.asarray(plan.final_level)[:k]
-    width = (np.asarray(plan.final_hi) - np.asarray(plan.final_lo))[:k]
-    result = Segments(
-        max_serial=(int(_segments.max_serial_items(np, keys)) if hasattr(_segments, "max_serial_items")
-                    else int(counts.max())),
-        elementwise_bytes=xp.bytes["elementwise"],
-        final_items0=int(width[level == 0].sum()), final_partials=int(width[level > 0].sum()))
-    for t, lev in enumerate(plan.levels):
-        items = np.asarray(lev.hi) - np.asarray(lev.lo)
-        if t == 0:
-            result.partial_items0 += int(items.sum())
-        else:
-            result.partial_itemsN += int(items.sum())
-        result.partial_rows += int((items > 0).sum())
-        result.partial_slots += int(lev.rows)
-    return result
+    """:class:`Segments` of ``keys``: the runs of ``_segments.group`` and the sums that
+    ``_segments.walks`` counts from them."""
+    from hbkernels.cuda import _segments
 
-
-class _Counted(np.ndarray):
-    """A NumPy array whose operations add the bytes they read and write to the
-    :class:`CountingXP` that made it: element-wise ufuncs and NumPy functions their
-    array inputs and outputs, fancy indexing its index, the elements gathered and
-    the result, a slice assignment what it copies; ``argsort`` goes to the sort bucket
-    (:func:`sort_bytes`)."""
-
-    counter = None
-
-    def __array_finalize__(self, obj):
-        self.counter = getattr(obj, "counter", None)
-
-    def _plain(self):
-        return self.view(np.ndarray)
-
-    @staticmethod
-    def _unwrap(x):
-        if isinstance(x, _Counted):
-            return x._plain()
-        if isinstance(x, (list, tuple)):
-            return type(x)(_Counted._unwrap(v) for v in x)
-        return x
-
-    @staticmethod
-    def _size(x):
-        if isinstance(x, np.ndarray):
-            return x.nbytes
-        if isinstance(x, (list, tuple)):
-            return sum(_Counted._size(v) for v in x)
-        return 0
-
-    def _wrap(self, x):
-        if isinstance(x, np.ndarray) and not isinstance(x, _Counted):
-            x = x.view(_Counted)
-            x.counter = self.counter
-        return x
-
-    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
-        if "out" in kwargs:
-            kwargs["out"] = self._unwrap(kwargs["out"])
-        plain = self._unwrap(inputs)
-        result = getattr(ufunc, method)(*plain, **kwargs)
-        self.counter.add("elementwise", self._size(plain) + self._size(result))
-        return tuple(self._wrap(r) for r in result) if isinstance(result, tuple) else self._wrap(result)
-
-    def __array_function__(self, func, types, args, kwargs):
-        plain_args, plain_kwargs = self._unwrap(args), {k: self._unwrap(v) for k, v in kwargs.items()}
-        if func is np.argsort:
-            keys = plain_args[0]
-            result = np.argsort(keys, kind="stable")
-            self.counter.add("sort", sort_bytes(keys.size, keys.itemsize, result.itemsize))
-            return self._wrap(result)
-        result = func(*plain_args, **plain_kwargs)
-        self.counter.add("elementwise", self._size(plain_args) + self._size(result))
-        return self._wrap(result)
-
-    @staticmethod
-    def _fancy(key):
-        keys = key if isinstance(key, tuple) else (key,)
-        return any(isinstance(k, np.ndarray) or isinstance(k, list) for k in keys)
-
-    def __getitem__(self, key):
-        key = self._unwrap(key)
-        result = self._plain()[key]
-        if self._fancy(key):
-            self.counter.add("elementwise", self._size(key) + 2 * self._size(result))
-        return self._wrap(result)
-
-    def __setitem__(self, key, value):
-        key, value = self._unwrap(key), self._unwrap(value)
-        plain = self._plain()
-        target = plain[key]  # a copy for a fancy key, else a view or one element
-        written = target.nbytes if isinstance(target, np.ndarray) else plain.itemsize
-        plain[key] = value
-        self.counter.add("elementwise", self._size(key) + self._size(value) + written)
-
-    def astype(self, dtype, *args, **kwargs):
-        result = self._plain().astype(dtype, *args, **kwargs)
-        self.counter.add("elementwise", self.nbytes + result.nbytes)
-        return self._wrap(result)
-
-
-class CountingXP:
-    """An array module (NumPy underneath) that measures the DRAM traffic of the code run
-    with it, as CuPy would move it: one pass per operation, nothing fused. ``bytes``:
-    ``{"elementwise": ..., "sort": ...}``."""
-
-    _CREATE = {"zeros": True, "full": True, "arange": True, "ones": True, "empty": False,
-               "asarray": False}
-
-    def __init__(self):
-        self.bytes = {"elementwise": 0, "sort": 0}
-
-    def add(self, bucket, nbytes):
-        self.bytes[bucket] += int(nbytes)
-
-    def __getattr__(self, name):
-        attr = getattr(np, name)
-        if name not in self._CREATE:
-            return attr
-
-        def create(*args, **kwargs):
-            result = np.array(attr(*args, **kwargs), copy=True) if name == "asarray" \
-                else attr(*args, **kwargs)
-            if self._CREATE[name]:
-                self.add("elementwise", result.nbytes)
-            result = result.view(_Counted)
-            result.counter = self
-            return result
-
-        return create
+    w = _segments.walks(keys)
+    n, chunk = keys.shape[0], _segments.CHUNK
+    levels = _segments.partial_levels(n, chunk)[0]
+    return Segments(
+        max_serial=w.longest,
+        direct=int(w.final[0] + w.pieces[1]) if levels else int(w.final[0]),
+        direct_final=int(w.final[0]),
+        partials_read=int(w.final[1:].sum() + w.pieces[2:].sum()),
+        partials_read_final=int(w.final[1:].sum()),
+        partial_rows=int(w.rows.sum()),
+        slots=sum(2 * -(-n // chunk**t) for t in range(1, levels + 1)))
 
 
 # ======================================================================================

@@ -1,32 +1,55 @@
-"""The work decomposition of the sparse backward (:mod:`hbkernels.cuda._segments`),
-built with NumPy exactly as the GPU builds it with CuPy: every sum it describes is
-the sum of the right occurrences, and no row group walks more than CHUNK items."""
+"""The work decomposition of the sparse backward (:mod:`hbkernels.cuda._segments`):
+the grouping its kernels build (under the simulator) against NumPy, and its
+arithmetic, evaluated here as the partial and final kernels evaluate it, against
+plain sums: every occurrence is summed once, and no row group walks more than
+CHUNK items, at the bench's full size too."""
 import numpy as np
 import pytest
 
-from hbkernels.cuda import _segments
+from hbkernels.cuda import _device, _segments
 
 
 def evaluate(keys, values, chunk):
-    """Per distinct key, the sum of ``values`` the plan describes (float64), the
-    distinct keys, and the longest serial walk."""
-    grouping = _segments.group(np, keys)
-    plan = _segments.plan(np, grouping, chunk)
-    num = int(grouping.count[0])
-    items = values[grouping.order]
-    partials = np.zeros(plan.partial_rows)
+    """Per distinct key, the sum of ``values`` the decomposition computes (float64,
+    through the partial rows, slot by slot as ``partial_kernel`` writes them), and
+    the longest serial walk."""
+    order = np.argsort(keys, kind="stable")
+    starts = _segments.run_bounds(keys)
+    n, k = keys.shape[0], starts.shape[0] - 1
+    run = np.repeat(np.arange(1, k + 1), np.diff(starts))
+    levels, rows = _segments.partial_levels(n, chunk)
+    partials = np.full(max(rows, 1), np.nan)  # a row read before it is written stays NaN
+    items = values[order]
     longest = 0
-    for level, lev in enumerate(plan.levels):
-        src = items if level == 0 else partials
-        for c in range(lev.rows):
-            partials[lev.base + c] = src[lev.lo[c]:lev.hi[c]].sum()
-            longest = max(longest, lev.hi[c] - lev.lo[c])
-    sums = np.empty(num)
-    for r in range(num):
-        src = items if plan.final_level[r] == 0 else partials
-        sums[r] = src[plan.final_lo[r]:plan.final_hi[r]].sum()
-        longest = max(longest, plan.final_hi[r] - plan.final_lo[r])
-    return grouping.ids[:num], sums, longest
+
+    def total(level, first, last, lo, base, width):
+        if level == 0:
+            return items[first:last].sum()
+        return sum(partials[_segments.partial_row(lo, m, width, base)] for m in range(first, last))
+
+    width = 1
+    for level in range(1, levels + 1):
+        width *= chunk
+        base = _segments.level_base(n, level, chunk)
+        below = _segments.level_base(n, level - 1, chunk)
+        for s in range(2 * -(-n // width)):
+            window = s // 2
+            w_lo = window * width
+            r = run[w_lo if s % 2 == 0 else min(w_lo + width, n) - 1] - 1
+            lo, hi = starts[r], starts[r + 1]
+            if s % 2 == 1 and lo <= w_lo or _segments.final_level(lo, hi, chunk)[0] < level:
+                continue
+            first, last = _segments.piece(lo, hi, level, window, chunk)
+            assert 0 < last - first <= chunk
+            longest = max(longest, last - first)
+            partials[base + s] = total(level - 1, first, last, lo, below, width // chunk)
+    sums = np.empty(k)
+    for r in range(k):
+        lo, hi = starts[r], starts[r + 1]
+        level, first, last, width = _segments.final_level(lo, hi, chunk)
+        longest = max(longest, last - first)
+        sums[r] = total(level, first, last, lo, _segments.level_base(n, level, chunk), width)
+    return sums, longest
 
 
 def reference(keys, values):
@@ -34,51 +57,74 @@ def reference(keys, values):
     return uniq, np.bincount(inverse, weights=values, minlength=len(uniq))
 
 
+CASES = {
+    "random": lambda rng, n: rng.integers(-1, 20, n),
+    "one id": lambda rng, n: np.full(n, 7),
+    "all distinct": lambda rng, n: rng.permutation(n) * 3 - 1,
+    "zipf": lambda rng, n: rng.zipf(1.2, n) % 500,
+    "hot among few": lambda rng, n: np.where(rng.random(n) < 0.9, 5, rng.integers(0, 9, n)),
+}
+
+
 @pytest.mark.parametrize("chunk", [2, 3, 4, 16])
-@pytest.mark.parametrize("case", ["random", "one id", "all distinct", "zipf", "hot among few"])
-def test_plan_sums_every_occurrence_once(rng, chunk, case):
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_occurrence_is_summed_once(rng, chunk, case):
     n = int(rng.integers(1, 3000))
-    keys = {"random": lambda: rng.integers(-1, 20, n),
-            "one id": lambda: np.full(n, 7),
-            "all distinct": lambda: rng.permutation(n) * 3 - 1,
-            "zipf": lambda: rng.zipf(1.2, n) % 500,
-            "hot among few": lambda: np.where(rng.random(n) < 0.9, 5, rng.integers(0, 9, n)),
-            }[case]()
+    keys = CASES[case](rng, n)
     values = rng.random(n)
-    ids, sums, longest = evaluate(keys, values, chunk)
-    ref_ids, ref_sums = reference(keys, values)
-    np.testing.assert_array_equal(ids, ref_ids)
-    np.testing.assert_allclose(sums, ref_sums, rtol=1e-12)
+    sums, longest = evaluate(keys, values, chunk)
+    np.testing.assert_allclose(sums, reference(keys, values)[1], rtol=1e-12)
     assert longest <= chunk
+    assert _segments.max_serial_items(keys, chunk) == longest
 
 
-@pytest.mark.parametrize("length", [1, 4, 5, 16, 17, 64, 65])
-def test_plan_at_chunk_boundaries(length):
-    keys = np.concatenate([np.full(length, 2), [0, 9, 9]])
-    values = np.arange(keys.shape[0], dtype=np.float64)
-    ids, sums, longest = evaluate(keys, values, 4)
-    assert ids.tolist() == [0, 2, 9]
-    assert sums[1] == values[:length].sum()
+@pytest.mark.parametrize("length", [1, 4, 5, 16, 17, 64, 65, 257])
+@pytest.mark.parametrize("before", [0, 1, 3, 4])
+def test_runs_across_window_boundaries(length, before):
+    """A hot id after ``before`` smaller ones: every alignment against the windows."""
+    keys = np.concatenate([np.arange(before), np.full(length, 20), [30, 31, 31]])
+    values = np.arange(keys.shape[0], dtype=np.float64) + 1
+    sums, longest = evaluate(keys, values, 4)
+    assert sums[before] == values[before:before + length].sum()
+    np.testing.assert_array_equal(sums, reference(keys, values)[1])
     assert longest <= 4
 
 
-def test_sorted_positions_keep_input_order_within_an_id(rng):
-    keys = rng.integers(0, 5, 500)
-    grouping = _segments.group(np, keys)
-    for k in range(5):
-        positions = grouping.order[keys[grouping.order] == k]
-        assert np.all(np.diff(positions) > 0)
+def test_levels_cover_any_run():
+    """partial_levels(n) levels suffice for every run inside n positions."""
+    for chunk in (2, 3, 4, 256):
+        for n in (1, 2, chunk, chunk + 1, chunk**2, chunk**2 + 1, 10_000):
+            levels = _segments.partial_levels(n, chunk)[0]
+            for lo, hi in [(0, n), (1, n), (n // 3, n), (0, max(1, n - 1))]:
+                if lo < hi:
+                    assert _segments.final_level(lo, hi, chunk)[0] <= levels
+
+
+@pytest.mark.parametrize("case", ["random", "one id", "all distinct", "hot among few"])
+def test_group_kernels_match_numpy(rng, case):
+    """group() on the device (simulator): the runs of the stably sorted keys."""
+    n = int(rng.integers(1, 40))
+    keys = CASES[case](rng, n).astype(np.int32)
+    g = _segments.group(_device.xp().asarray(keys))
+    order, run, starts = (_device.to_host(a) for a in (g.order, g.run, g.starts))
+    ids, k = _device.to_host(g.ids), int(_device.to_host(g.count)[0])
+    uniq = np.unique(keys)
+    assert k == uniq.shape[0]
+    np.testing.assert_array_equal(ids[:k], uniq)
+    np.testing.assert_array_equal(starts[:k + 1], _segments.run_bounds(keys))
+    np.testing.assert_array_equal(order, np.argsort(keys, kind="stable"))
+    np.testing.assert_array_equal(run, np.searchsorted(uniq, keys[order]) + 1)
 
 
 def test_bench_ids_walk_at_most_a_chunk():
     """The issue's case: Zipf(1.05) over 1e7 rows, B*L = 2,097,152 ids; the top id occurs
-    ~100,000 times, yet no row group sums more than CHUNK items (<= 1024)."""
+    ~180,000 times, yet no row group sums more than CHUNK items (<= 1024)."""
     from bench.common import zipf_ids
 
     ids = zipf_ids(2_097_152, 10**7, 1.05, seed=0)
-    assert np.bincount(np.unique(ids, return_inverse=True)[1]).max() > 50_000
-    assert _segments.max_serial_items(np, ids) == _segments.CHUNK <= 1024
+    assert np.unique(ids, return_counts=True)[1].max() > 50_000
+    assert _segments.max_serial_items(ids) == _segments.CHUNK <= 1024
 
 
-def test_one_id_two_million_times_walks_at_most_a_chunk():
-    assert _segments.max_serial_items(np, np.zeros(2_097_152, np.int64)) <= _segments.CHUNK
+def test_one_id_two_million_times():
+    assert _segments.max_serial_items(np.zeros(2_097_152, np.int64)) <= _segments.CHUNK

@@ -102,7 +102,7 @@ def check_ragged(family, values, offsets, num_rows, bounds):
 def fused_checks(family, grad_out, per_sample_weights, values, offsets, num_rows, bounds,
                  finite):
     """``(first non-finite row of grad_out, of per_sample_weights, first bad offset,
-    first bad id)`` (-1: none), as the CUDA backend's; finiteness checked when ``finite``."""
+    first bad id)`` (-1: none); finiteness checked when ``finite``."""
     bad_grad = bad_psw = -1
     if finite:
         bad_grad = first_nonfinite_row(family, grad_out)
@@ -392,7 +392,19 @@ def sparse_update(family, rule, weights, state1, state2, hp, ids, rows, skip_non
 
 
 def fused_sparse_update(family, rule, weights, state1, state2, hp, grad_out, values, offsets,
-                        psw, combiner, bounds, skip_nonfinite, stochastic, key):
+                        psw, combiner, bounds, finite, skip_nonfinite, stochastic, key):
+    """The checks of :func:`fused_checks`, then, when all pass, the update. Returns the
+    checks' first bad positions (all -1: the update ran)."""
+    bad = fused_checks(family, grad_out, psw, values, offsets, weights.shape[0], bounds, finite)
+    if any(b != -1 for b in bad):
+        return bad
+    _fused_update(family, rule, weights, state1, state2, hp, grad_out, values, offsets, psw,
+                  combiner, bounds, skip_nonfinite, stochastic, key)
+    return bad
+
+
+def _fused_update(family, rule, weights, state1, state2, hp, grad_out, values, offsets, psw,
+                  combiner, bounds, skip_nonfinite, stochastic, key):
     dim = weights.shape[1]
     if values.shape[0] == 0 or offsets.shape[0] < 2:
         return

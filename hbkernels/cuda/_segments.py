@@ -1,77 +1,55 @@
 """The work decomposition of the sparse backward: occurrences grouped by id, and
-long groups cut into chunks, so that no row group sums more than ``CHUNK`` items
+long groups summed in pieces, so that no row group sums more than ``CHUNK`` items
 one after another, whatever the id frequencies.
 
-Written against an array module ``xp`` (CuPy on a GPU, NumPy under the simulator
-and in CPU-only tests), with every size a host-known upper bound: building it
-reads nothing back to the host.
+:func:`group` (CuPy's argsort and cumsum around two Numba kernels; NumPy under
+the simulator) sorts the positions ``0..n-1`` stably by key, so each distinct
+key's occurrences are contiguous and in input order, and finds the runs:
+``run[i]`` is 1 + the distinct index of sorted position ``i``, ``starts[r]`` the
+first sorted position of distinct key ``r`` (``starts[K] = n``), ``ids[r]`` the
+key, ``count[0] = K``. Sizes are host-known bounds (``n``): nothing is read back.
 
-* :func:`group`: the positions ``0..n-1`` stably sorted by key (``xp.argsort``:
-  CUB radix sort on a GPU), so each distinct key's occurrences are contiguous and
-  in input order; ``seg[i]`` is the distinct index (0, 1, ...) of sorted
-  position ``i``, ``ids[r]`` the ``r``-th distinct key, ``count[0]`` their number
-  ``K`` (a device array).
-* :func:`plan`: level 0 has the ``n`` sorted occurrences as items, each with its
-  segment (distinct index). A segment of at most ``CHUNK`` items is *final* at
-  that level: its consumer sums the items itself. A longer one is cut into
-  chunks of ``CHUNK`` items (the last shorter); each chunk's sum is one item of
-  the next level (a *partial* row), with the same segment. Level ``t + 1`` has
-  at most ``m_t // CHUNK + m_t // (CHUNK + 1)`` items and its segments at most
-  ``ceil(len_t / CHUNK)`` of them, so after ``ceil(log_CHUNK(n)) - 1`` levels
-  every segment is final. The sums are taken in a fixed order (chunks in
-  position order, partials in chunk order): the result has the same bits on
-  every run.
-
-Per segment ``r`` the plan records ``final_level[r]`` and the item range
-``[final_lo[r], final_hi[r])``: sorted positions at level 0, rows of the partial
-buffer at levels >= 1 (one buffer; level ``t`` starts at row ``base[t]``).
-Per level ``t >= 1`` it records the chunks that make its items:
-``chunk_lo/hi`` (items of level ``t - 1``, in that level's coordinates) and the
-number of partial rows (``Level.rows``, a bound; unused rows are empty chunks).
+The sums need no plan arrays: they follow from a run's bounds ``[lo, hi)`` by the
+arithmetic of :func:`final_level`, :func:`piece`, :func:`level_base` and
+:func:`partial_row`, plain Python functions compiled for the device (``device_*``)
+and, with ``numba.njit``, for the CPU (:func:`walks`). Level ``t >= 1`` cuts the
+sorted positions into *windows* of ``W_t = CHUNK^t`` positions, aligned to
+multiples of ``W_t``; window ``M`` owns two partial rows, ``2M`` for the run
+holding its first position and ``2M + 1`` for a run starting inside it and
+reaching past its end (at most one does). A run's piece in a window is the sum of
+its level ``t - 1`` items there (positions at level 1, else the partial rows of the
+window's ``CHUNK`` sub-windows), at most ``CHUNK`` of them. A run whose items at
+level ``t`` number more than ``CHUNK`` is summed from its level ``t + 1`` pieces;
+its *final level* is the first with at most ``CHUNK`` items, which its consumer
+sums in order. Windows are fixed by position, so every sum is taken in a fixed
+order: the same bits on every run, and partial rows need no allocation, scan or
+atomics (a run with final level ``T`` reaches past every window it starts inside
+at levels ``< T``).
 """
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+import numba
 import numpy as np
+from numba import cuda
+
+from . import _device
+from ._launch import blocks_for, threads_per_block
 
 CHUNK = 256  # items one row group sums serially, at most (occurrences or partial rows)
 
 
 @dataclass
 class Grouping:
-    """Occurrences grouped by key: ``order`` (sorted position -> input position),
-    ``seg`` (sorted position -> distinct index), ``starts`` (distinct index ->
-    first sorted position; ``n`` from ``K`` on), ``ids`` (distinct keys; entries
-    past ``count[0]`` are padding), ``count`` (``[K]``, on the device)."""
+    """Occurrences grouped by key (``xp`` arrays; entries past ``K`` are undefined):
+    ``order`` (sorted position -> input position), ``run`` (sorted position -> 1 +
+    distinct index), ``starts`` (``K + 1`` run bounds), ``ids`` (distinct keys),
+    ``count`` (``[K]``)."""
 
     order: object
-    seg: object
+    run: object
     starts: object
     ids: object
     count: object
-
-
-@dataclass
-class Level:
-    """The partial rows of one level >= 1: row ``base + c`` is the sum of items
-    ``[lo[c], hi[c])`` of the level below (``lo == hi`` for unused rows)."""
-
-    base: int
-    rows: int
-    lo: object
-    hi: object
-
-
-@dataclass
-class Plan:
-    final_level: object
-    final_lo: object
-    final_hi: object
-    levels: list = field(default_factory=list)
-
-    @property
-    def partial_rows(self):
-        """Rows of the partial buffer (0: no segment needs partials)."""
-        return sum(level.rows for level in self.levels)
 
 
 def stable_argsort(xp, keys):
@@ -83,88 +61,181 @@ def stable_argsort(xp, keys):
     return xp.argsort(keys)
 
 
-def group(xp, keys):
-    """:class:`Grouping` of ``keys`` (a 1-D integer array, at least one entry)."""
+def index_dtype(n):
+    """Positions and run numbers of ``n`` items: int32 when they fit."""
+    return np.dtype(np.int32) if n < 2**31 - 1 else np.dtype(np.int64)
+
+
+@cuda.jit
+def heads_kernel(keys, order, heads):
+    """``heads[i] = 1`` where sorted position ``i`` starts a run, else 0."""
+    for i in range(cuda.grid(1), order.shape[0], cuda.gridsize(1)):
+        here = keys[order[i]]
+        heads[i] = 1 if i == 0 or keys[order[i - 1]] != here else 0
+
+
+@cuda.jit
+def compact_kernel(keys, order, run, starts, ids, count):
+    """Run bounds, distinct keys and their count from the inclusive scan of the heads."""
+    n = run.shape[0]
+    for i in range(cuda.grid(1), n, cuda.gridsize(1)):
+        here = run[i]
+        before = run[i - 1] if i > 0 else 0
+        p = order[i]  # loaded with the run numbers, used at heads only
+        r = here - 1
+        if here != before:
+            starts[r] = i
+            ids[r] = keys[p]
+        if i == n - 1:
+            starts[r + 1] = n
+            count[0] = r + 1
+
+
+def group(keys, stream=0):
+    """:class:`Grouping` of ``keys`` (a 1-D integer ``xp`` array, at least one entry),
+    queued on ``stream``."""
+    xp = _device.xp()
     n = keys.shape[0]
+    index = index_dtype(n)
     order = stable_argsort(xp, keys)
-    sorted_keys = keys[order]
-    head = xp.empty(n, np.bool_)
-    head[0] = True
-    head[1:] = sorted_keys[1:] != sorted_keys[:-1]
-    seg = xp.cumsum(head, dtype=np.int64) - 1
-    starts = xp.full(n + 2, n, np.int64)  # entry n + 1 collects the positions that start nothing
-    starts[xp.where(head, seg, n + 1)] = xp.arange(n, dtype=np.int64)
-    return Grouping(order, seg, starts[:n + 1], sorted_keys[xp.minimum(starts[:n], n - 1)],
-                    seg[n - 1:] + 1)
+    heads = _device.scratch(n, np.int8)
+    tpb = threads_per_block()
+    blocks = blocks_for(n, tpb)
+    k_keys, k_order = _device.kernel(keys), _device.kernel(order)
+    heads_kernel[blocks, tpb, stream](k_keys, k_order, _device.kernel(heads))
+    run = xp.cumsum(heads, dtype=index)
+    starts = _device.scratch(n + 1, index)
+    ids = _device.scratch(n, keys.dtype)
+    count = _device.scratch(1, np.int64)
+    compact_kernel[blocks, tpb, stream](k_keys, k_order, _device.kernel(run),
+                                        _device.kernel(starts), _device.kernel(ids),
+                                        _device.kernel(count))
+    return Grouping(order, run, starts, ids, count)
 
 
-def plan(xp, grouping, chunk):
-    """:class:`Plan` of the sums of a :class:`Grouping`'s segments."""
-    seg = grouping.seg
-    num_segments_bound = seg.shape[0]
-    nseg = num_segments_bound
-    final_level = xp.zeros(nseg + 1, np.int64)  # entry nseg collects non-final items
-    final_lo = xp.zeros(nseg + 1, np.int64)
-    final_hi = xp.zeros(nseg + 1, np.int64)
-    result = Plan(final_level[:nseg], final_lo[:nseg], final_hi[:nseg])
-    items_seg = seg
-    longest = seg.shape[0]  # host bound on a segment's items at this level
-    offset = 0  # where this level's items start in the partial buffer (level >= 1)
+# ---------------------------------------------------------------------------
+# the sums' arithmetic (device functions and, through numba.njit, CPU functions)
+# ---------------------------------------------------------------------------
+def final_level(lo, hi, chunk):
+    """``(T, first, last, W_T)`` of the run ``[lo, hi)``: its final level ``T`` and
+    the items ``[first, last)`` summed there (positions at level 0, window numbers
+    at level ``T >= 1``), at most ``chunk`` of them."""
     level = 0
-    while True:
-        m = items_seg.shape[0]
-        idx = xp.arange(m, dtype=np.int64)
-        if level == 0:  # the items' segments are their runs: the grouping has their bounds
-            head = grouping.starts[seg] == idx
-            lo = grouping.starts[seg]
-            hi = grouping.starts[seg + 1]
-        else:
-            head = xp.empty(m, np.bool_)
-            head[0] = True
-            head[1:] = items_seg[1:] != items_seg[:-1]
-            tail = xp.empty(m, np.bool_)
-            tail[-1] = True
-            tail[:-1] = head[1:]
-            run = xp.cumsum(head, dtype=np.int64) - 1
-            run_lo = xp.zeros(m + 1, np.int64)
-            run_hi = xp.zeros(m + 1, np.int64)
-            run_lo[xp.where(head, run, m)] = idx
-            run_hi[xp.where(tail, run, m)] = idx + 1
-            lo = run_lo[run]
-            hi = run_hi[run]
-        valid = items_seg < nseg  # padding items carry segment nseg
-        is_long = valid & (hi - lo > chunk)
-        where = xp.where(valid & head & ~is_long, items_seg, nseg)
-        final_level[where] = level
-        final_lo[where] = lo + offset
-        final_hi[where] = hi + offset
-        if longest <= chunk:
-            return result
-        cut = is_long & ((idx - lo) % chunk == 0)
-        rows = m // chunk + m // (chunk + 1)  # chunks of segments longer than chunk, at most
-        slot = xp.where(cut, xp.cumsum(cut, dtype=np.int64) - 1, rows)
-        next_seg = xp.full(rows + 1, nseg, np.int64)
-        chunk_lo = xp.zeros(rows + 1, np.int64)
-        chunk_hi = xp.zeros(rows + 1, np.int64)
-        next_seg[slot] = items_seg
-        chunk_lo[slot] = idx + offset
-        chunk_hi[slot] = xp.minimum(idx + chunk, hi) + offset
-        offset = result.partial_rows
-        result.levels.append(Level(offset, rows, chunk_lo[:rows], chunk_hi[:rows]))
-        items_seg = next_seg[:rows]
-        longest = -(-longest // chunk)
+    first = lo
+    last = hi
+    width = 1
+    while last - first > chunk:
+        width *= chunk
         level += 1
+        first = lo // width
+        last = (hi - 1) // width + 1
+    return level, first, last, width
 
 
-def max_serial_items(xp, keys, chunk=CHUNK):
-    """The most items any row group sums one after another in the decomposition
-    :func:`group` and :func:`plan` build for ``keys``: the longest chunk or final
-    segment (computed with ``xp``; NumPy for the figures of the kernel model)."""
-    grouping = group(xp, keys)
-    p = plan(xp, grouping, chunk)
-    k = int(grouping.count[0])
-    longest = int((p.final_hi[:k] - p.final_lo[:k]).max())
-    for level in p.levels:
-        if level.rows:
-            longest = max(longest, int((level.hi - level.lo).max()))
-    return longest
+def piece(lo, hi, level, window, chunk):
+    """``(first, last)``: the level ``level - 1`` items of the run ``[lo, hi)`` inside
+    window ``window`` of level ``level >= 1`` (positions, or sub-window numbers)."""
+    sub = 1
+    for _ in range(level - 1):
+        sub *= chunk
+    a = lo // sub
+    b = (hi - 1) // sub + 1
+    return max(a, window * chunk), min(b, (window + 1) * chunk)
+
+
+def level_base(n, level, chunk):
+    """First partial row of level ``level >= 1`` for ``n`` sorted positions (level
+    ``t`` has two rows per window: ``2 * ceil(n / W_t)``)."""
+    base = 0
+    width = 1
+    for _ in range(level - 1):
+        width *= chunk
+        base += 2 * ((n + width - 1) // width)
+    return base
+
+
+def partial_row(lo, m, width, base):
+    """The partial row of window ``m`` (level of window size ``width``) holding the
+    run starting at ``lo``: ``2m`` when the run holds the window's first position."""
+    return base + 2 * m + (1 if lo > m * width else 0)
+
+
+device_final_level = cuda.jit(device=True, inline=True)(final_level)
+device_piece = cuda.jit(device=True, inline=True)(piece)
+device_level_base = cuda.jit(device=True, inline=True)(level_base)
+device_partial_row = cuda.jit(device=True, inline=True)(partial_row)
+_final_level_cpu = numba.njit(final_level)
+_piece_cpu = numba.njit(piece)
+
+
+def partial_levels(n, chunk):
+    """``(levels, rows)``: the partial levels any run of ``n`` sorted positions may
+    need, and the partial rows they take (two per window of each level)."""
+    levels, rows, width = 0, 0, 1
+    while -(-n // width) > chunk:
+        width *= chunk
+        levels += 1
+        rows += 2 * -(-n // width)
+    return levels, rows
+
+
+# ---------------------------------------------------------------------------
+# the decomposition's figures, with NumPy
+# ---------------------------------------------------------------------------
+def run_bounds(keys):
+    """``starts`` of the runs of ``keys`` stably sorted (NumPy), as :func:`group` builds
+    them on the device: ``K + 1`` entries."""
+    counts = np.unique(np.asarray(keys), return_counts=True)[1]
+    return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+
+
+@numba.njit(cache=False)
+def _walks(starts, chunk, levels):
+    """:func:`walks` of the runs ``starts``."""
+    final = np.zeros(levels + 1, np.int64)
+    pieces = np.zeros(levels + 1, np.int64)
+    rows = np.zeros(levels + 1, np.int64)
+    longest = 0
+    for r in range(starts.shape[0] - 1):
+        lo = starts[r]
+        hi = starts[r + 1]
+        level, first, last, _ = _final_level_cpu(lo, hi, chunk)
+        final[level] += last - first
+        longest = max(longest, last - first)
+        width = 1
+        for t in range(1, level + 1):
+            width *= chunk
+            for m in range(lo // width, (hi - 1) // width + 1):
+                a, b = _piece_cpu(lo, hi, t, m, chunk)
+                pieces[t] += b - a
+                rows[t] += 1
+                longest = max(longest, b - a)
+    return final, pieces, rows, longest
+
+
+@dataclass
+class Walks:
+    """What the sums of :func:`group`'s runs read, per level ``t`` (NumPy arrays):
+    ``final[t]`` items summed by the final sums of the runs whose final level is
+    ``t`` (occurrences at 0, partial rows above), ``pieces[t]`` items summed into
+    level ``t``'s partial rows (``t >= 1``), ``rows[t]`` those rows; ``longest``:
+    the most items one row group sums one after another."""
+
+    final: object
+    pieces: object
+    rows: object
+    longest: int
+
+
+def walks(keys, chunk=None):
+    """:class:`Walks` of the decomposition of ``keys`` (NumPy)."""
+    chunk = CHUNK if chunk is None else chunk
+    starts = run_bounds(keys)
+    final, pieces, rows, longest = _walks(starts, chunk,
+                                          partial_levels(int(starts[-1]), chunk)[0])
+    return Walks(final, pieces, rows, int(longest))
+
+
+def max_serial_items(keys, chunk=None):
+    """The most items any row group sums one after another for ``keys``."""
+    return walks(keys, chunk).longest

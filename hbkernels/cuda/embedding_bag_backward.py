@@ -8,25 +8,26 @@ With bag scale ``c_b`` (1 for sum, ``1/Σw`` for mean, ``1/sqrt(Σw²)`` for sqr
 Pipeline (all queued on the current stream):
 
 1. ``prepare``: one thread per bag (grid-stride) checks the bag's offsets (error
-   slot 0, as the forward reports them), sums its weights (``Σw``, ``Σw²``, in
-   input order, in fp64 as the CPU backend does; the weights are first cast to
-   the accumulator type), and writes for every position ``j`` of the bag
-   ``bag_of[j] = b``, ``coef[j] = c_b · w_j`` (fp64 product, stored in the
-   accumulator type) and the sort key ``keys[j] = values[j]`` (int32 when the
-   table has fewer than 2^31 rows). An out-of-range id (recorded in error slot 1
-   when checked) and a position no bag covers get the key -1, which sorts first
-   and is dropped.
-2. :func:`._segments.group`: the positions stably sorted by key (CuPy's CUB
-   radix sort), so each distinct id's occurrences are contiguous and in input
-   order, and :func:`._segments.plan`: ids with more than ``CHUNK`` occurrences
-   are cut into chunks whose sums (partial rows, in the accumulator type) are
-   combined level by level. ``(bag, coef)`` are gathered into sorted order.
+   slot 0, as the forward reports them) and writes for every position ``j`` of the
+   bag ``bag_of[j] = b`` (int32 when the bags fit) and the sort key
+   ``keys[j] = values[j]`` (int32 when the table has fewer than 2^31 rows). With
+   weights or a mean/sqrtn combiner it first sums the bag's weights (``Σw``,
+   ``Σw²``, in input order, in fp64 as the CPU backend does; the weights are first
+   cast to the accumulator type) and writes ``coef[j] = c_b · w_j`` (fp64 product,
+   stored in the accumulator type); otherwise every coefficient is 1 and none is
+   stored. An out-of-range id (recorded in error slot 1 when checked) gets the key
+   -1, which sorts first and is dropped, and the bag -1, which sums as 0.
+2. :func:`._segments.group`: the positions stably sorted by key (CuPy's CUB radix
+   sort), so each distinct id's occurrences form a run in input order, and the
+   runs' bounds.
 3. ``partial_kernel`` per level, then ``gather_kernel``: one row group of
-   ``G = group_size(D)`` lanes per chunk (per distinct id), summing its items in
-   order (:func:`make_accumulate`). No row group sums more than ``CHUNK`` items
-   and no atomics touch the result: the same bits every run, whatever the id
-   frequencies. ``deterministic=False``: one row group per occurrence adds its
-   contribution with ``cuda.atomic.add`` into an fp32/fp64 buffer instead.
+   ``G = group_size(D)`` lanes per window slot (per distinct id), summing its items
+   in order (:func:`make_accumulate`); a run of more than ``CHUNK`` occurrences is
+   summed from its pieces, windows of ``CHUNK^t`` sorted positions
+   (:mod:`._segments`). No row group sums more than ``CHUNK`` items and no atomics
+   touch the result: the same bits every run, whatever the id frequencies.
+   ``deterministic=False``: one row group per occurrence adds its contribution
+   with ``cuda.atomic.add`` into an fp32/fp64 buffer instead.
 
 Host syncs: one, reading the error slots (unless ``bounds="unchecked"``) and the
 distinct count together. ``padded=True`` sizes the result by ``len(values)`` (the
@@ -62,6 +63,10 @@ from ._launch import (
     store_as,
     threads_per_block,
 )
+from ._segments import device_final_level as final_level
+from ._segments import device_level_base as level_base
+from ._segments import device_partial_row as partial_row
+from ._segments import device_piece as piece
 from ._warp import group_mask, shfl_idx
 from .embedding_bag import check_bag_offsets, empty_batch_bad_offset
 from .segment_sum import cast_kernel
@@ -73,15 +78,26 @@ ITEMS_IN_FLIGHT = 2  # occurrences whose rows a lane loads before the first add
 # 1. per-position bag, coefficient and sort key
 # ---------------------------------------------------------------------------
 @kernel_factory
-def prepare_kernel(acc_dtype, weights_dtype):
-    """The per-bag pass writing coefficients in ``acc_dtype`` from weights of
-    ``weights_dtype`` (:func:`dtype_key`; weights None: unweighted)."""
+def prepare_kernel(acc_dtype, weights_dtype, scaled):
+    """The per-bag pass for coefficients in ``acc_dtype`` from weights of
+    ``weights_dtype`` (:func:`dtype_key`; None: unweighted). ``scaled``: write the
+    coefficients (weights, or a mean/sqrtn combiner); else every coefficient is 1,
+    none is written, and a bag's ids are read once, four at a time."""
     widen = WIDEN[np.dtype(acc_dtype)]
     load_weight = load_as_float(weights_dtype or acc_dtype)
+    has_weights = weights_dtype is not None
+
+    @cuda.jit(device=True, inline=True)
+    def emit(j, row, b, num_rows, record_ids, keys, bag_of, slots):
+        ok = row >= 0 and row < num_rows
+        keys[j] = row if ok else -1
+        bag_of[j] = b if ok else -1
+        if record_ids and not ok:
+            cuda.atomic.min(slots, 1, j)
 
     @cuda.jit(cache=False)
-    def prepare_kernel(values, offsets, n_values, num_rows, weights, has_weights, combiner,
-                       check_offsets, record_ids, keys, bag_of, coef, slots):
+    def prepare_kernel(values, offsets, n_values, num_rows, weights, combiner, check_offsets,
+                       record_ids, keys, bag_of, coef, slots):
         num_bags = offsets.shape[0] - 1
         for b in range(cuda.grid(1), num_bags, cuda.gridsize(1)):
             lo = offsets[b]
@@ -90,6 +106,22 @@ def prepare_kernel(acc_dtype, weights_dtype):
             end = min(max(hi, start), n_values)
             if check_offsets:
                 check_bag_offsets(slots, b, lo, hi, num_bags, n_values)
+            if not scaled:
+                j = start
+                while j + 4 <= end:
+                    v0 = values[j]
+                    v1 = values[j + 1]
+                    v2 = values[j + 2]
+                    v3 = values[j + 3]
+                    emit(j, v0, b, num_rows, record_ids, keys, bag_of, slots)
+                    emit(j + 1, v1, b, num_rows, record_ids, keys, bag_of, slots)
+                    emit(j + 2, v2, b, num_rows, record_ids, keys, bag_of, slots)
+                    emit(j + 3, v3, b, num_rows, record_ids, keys, bag_of, slots)
+                    j += 4
+                while j < end:
+                    emit(j, values[j], b, num_rows, record_ids, keys, bag_of, slots)
+                    j += 1
+                continue
             w_sum = 0.0
             w_sq = 0.0
             for j in range(start, end):
@@ -107,13 +139,14 @@ def prepare_kernel(acc_dtype, weights_dtype):
                 scale = 1.0 / math.sqrt(w_sq) if w_sq != 0.0 else 0.0
             for j in range(start, end):
                 row = values[j]
-                bag_of[j] = b
                 if row >= 0 and row < num_rows:
                     w = np.float64(widen(load_weight(weights[j]))) if has_weights else 1.0
                     keys[j] = row
+                    bag_of[j] = b
                     coef[j] = widen(scale * w)
                 else:
                     keys[j] = -1
+                    bag_of[j] = -1
                     coef[j] = widen(0)
 
     return prepare_kernel
@@ -125,52 +158,63 @@ def key_dtype(num_rows):
 
 
 def prepare(family, values, offsets, weights, combiner, num_rows, acc_dtype, check_offsets,
-            record_ids):
+            record_ids, slots=None):
     """Launch the per-bag pass. Returns ``(keys, bag_of, coef, slots)`` (``xp`` arrays;
-    ``slots`` holds (first bad offset, first bad id), or nothing when nothing is
-    recorded). Positions no bag covers (malformed unchecked CSR) keep key -1."""
+    ``coef`` is empty when every coefficient is 1: no weights, combiner sum; ``slots``
+    holds (first bad offset, first bad id), or nothing when nothing is recorded; the
+    caller may pass the two slots). Positions no bag covers get key -1, unless the
+    offsets are checked: valid offsets cover every position, and with invalid ones
+    the caller returns before the keys are used."""
     n = values.shape[0]
     num_bags = offsets.shape[0] - 1
-    keys = _device.full(n, -1, key_dtype(num_rows))
-    bag_of = _device.scratch(n, np.int64)
-    coef = _device.scratch(n, acc_dtype)
-    record = check_offsets or record_ids
-    slots = error_slots(2) if record else no_error_slots()
+    keys = (_device.scratch(n, key_dtype(num_rows)) if check_offsets
+            else _device.full(n, -1, key_dtype(num_rows)))
+    bag_of = _device.scratch(n, _segments.index_dtype(num_bags))
+    scaled = weights is not None or combiner != 0
+    coef = _device.scratch(n if scaled else 0, acc_dtype)
+    if slots is None:
+        slots = error_slots(2) if check_offsets or record_ids else no_error_slots()
     k_values = family.kernel_array(values)
     k_weights = k_values if weights is None else family.kernel_array(weights)
     tpb = threads_per_block()
     kernel = prepare_kernel(dtype_key(acc_dtype),
-                            dtype_key(None if weights is None else weights.dtype))
+                            dtype_key(None if weights is None else weights.dtype), scaled)
     kernel[blocks_for(num_bags, tpb), tpb, family.stream()](
-        k_values, family.kernel_array(offsets), n, num_rows, k_weights, weights is not None,
-        combiner, check_offsets, record_ids, _device.kernel(keys), _device.kernel(bag_of),
+        k_values, family.kernel_array(offsets), n, num_rows, k_weights, combiner,
+        check_offsets, record_ids, _device.kernel(keys), _device.kernel(bag_of),
         _device.kernel(coef), slots,
     )
     return keys, bag_of, coef, _device.array(slots)
 
 
 # ---------------------------------------------------------------------------
-# 2. occurrences grouped by id, long groups cut into chunks
+# 2. occurrences grouped by id
 # ---------------------------------------------------------------------------
 @dataclass
 class Occurrences:
-    """Everything the summing kernels read: the grouping and plan of
-    :mod:`._segments`, ``(bag, coef)`` per sorted position, and the partial buffer."""
+    """Everything the summing kernels read: the :class:`._segments.Grouping`, each
+    position's bag and coefficient (``coef`` empty: all 1), the partial buffer of
+    ``levels`` levels, and the chunk the sums are cut by."""
 
     grouping: _segments.Grouping
-    plan: _segments.Plan
-    bag: object
+    bag_of: object
     coef: object
     partials: object
+    levels: int
+    chunk: int
+
+    def kernel_arrays(self):
+        """``(order, bag_of, coef, partials)`` as the kernels take them."""
+        return (_device.kernel(self.grouping.order), _device.kernel(self.bag_of),
+                _device.kernel(self.coef), _device.kernel(self.partials))
 
 
-def occurrences(keys, bag_of, coef, dim, acc_dtype):
-    """Group ``keys`` and plan the sums (no host synchronisation)."""
-    xp = _device.xp()
-    grouping = _segments.group(xp, keys)
-    plan = _segments.plan(xp, grouping, _segments.CHUNK)
-    partials = _device.scratch((max(plan.partial_rows, 1), dim), acc_dtype)
-    return Occurrences(grouping, plan, bag_of[grouping.order], coef[grouping.order], partials)
+def occurrences(keys, bag_of, coef, dim, acc_dtype, stream):
+    """Group ``keys`` (no host synchronisation) and take the partial buffer."""
+    chunk = _segments.CHUNK
+    levels, rows = _segments.partial_levels(keys.shape[0], chunk)
+    partials = _device.scratch((max(rows, 1), dim), acc_dtype)
+    return Occurrences(_segments.group(keys, stream), bag_of, coef, partials, levels, chunk)
 
 
 # ---------------------------------------------------------------------------
@@ -178,23 +222,29 @@ def occurrences(keys, bag_of, coef, dim, acc_dtype):
 # ---------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
 def make_accumulate(acc_dtype, grad_dtype, columns):
-    """Device function ``(grad, bag, coef, partials, level, lo, hi, c0, lane, group)
-    -> (a0, a1, a2, a3)``: one lane's ``columns`` columns (1 to 4; ``c0 + k·group``)
-    of the in-order sum of items ``[lo, hi)``, in ``acc_dtype``. Level 0 items are
-    sorted occurrences: ``coef[i]·grad[bag[i]]`` (``grad`` of ``grad_dtype``); level
-    >= 1 items are rows of ``partials``. Every lane of the row group must call it
-    with the same items (the ``(bag, coef)`` of a batch of ``group`` occurrences are
-    read coalesced, one per lane, and broadcast by shuffles); a lane's columns at or
-    past the row's end give 0. ``ITEMS_IN_FLIGHT`` rows are loaded before their adds."""
+    """Device function ``(grad, order, bag_of, coef, partials, level, first, last, lo,
+    base, width, c0, lane, group) -> (a0, a1, a2, a3)``: one lane's ``columns``
+    columns (1 to 4; ``c0 + k·group``) of an in-order sum, in ``acc_dtype``. Level 0:
+    the occurrences at sorted positions ``[first, last)``, ``coef[p]·grad[bag_of[p]]``
+    with ``p = order[i]`` (``grad`` of ``grad_dtype``; ``coef`` empty: 1). Level >= 1:
+    the partial rows of windows ``[first, last)`` of size ``width`` holding the run
+    that starts at ``lo`` (:func:`._segments.partial_row` from row ``base``). Every
+    lane of the row group must call it with the same items (the bags and
+    coefficients of ``group`` occurrences are read coalesced, one per lane, and
+    broadcast by shuffles); a lane's columns at or past the row's end give 0.
+    ``ITEMS_IN_FLIGHT`` rows are loaded before their adds."""
     widen = WIDEN[np.dtype(acc_dtype)]
     zero = np.dtype(acc_dtype).type(0)
+    one = np.dtype(acc_dtype).type(1)
     read_grad = column_reader(grad_dtype, columns)
     read_partial = column_reader(acc_dtype, columns)
 
     @cuda.jit(device=True, inline=True)
-    def accumulate(grad, bag, coef, partials, level, lo, hi, c0, lane, group):
+    def accumulate(grad, order, bag_of, coef, partials, level, first, last, lo, base, width,
+                   c0, lane, group):
         dim = grad.shape[1]
         num_bags = grad.shape[0]
+        scaled = coef.shape[0] != 0
         cc = c0 if c0 < dim else 0  # past the row: read column 0, return zeros
         a0 = zero
         a1 = zero
@@ -202,22 +252,26 @@ def make_accumulate(acc_dtype, grad_dtype, columns):
         a3 = zero
         if level == 0:
             warp_lane = cuda.threadIdx.x % 32
-            first = warp_lane - lane
+            lane0 = warp_lane - lane
             mask = group_mask(warp_lane, group)
-            for base in range(lo, hi, group):
-                k = base + lane
-                my_bag = bag[k] if k < hi else 0
-                my_coef = widen(coef[k]) if k < hi else zero
-                if my_bag < 0 or my_bag >= num_bags:  # only with malformed unchecked CSR
+            for batch in range(first, last, group):
+                k = batch + lane
+                my_bag = 0
+                my_coef = zero
+                if k < last:
+                    p = order[k]
+                    my_bag = bag_of[p]
+                    my_coef = widen(coef[p]) if scaled else one
+                if my_bag < 0 or my_bag >= num_bags:  # a bad id, or malformed unchecked CSR
                     my_bag = 0
                     my_coef = zero
-                count = min(group, hi - base)
+                count = min(group, last - batch)
                 for u in range(0, count, ITEMS_IN_FLIGHT):
-                    b0 = shfl_idx(mask, my_bag, first + u)
-                    f0 = shfl_idx(mask, my_coef, first + u)
+                    b0 = shfl_idx(mask, my_bag, lane0 + u)
+                    f0 = shfl_idx(mask, my_coef, lane0 + u)
                     has1 = u + 1 < count
-                    b1 = shfl_idx(mask, my_bag, first + (u + 1 if has1 else u))
-                    f1 = shfl_idx(mask, my_coef, first + (u + 1 if has1 else u))
+                    b1 = shfl_idx(mask, my_bag, lane0 + (u + 1 if has1 else u))
+                    f1 = shfl_idx(mask, my_coef, lane0 + (u + 1 if has1 else u))
                     v0, v1, v2, v3 = read_grad(grad, b0, cc, group)
                     x0, x1, x2, x3 = read_grad(grad, b1, cc, group)
                     a0 += f0 * widen(v0)
@@ -230,10 +284,12 @@ def make_accumulate(acc_dtype, grad_dtype, columns):
                         a2 += f1 * widen(x2)
                         a3 += f1 * widen(x3)
         else:
-            for i in range(lo, hi, ITEMS_IN_FLIGHT):
-                has1 = i + 1 < hi
-                v0, v1, v2, v3 = read_partial(partials, i, cc, group)
-                x0, x1, x2, x3 = read_partial(partials, i + 1 if has1 else i, cc, group)
+            for m in range(first, last, ITEMS_IN_FLIGHT):
+                has1 = m + 1 < last
+                v0, v1, v2, v3 = read_partial(partials, partial_row(lo, m, width, base), cc,
+                                              group)
+                x0, x1, x2, x3 = read_partial(
+                    partials, partial_row(lo, m + 1 if has1 else m, width, base), cc, group)
                 a0 += v0
                 a1 += v1
                 a2 += v2
@@ -258,6 +314,16 @@ def make_accumulate(acc_dtype, grad_dtype, columns):
 
 
 @cuda.jit(device=True, inline=True)
+def run_sum_range(starts, r, num, n, chunk):
+    """``(level, first, last, lo, base, width)``: the final sum of run ``r`` as
+    :func:`make_accumulate`'s accumulate takes it (an empty sum for ``r >= num``)."""
+    lo = starts[r] if r < num else 0
+    hi = starts[r + 1] if r < num else 0
+    level, first, last, width = final_level(lo, hi, chunk)
+    return level, first, last, lo, level_base(n, level, chunk), width
+
+
+@cuda.jit(device=True, inline=True)
 def store_columns(out, row, c0, group, store, a0, a1, a2, a3):
     """``out[row, c0 + k·group] = store(a_k)`` for the columns inside the row."""
     dim = out.shape[1]
@@ -276,43 +342,62 @@ def store_columns(out, row, c0, group, store, a0, a1, a2, a3):
 
 @kernel_factory
 def partial_kernel(acc_dtype, grad_dtype, columns):
-    """Kernel writing one level's partial rows: ``partials[base + c]`` = the sum of
-    items ``[lo[c], hi[c])`` of the level below (``level`` 0: occurrences)."""
+    """Kernel writing the partial rows of one level ``>= 1``: slot ``s`` of the level
+    (window ``s // 2``; :mod:`._segments`) gets its run's piece, for the runs whose
+    final level is at least this one (other slots are not written)."""
     accumulate = make_accumulate(acc_dtype, grad_dtype, columns)
     store = store_as(acc_dtype)
 
     @jit_kernel(min_blocks_per_sm=2)
-    def partial_kernel(grad, bag, coef, partials, level, chunk_lo, chunk_hi, base, group):
+    def partial_kernel(grad, order, bag_of, coef, partials, run, starts, ids, level, chunk,
+                       group):
+        n = order.shape[0]
         dim = grad.shape[1]
+        width = 1
+        for _ in range(level):
+            width *= chunk
+        base = level_base(n, level, chunk)
+        below = level_base(n, level - 1, chunk)
         tid = cuda.grid(1)
         lane = tid % group
         step = cuda.gridsize(1) // group
-        for c in range(tid // group, chunk_lo.shape[0], step):
-            lo = chunk_lo[c]
-            hi = chunk_hi[c]
+        for s in range(tid // group, 2 * ((n + width - 1) // width), step):
+            window = s // 2
+            w_lo = window * width
+            r = run[w_lo if s % 2 == 0 else min(w_lo + width, n) - 1] - 1
+            lo = starts[r]
+            hi = starts[r + 1]
+            if (s % 2 == 1 and lo <= w_lo) or ids[r] < 0:
+                continue
+            final, _, _, _ = final_level(lo, hi, chunk)
+            if final < level:
+                continue
+            first, last = piece(lo, hi, level, window, chunk)
             for cb in range(0, dim, UNROLL * group):
-                a0, a1, a2, a3 = accumulate(grad, bag, coef, partials, level, lo, hi, cb + lane,
+                a0, a1, a2, a3 = accumulate(grad, order, bag_of, coef, partials, level - 1,
+                                            first, last, lo, below, width // chunk, cb + lane,
                                             lane, group)
-                store_columns(partials, base + c, cb + lane, group, store, a0, a1, a2, a3)
+                store_columns(partials, base + s, cb + lane, group, store, a0, a1, a2, a3)
 
     return partial_kernel
 
 
 def sum_partials(family, grad, occ, columns, stream):
-    """Launch the partial kernels, level by level (nothing when no id is long)."""
-    levels = occ.plan.levels
-    if not levels:
+    """Launch the partial kernels, level by level (none when no run can be long)."""
+    if not occ.levels:
         return
     group = group_size(grad.shape[1])
     tpb = threads_per_block()
+    n = occ.grouping.order.shape[0]
     kernel = partial_kernel(dtype_key(occ.partials.dtype), dtype_key(grad.dtype), columns)
-    k_grad, k_bag, k_coef = family.kernel_array(grad), _device.kernel(occ.bag), _device.kernel(occ.coef)
-    k_partials = _device.kernel(occ.partials)
-    for level, lev in enumerate(levels):
-        kernel[blocks_for(lev.rows, tpb // group), tpb, stream](
-            k_grad, k_bag, k_coef, k_partials, level, _device.kernel(lev.lo),
-            _device.kernel(lev.hi), lev.base, group,
-        )
+    g = occ.grouping
+    args = (family.kernel_array(grad), *occ.kernel_arrays(), _device.kernel(g.run),
+            _device.kernel(g.starts), _device.kernel(g.ids))
+    width = 1
+    for level in range(1, occ.levels + 1):
+        width *= occ.chunk
+        slots = 2 * -(-n // width)
+        kernel[blocks_for(slots, tpb // group), tpb, stream](*args, level, occ.chunk, group)
 
 
 @kernel_factory
@@ -325,21 +410,21 @@ def gather_kernel(grad_dtype, columns):
     store = store_as(grad_dtype)
 
     @jit_kernel(min_blocks_per_sm=2)
-    def gather_kernel(grad, bag, coef, partials, final_level, final_lo, final_hi, skip, group,
+    def gather_kernel(grad, order, bag_of, coef, partials, starts, count, chunk, skip, group,
                       rows):
-        """rows[r - skip] = the sum of distinct id r's occurrences (zeros for the padding
-        past the distinct ids, whose range is empty)."""
+        """rows[r - skip] = the sum of run r's occurrences (zeros for the padding past
+        the runs)."""
+        n = order.shape[0]
         dim = grad.shape[1]
+        num = count[0]
         tid = cuda.grid(1)
         lane = tid % group
         step = cuda.gridsize(1) // group
         for r in range(tid // group + skip, rows.shape[0] + skip, step):
-            level = final_level[r]
-            lo = final_lo[r]
-            hi = final_hi[r]
+            level, first, last, lo, base, width = run_sum_range(starts, r, num, n, chunk)
             for cb in range(0, dim, UNROLL * group):
-                a0, a1, a2, a3 = accumulate(grad, bag, coef, partials, level, lo, hi, cb + lane,
-                                            lane, group)
+                a0, a1, a2, a3 = accumulate(grad, order, bag_of, coef, partials, level, first,
+                                            last, lo, base, width, cb + lane, lane, group)
                 store_columns(rows, r - skip, cb + lane, group, store, a0, a1, a2, a3)
 
     return gather_kernel
@@ -352,19 +437,22 @@ def scatter_kernel(grad_dtype):
     load = load_as_float(grad_dtype)
 
     @cuda.jit(cache=False)
-    def scatter_kernel(grad, bag, coef, seg, skip, group, acc):
-        """acc[seg[i] - skip] += coef[i]·grad[bag[i]] with atomics (one row group per i)."""
+    def scatter_kernel(grad, order, bag_of, coef, run, skip, group, acc):
+        """acc[run[i] - 1 - skip] += coef[p]·grad[bag_of[p]], p = order[i], with atomics
+        (one row group per sorted position i)."""
         dim = grad.shape[1]
         num_bags = grad.shape[0]
+        scaled = coef.shape[0] != 0
         tid = cuda.grid(1)
         lane = tid % group
         step = cuda.gridsize(1) // group
-        for i in range(tid // group, seg.shape[0], step):
-            r = seg[i] - skip
-            b = bag[i]
+        for i in range(tid // group, order.shape[0], step):
+            r = run[i] - 1 - skip
+            p = order[i]
+            b = bag_of[p]
             if r < 0 or b < 0 or b >= num_bags:  # the -1 key, or malformed unchecked CSR
                 continue
-            cf = coef[i]
+            cf = coef[p] if scaled else 1.0
             for c in range(lane, dim, group):
                 cuda.atomic.add(acc, (r, c), cf * load(grad[b, c]))
 
@@ -392,7 +480,7 @@ def embedding_bag_backward(family, grad_out, values, offsets, num_rows, per_samp
     if n == 0:
         bad_offset = read_error_slots(_device.kernel(slots))[0] if check else -1
         return (*empty(), bad_offset, -1)
-    occ = occurrences(keys, bag_of, coef, dim, acc_dtype)
+    occ = occurrences(keys, bag_of, coef, dim, acc_dtype, stream)
     grouping = occ.grouping
     if padded:  # every distinct key (-1 for out-of-range ids), then -1: no count read back
         if check:
@@ -421,20 +509,17 @@ def embedding_bag_backward(family, grad_out, values, offsets, num_rows, per_samp
     if deterministic:
         sum_partials(family, grad_out, occ, columns, stream)
         rows = family.empty((num_ids, dim), grad_out.dtype)
-        p = occ.plan
         gather_kernel(dtype_key(grad_out.dtype), columns)[
             blocks_for(num_ids, tpb // group), tpb, stream](
-            k_grad, _device.kernel(occ.bag), _device.kernel(occ.coef),
-            _device.kernel(occ.partials), _device.kernel(p.final_level),
-            _device.kernel(p.final_lo), _device.kernel(p.final_hi), skip, group,
-            family.kernel_array(rows),
+            k_grad, *occ.kernel_arrays(), _device.kernel(grouping.starts),
+            _device.kernel(grouping.count), occ.chunk, skip, group, family.kernel_array(rows),
         )
         return ids, rows, -1, -1
     acc = family.zeros((num_ids, dim), acc_dtype)
     k_acc = family.kernel_array(acc)
+    order, bag_of, coef, _ = occ.kernel_arrays()
     scatter_kernel(dtype_key(grad_out.dtype))[blocks_for(n, tpb // group), tpb, stream](
-        k_grad, _device.kernel(occ.bag), _device.kernel(occ.coef), _device.kernel(grouping.seg),
-        skip, group, k_acc,
+        k_grad, order, bag_of, coef, _device.kernel(grouping.run), skip, group, k_acc,
     )
     if acc_dtype == np.dtype(grad_out.dtype):
         return ids, acc, -1, -1

@@ -19,9 +19,9 @@ pass, the first sweep keeps ``g`` in a per-lane array of the kernel's ``passes``
 x 4 elements and the second applies the rule from it: each row is summed once.
 
 The fused gradient is summed in the table's accumulator type (as the CPU).
-``fused_sparse_update`` reads nothing back to the host; the checks in front of
-it (:func:`fused_checks`) read once, or not at all under ``bounds="unchecked"``
-with ``nonfinite="skip"``.
+``fused_sparse_update`` checks its input first and reads the checks back once
+before it writes anything (not at all under ``bounds="unchecked"`` with
+``nonfinite="skip"``).
 """
 import functools
 import math
@@ -50,7 +50,13 @@ from ._launch import (
 )
 from ._warp import group_mask, shfl_xor
 from .embedding_bag import check_bag_offsets, empty_batch_bad_offset
-from .embedding_bag_backward import make_accumulate, occurrences, prepare, sum_partials
+from .embedding_bag_backward import (
+    make_accumulate,
+    occurrences,
+    prepare,
+    run_sum_range,
+    sum_partials,
+)
 from .unique import _fmix32
 
 _M32 = np.uint64(0xFFFFFFFF)
@@ -91,13 +97,34 @@ def nonfinite_kernel(dtype):
     holding NaN or Inf."""
     load = load_as_float(dtype)
 
+    @cuda.jit(device=True, inline=True)
+    def check(a, i, size, m, v, slots, slot):
+        if i < size and not math.isfinite(v):
+            cuda.atomic.min(slots, slot, i // m)
+
+    @cuda.jit(device=True, inline=True)
+    def element(a, i, m):
+        r = i // m
+        return load(a[r, i - r * m])
+
     @cuda.jit(cache=False)
     def nonfinite_kernel(a, slots, slot):
         m = a.shape[1]
-        for i in range(cuda.grid(1), a.shape[0] * m, cuda.gridsize(1)):
-            r = i // m
-            if not math.isfinite(load(a[r, i - r * m])):
-                cuda.atomic.min(slots, slot, r)
+        size = a.shape[0] * m
+        step = cuda.gridsize(1)
+        for i in range(cuda.grid(1), size, 4 * step):
+            # four elements a grid apart, all loaded before the first test
+            i1 = i + step
+            i2 = i1 + step
+            i3 = i2 + step
+            v0 = element(a, i, m)
+            v1 = element(a, i1 if i1 < size else i, m)
+            v2 = element(a, i2 if i2 < size else i, m)
+            v3 = element(a, i3 if i3 < size else i, m)
+            check(a, i, size, m, v0, slots, slot)
+            check(a, i1, size, m, v1, slots, slot)
+            check(a, i2, size, m, v2, slots, slot)
+            check(a, i3, size, m, v3, slots, slot)
 
     return nonfinite_kernel
 
@@ -106,7 +133,8 @@ def _record_nonfinite(family, a, slots, slot):
     size = a.shape[0] * a.shape[1]
     if size:
         tpb = threads_per_block()
-        nonfinite_kernel(dtype_key(a.dtype))[blocks_for(size, tpb), tpb, family.stream()](
+        kernel = nonfinite_kernel(dtype_key(a.dtype))
+        kernel[blocks_for(-(-size // 4), tpb), tpb, family.stream()](
             family.kernel_array(a), slots, slot)
 
 
@@ -131,39 +159,22 @@ def _ragged_kernel(values, offsets, n_values, num_rows, record_ids, slots):
                 cuda.atomic.min(slots, 1, i)
 
 
-def fused_checks(family, grad_out, per_sample_weights, values, offsets, num_rows, bounds,
-                 finite):
-    """``(first non-finite row of grad_out, of per_sample_weights, first bad offset,
-    first bad id)`` (-1: none) of a fused step's input, in one read-back; the id and
-    offset checks as the forward makes them under ``bounds`` (0: both, 1: offsets,
-    2: none), the finiteness checks when ``finite``. Nothing checked: no read-back."""
-    num_bags = offsets.shape[0] - 1
-    n = values.shape[0]
-    if bounds == 2 and not finite:
-        return -1, -1, -1, -1
-    if bounds != 2 and num_bags == 0:
-        bad = empty_batch_bad_offset(family, offsets, n)
-        if bad != -1:
-            return -1, -1, bad, -1
-    slots = error_slots(4)
-    if finite:
-        _record_nonfinite(family, grad_out, slots, 0)
-        if per_sample_weights is not None:
-            _record_nonfinite(family, per_sample_weights.reshape(-1, 1), slots, 1)
-    if bounds != 2 and num_bags:
-        tpb = threads_per_block()
-        _ragged_kernel[blocks_for(max(num_bags, n), tpb), tpb, family.stream()](
-            family.kernel_array(values), family.kernel_array(offsets), n, num_rows, bounds == 0,
-            slots[2:],
-        )
-    bad_grad, bad_psw, bad_offset, bad_id = read_error_slots(slots)
-    return bad_grad, bad_psw, bad_offset, (bad_id if bounds == 0 else -1)
-
-
 def check_ragged(family, values, offsets, num_rows, bounds):
     """``(first bad offset, first bad id)`` of CSR input, as the forward reports them.
     bounds 0: offsets and ids; 1: offsets only; 2: nothing (no launch, no sync)."""
-    return fused_checks(family, None, None, values, offsets, num_rows, bounds, False)[2:]
+    num_bags = offsets.shape[0] - 1
+    n = values.shape[0]
+    if bounds == 2:
+        return -1, -1
+    if num_bags == 0:
+        return empty_batch_bad_offset(family, offsets, n), -1
+    slots = error_slots(2)
+    tpb = threads_per_block()
+    _ragged_kernel[blocks_for(max(num_bags, n), tpb), tpb, family.stream()](
+        family.kernel_array(values), family.kernel_array(offsets), n, num_rows, bounds == 0,
+        slots)
+    bad_offset, bad_id = read_error_slots(slots)
+    return bad_offset, (bad_id if bounds == 0 else -1)
 
 
 # ---------------------------------------------------------------------------
@@ -260,10 +271,13 @@ def _update_kernel(table_dtype, grad_dtype, fused, columns, passes):
     kept_size = UNROLL * passes
 
     @cuda.jit(device=True, inline=True)
-    def gradient(grad, bag, coef, partials, level, lo, hi, r, c0, lane, group):
-        """This lane's 4 gradient values of columns ``c0 + k·group`` (0 past the row)."""
+    def gradient(grad, order, bag_of, coef, partials, sums, r, c0, lane, group):
+        """This lane's 4 gradient values of columns ``c0 + k·group`` (0 past the row);
+        ``sums``: the run's final sum (:func:`.run_sum_range`) when fused."""
         if fused:
-            return accumulate(grad, bag, coef, partials, level, lo, hi, c0, lane, group)
+            level, first, last, lo, base, width = sums
+            return accumulate(grad, order, bag_of, coef, partials, level, first, last, lo,
+                              base, width, c0, lane, group)
         dim = grad.shape[1]
         g0, g1, g2, g3 = read_row(grad, r, c0 if c0 < dim else 0, group)
         return (widen(g0) if c0 < dim else zero, widen(g1) if c0 + group < dim else zero,
@@ -327,12 +341,13 @@ def _update_kernel(table_dtype, grad_dtype, fused, columns, passes):
         weights[row, c] = store_weight(w_new)  # fp16, bf16: to nearest even (exact if stochastic)
 
     @jit_kernel(min_blocks_per_sm=2)
-    def update_kernel(weights, state1, state2, ids, count, grad, bag, coef, partials,
-                      final_level, final_lo, final_hi, rule, lr64, eps64, one_m_b1_64,
+    def update_kernel(weights, state1, state2, ids, count, grad, order, bag_of, coef, partials,
+                      starts, chunk, rule, lr64, eps64, one_m_b1_64,
                       one_m_b2_64, l1_64, two_l2_64, neg_power64, sqrt_power, step64, inv_dim64,
                       skip_nonfinite, stochastic, key_lo, key_hi, group):
         kept = cuda.local.array(kept_size, acc_type)  # g of every pass, when row-wide
         num_ids = count[0]
+        n = order.shape[0]
         num_rows = weights.shape[0]
         dim = weights.shape[1]
         lr = widen(lr64)
@@ -343,7 +358,7 @@ def _update_kernel(table_dtype, grad_dtype, fused, columns, passes):
         tid = cuda.grid(1)
         lane = tid % group
         step = cuda.gridsize(1) // group
-        chunk = UNROLL * group
+        pass_columns = UNROLL * group
         mask = group_mask(cuda.threadIdx.x % 32, group)
         rowwise = rule == rules.ROWWISE_ADAGRAD
         need_row = rowwise or skip_nonfinite
@@ -351,13 +366,7 @@ def _update_kernel(table_dtype, grad_dtype, fused, columns, passes):
             row = int64(ids[r])
             if row < 0 or row >= num_rows:  # the -1 key (bad id) or untrusted garbage
                 continue
-            level = int64(0)
-            lo = int64(0)
-            hi = int64(0)
-            if fused:
-                level = final_level[r]
-                lo = final_lo[r]
-                hi = final_hi[r]
+            sums = run_sum_range(starts, r, num_ids if fused else 0, n, chunk)
             # pass 0's weights and state are loaded before the gradient is summed, so
             # their loads are in flight during the sum (no store comes in between)
             e0, e1, e2, e3 = read_elements(weights, state1, state2, row, lane, group, rule)
@@ -367,8 +376,8 @@ def _update_kernel(table_dtype, grad_dtype, fused, columns, passes):
                 ss = zero
                 nb = int32(0)
                 for p in range(passes):
-                    g0, g1, g2, g3 = gradient(grad, bag, coef, partials, level, lo, hi, r,
-                                              p * chunk + lane, lane, group)
+                    g0, g1, g2, g3 = gradient(grad, order, bag_of, coef, partials, sums, r,
+                                              p * pass_columns + lane, lane, group)
                     kept[4 * p] = g0
                     kept[4 * p + 1] = g1
                     kept[4 * p + 2] = g2
@@ -388,14 +397,14 @@ def _update_kernel(table_dtype, grad_dtype, fused, columns, passes):
                         state1[row, 0] = m
                     row_step = lr / (math.sqrt(m) + eps)
             for p in range(passes):
-                c0 = p * chunk + lane
+                c0 = p * pass_columns + lane
                 if need_row:
                     g0 = kept[4 * p]
                     g1 = kept[4 * p + 1]
                     g2 = kept[4 * p + 2]
                     g3 = kept[4 * p + 3]
                 else:  # every lane sums (shuffles inside), also past the row's end
-                    g0, g1, g2, g3 = gradient(grad, bag, coef, partials, level, lo, hi, r, c0,
+                    g0, g1, g2, g3 = gradient(grad, order, bag_of, coef, partials, sums, r, c0,
                                               lane, group)
                 if c0 >= dim:
                     continue
@@ -440,14 +449,11 @@ def _launch_update(family, rule, weights, state1, state2, hp, ids, count, grad, 
     passes = -(-dim // (UNROLL * group))
     fused = occ is not None
     if fused:
-        sums = (_device.kernel(occ.bag), _device.kernel(occ.coef), _device.kernel(occ.partials),
-                _device.kernel(occ.plan.final_level), _device.kernel(occ.plan.final_lo),
-                _device.kernel(occ.plan.final_hi))
+        sums = (*occ.kernel_arrays(), _device.kernel(occ.grouping.starts), occ.chunk)
     else:
         none_i = _device.kernel(_device.scratch(0, np.int64))
-        none_f = _device.kernel(_device.scratch((0, dim), table_acc))
-        sums = (none_i, _device.kernel(_device.scratch(0, table_acc)), none_f, none_i, none_i,
-                none_i)
+        sums = (none_i, none_i, _device.kernel(_device.scratch(0, table_acc)),
+                _device.kernel(_device.scratch((0, dim), table_acc)), none_i, 1)
     kernel = _update_kernel(dtype_key(weights.dtype), dtype_key(grad_dtype), fused, columns,
                             passes)
     kernel[blocks_for(num_ids_bound, tpb // group), tpb, family.stream()](
@@ -477,21 +483,45 @@ def sparse_update(family, rule, weights, state1, state2, hp, ids, rows, skip_non
 
 
 def fused_sparse_update(family, rule, weights, state1, state2, hp, grad_out, values, offsets,
-                        psw, combiner, bounds, skip_nonfinite, stochastic, key):
-    """``sparse_update(*embedding_bag_backward(...))`` without materialising the rows:
-    one row group per distinct id sums its occurrences (or, for an id with more than
-    ``CHUNK`` of them, its partial rows) in order in registers and applies the rule.
-    Offsets and ids were checked by the front end (:func:`fused_checks`); ids out of
-    range are skipped in every mode. Reads nothing back to the host."""
+                        psw, combiner, bounds, finite, skip_nonfinite, stochastic, key):
+    """``sparse_update(*embedding_bag_backward(...))`` without materialising the rows,
+    after the checks. Returns ``(first non-finite row of grad_out, of psw, first bad
+    offset, first bad id)`` (-1: none); the table is updated only when all are -1.
+
+    The checks: finiteness when ``finite`` (its own pass), offsets and ids under
+    ``bounds`` (0: both, 1: offsets, 2: none) inside ``prepare``, read back once
+    before anything is written (no read-back when nothing is checked). Then one row
+    group per distinct id sums its occurrences (for an id with more than ``CHUNK``
+    of them, its partial rows) in order in registers and applies the rule; ids out
+    of range are skipped in every mode."""
     n = values.shape[0]
-    if n == 0 or offsets.shape[0] == 1:
-        return
+    num_bags = offsets.shape[0] - 1
+    clean = (-1, -1, -1, -1)
+    if bounds != 2 and num_bags == 0:
+        bad = empty_batch_bad_offset(family, offsets, n)
+        if bad != -1:
+            return -1, -1, bad, -1
+    checked = finite or bounds != 2
+    slots = error_slots(4) if checked else None
+    if finite:
+        _record_nonfinite(family, grad_out, slots, 0)
+        if psw is not None:
+            _record_nonfinite(family, psw.reshape(-1, 1), slots, 1)
     dim = weights.shape[1]
     grad_acc = accumulator_dtype(weights.dtype)  # as the CPU: summed in the table's type
     keys, bag_of, coef, _ = prepare(family, values, offsets, psw, combiner, weights.shape[0],
-                                    grad_acc, False, False)
-    occ = occurrences(keys, bag_of, coef, dim, grad_acc)
+                                    grad_acc, bounds != 2, bounds == 0,
+                                    slots=None if slots is None else slots[2:])
+    if checked:
+        bad_grad, bad_psw, bad_offset, bad_id = read_error_slots(slots)
+        bad = (bad_grad, bad_psw, bad_offset, bad_id if bounds == 0 else -1)
+        if bad != clean:
+            return bad
+    if n == 0 or num_bags == 0:
+        return clean
+    occ = occurrences(keys, bag_of, coef, dim, grad_acc, family.stream())
     sum_partials(family, grad_out, occ, columns_per_lane(dim, group_size(dim)), family.stream())
     _launch_update(family, rule, weights, state1, state2, hp, _device.kernel(occ.grouping.ids),
                    _device.kernel(occ.grouping.count), family.kernel_array(grad_out), occ,
                    grad_out.dtype, n, skip_nonfinite, stochastic, key)
+    return clean
