@@ -551,6 +551,24 @@ def test_bad_ids_raise(backend):
     assert table.states()["step"][0] == 0
 
 
+@pytest.mark.parametrize("bounds, expected", [
+    (0, [(-1, 1), (2, -1), (-1, -1), (0, -1)]),
+    (1, [(-1, -1), (2, -1), (-1, -1), (0, -1)]),
+    (2, [(-1, -1), (-1, -1), (-1, -1), (-1, -1)])])
+def test_check_ragged(backend, bounds, expected):
+    """The backends' CSR check (EmbeddingCollection's, before its kernels): the first bad
+    offset, else (bounds 0) the first id outside [0, num_rows)."""
+    from hbkernels._dispatch import kernels, resolve
+
+    cases = [([0, 7, -1, 2], [0, 2, 4]), ([0, 1, 2, 3], [0, 3, 2, 4]), ([], [0]), ([], [1])]
+    for (values, offsets), want in zip(cases, expected):
+        family, a = resolve(values=backend.put(np.array(values, np.int64)),
+                            offsets=backend.put(np.array(offsets, np.int64)))
+        got = kernels(family, "sparse_update").check_ragged(family, a["values"], a["offsets"], 5,
+                                                            bounds)
+        assert tuple(got) == want, (values, offsets)
+
+
 def test_bad_arguments(backend):
     put = backend.put
     w = put(np.ones((5, 2), np.float32))

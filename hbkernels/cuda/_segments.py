@@ -26,6 +26,7 @@ order: the same bits on every run, and partial rows need no allocation, scan or
 atomics (a run with final level ``T`` reaches past every window it starts inside
 at levels ``< T``).
 """
+import functools
 from dataclasses import dataclass
 
 import numba
@@ -164,8 +165,6 @@ device_final_level = cuda.jit(device=True, inline=True)(final_level)
 device_piece = cuda.jit(device=True, inline=True)(piece)
 device_level_base = cuda.jit(device=True, inline=True)(level_base)
 device_partial_row = cuda.jit(device=True, inline=True)(partial_row)
-_final_level_cpu = numba.njit(final_level)
-_piece_cpu = numba.njit(piece)
 
 
 def partial_levels(n, chunk):
@@ -189,28 +188,35 @@ def run_bounds(keys):
     return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
 
 
-@numba.njit(cache=False)
-def _walks(starts, chunk, levels):
-    """:func:`walks` of the runs ``starts``."""
-    final = np.zeros(levels + 1, np.int64)
-    pieces = np.zeros(levels + 1, np.int64)
-    rows = np.zeros(levels + 1, np.int64)
-    longest = 0
-    for r in range(starts.shape[0] - 1):
-        lo = starts[r]
-        hi = starts[r + 1]
-        level, first, last, _ = _final_level_cpu(lo, hi, chunk)
-        final[level] += last - first
-        longest = max(longest, last - first)
-        width = 1
-        for t in range(1, level + 1):
-            width *= chunk
-            for m in range(lo // width, (hi - 1) // width + 1):
-                a, b = _piece_cpu(lo, hi, t, m, chunk)
-                pieces[t] += b - a
-                rows[t] += 1
-                longest = max(longest, b - a)
-    return final, pieces, rows, longest
+@functools.lru_cache(maxsize=None)
+def _walks_on_cpu():
+    """:func:`walks` of the runs ``starts``, compiled for the CPU on first use."""
+    final_level_cpu = numba.njit(final_level)
+    piece_cpu = numba.njit(piece)
+
+    @numba.njit(cache=False)
+    def walks_of(starts, chunk, levels):
+        final = np.zeros(levels + 1, np.int64)
+        pieces = np.zeros(levels + 1, np.int64)
+        rows = np.zeros(levels + 1, np.int64)
+        longest = 0
+        for r in range(starts.shape[0] - 1):
+            lo = starts[r]
+            hi = starts[r + 1]
+            level, first, last, _ = final_level_cpu(lo, hi, chunk)
+            final[level] += last - first
+            longest = max(longest, last - first)
+            width = 1
+            for t in range(1, level + 1):
+                width *= chunk
+                for m in range(lo // width, (hi - 1) // width + 1):
+                    a, b = piece_cpu(lo, hi, t, m, chunk)
+                    pieces[t] += b - a
+                    rows[t] += 1
+                    longest = max(longest, b - a)
+        return final, pieces, rows, longest
+
+    return walks_of
 
 
 @dataclass
@@ -231,8 +237,8 @@ def walks(keys, chunk=None):
     """:class:`Walks` of the decomposition of ``keys`` (NumPy)."""
     chunk = CHUNK if chunk is None else chunk
     starts = run_bounds(keys)
-    final, pieces, rows, longest = _walks(starts, chunk,
-                                          partial_levels(int(starts[-1]), chunk)[0])
+    final, pieces, rows, longest = _walks_on_cpu()(starts, chunk,
+                                                   partial_levels(int(starts[-1]), chunk)[0])
     return Walks(final, pieces, rows, int(longest))
 
 
