@@ -162,14 +162,17 @@ def prepare(family, values, offsets, weights, combiner, num_rows, acc_dtype, che
     """Launch the per-bag pass. Returns ``(keys, bag_of, coef, slots)`` (``xp`` arrays;
     ``coef`` is empty when every coefficient is 1: no weights, combiner sum; ``slots``
     holds (first bad offset, first bad id), or nothing when nothing is recorded; the
-    caller may pass the two slots). Positions no bag covers get key -1, unless the
-    offsets are checked: valid offsets cover every position, and with invalid ones
+    caller may pass the two slots). Positions no bag covers get key and bag -1, unless
+    the offsets are checked: valid offsets cover every position, and with invalid ones
     the caller returns before the keys are used."""
     n = values.shape[0]
     num_bags = offsets.shape[0] - 1
-    keys = (_device.scratch(n, key_dtype(num_rows)) if check_offsets
-            else _device.full(n, -1, key_dtype(num_rows)))
-    bag_of = _device.scratch(n, _segments.index_dtype(num_bags))
+    if check_offsets:
+        keys = _device.scratch(n, key_dtype(num_rows))
+        bag_of = _device.scratch(n, _segments.index_dtype(num_bags))
+    else:
+        keys = _device.full(n, -1, key_dtype(num_rows))
+        bag_of = _device.full(n, -1, _segments.index_dtype(num_bags))
     scaled = weights is not None or combiner != 0
     coef = _device.scratch(n if scaled else 0, acc_dtype)
     if slots is None:
