@@ -37,6 +37,7 @@ seed and the table (:func:`initial_weights`), never on the plan or world size.
 """
 import contextlib
 import os
+import sys
 import time
 import zlib
 from collections import defaultdict
@@ -355,8 +356,14 @@ class EmbeddingCollection:
 
     # -- forward ------------------------------------------------------------------------------------
     def _read_inputs(self, features, per_sample_weights):
+        if "torchrec.sparse.jagged_tensor" in sys.modules:  # only then can it be a KJT
+            from .adapters.torch import features_from_kjt, is_keyed_jagged_tensor
+
+            if is_keyed_jagged_tensor(features):
+                features, per_sample_weights = features_from_kjt(features, per_sample_weights)
         if not isinstance(features, dict):
-            raise TypeError(f"features must be a dict name -> hbk.Ragged or ids, got {type(features).__name__}")
+            raise TypeError(f"features must be a dict name -> hbk.Ragged or ids, or a torchrec "
+                            f"KeyedJaggedTensor, got {type(features).__name__}")
         psws = per_sample_weights or {}
         unknown = sorted(set(features) - set(self.feature_table)) + sorted(set(psws) - set(features))
         if unknown:
@@ -400,8 +407,9 @@ class EmbeddingCollection:
         """Pooled embeddings of this rank's batch: ``{feature: [B, dim]}`` (table dtype).
 
         ``features``: ``{feature: hbk.Ragged(values, offsets)}`` or a 1-D id array
-        (one id per sample); ``per_sample_weights``: optional ``{feature: weights}``
-        (one per value). Collective: every rank calls it (with its own batch).
+        (one id per sample), or a TorchRec ``KeyedJaggedTensor`` (its keys the
+        features, its weights the ``per_sample_weights``); ``per_sample_weights``:
+        optional ``{feature: weights}`` (one per value). Collective: every rank calls it (with its own batch).
         Ids outside a table raise :class:`hbkernels.BoundsError` here and
         :class:`hbkernels.dist.CommError` on the other ranks.
         """

@@ -15,3 +15,13 @@ class BoundsError(IndexError):
 class CheckpointError(ValueError):
     """A checkpoint that cannot be read: missing, truncated or corrupt file, or a
     bad manifest; the message names the file."""
+
+
+class DataError(ValueError):
+    """Data that cannot be used as asked: an unreadable or malformed file, a missing
+    or mistyped column, files that disagree; the message names the file or column."""
+
+
+class MissingDependencyError(ImportError):
+    """An optional dependency is not installed; the message names the extra that
+    installs it."""

@@ -1,6 +1,8 @@
-"""Launching the scripts of tests/mpi/ under ``mpiexec -n N`` from pytest
-(``python -m mpi4py script.py``), each bounded by a wall-clock timeout: a hang
-is a failure, and the job is terminated. Shared by tests/test_dist_mpi.py and
+"""Launching the scripts of tests/mpi/ under ``mpiexec -n N`` (``python -m
+mpi4py script.py``) or ``torchrun --nproc-per-node N`` (``python -m
+torch.distributed.run --standalone``) from pytest, each bounded by a
+wall-clock timeout: a hang is a failure, and the job is terminated. Shared by
+tests/test_dist_mpi.py, tests/test_dist_torch.py, tests/test_cli_train.py and
 tests/test_embedding_collection.py."""
 import importlib.util
 import os
@@ -18,11 +20,16 @@ SCRIPTS = ROOT / "tests" / "mpi"
 MPIEXEC = shutil.which("mpiexec") or next(  # the mpich wheel puts it beside the interpreter
     (str(p) for p in [Path(sys.executable).parent / "mpiexec"] if p.exists()), None)
 HAVE_MPI4PY = importlib.util.find_spec("mpi4py") is not None
+HAVE_TORCH = importlib.util.find_spec("torch") is not None
 # variables of an enclosing launcher would confuse the one we start
-_LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "HYDRA_", "MPI_LOCAL")
+_LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "HYDRA_", "MPI_LOCAL", "TORCHELASTIC_")
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                  "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR",
+                  "MASTER_PORT")
 
 needs_mpi = pytest.mark.skipif(not (MPIEXEC and HAVE_MPI4PY),
                                reason="needs mpiexec and mpi4py (pip install 'hbkernels[mpi]')")
+needs_torchrun = pytest.mark.skipif(not HAVE_TORCH, reason="needs PyTorch (torchrun)")
 
 
 def _hydra():
@@ -36,11 +43,18 @@ def _hydra():
 
 
 def _env(**extra):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_PREFIXES)}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(_LAUNCHER_PREFIXES) and k not in _LAUNCHER_VARS}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
     env["HBK_COMM_TIMEOUT"] = "30"  # a hang inside a script fails it long before the test's timeout
     env.update({k: str(v) for k, v in extra.items()})
     return env
+
+
+def _target(script):
+    if str(script).startswith("-m "):
+        return ["-m", str(script)[3:]]
+    return [str(script if os.path.isabs(str(script)) else SCRIPTS / script)]
 
 
 def mpirun(n, script, *args, timeout=120, launcher=(), env=None, cwd=ROOT):
@@ -49,18 +63,27 @@ def mpirun(n, script, *args, timeout=120, launcher=(), env=None, cwd=ROOT):
     the test fails as a hang. The ``OK rank r`` lines the ranks left as marker
     files (tests/mpi/harness.finish) are added to the output where mpiexec's
     forwarding lost them."""
-    if str(script).startswith("-m "):
-        target = ["-m", str(script)[3:]]
-    else:
-        target = [str(script if os.path.isabs(str(script)) else SCRIPTS / script)]
-    cmd = [MPIEXEC, *launcher, "-n", str(n), sys.executable, "-m", "mpi4py", *target, *map(str, args)]
+    cmd = [MPIEXEC, *launcher, "-n", str(n), sys.executable, "-m", "mpi4py", *_target(script),
+           *map(str, args)]
+    return _run_ranks(cmd, cwd, env, timeout)
+
+
+def torchrun(n, script, *args, timeout=120, env=None, cwd=ROOT):
+    """:func:`mpirun`, with ``torchrun --standalone --nproc-per-node n`` (a free
+    rendezvous port on localhost) as the launcher."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(n), *_target(script), *map(str, args)]
+    return _run_ranks(cmd, cwd, env, timeout)
+
+
+def _run_ranks(cmd, cwd, env, timeout):
     with tempfile.TemporaryDirectory(prefix="hbk-ok-") as ok_dir:
         env = {**(env or _env()), "HBK_TEST_OK_DIR": ok_dir}
         rc, out, seconds = _launch(cmd, cwd, env, timeout)
         for marker in sorted(Path(ok_dir).iterdir()):
             line = marker.read_text().strip()
             if line not in out:
-                out += f"\n{line} (from its marker file; mpiexec lost the printed line)\n"
+                out += f"\n{line} (from its marker file; the launcher lost the printed line)\n"
     return rc, out, seconds
 
 
@@ -71,7 +94,7 @@ def _launch(cmd, cwd, env, timeout):
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        proc.terminate()  # hydra forwards it and ends every rank
+        proc.terminate()  # hydra and torchrun forward it and end every rank
         try:
             out, _ = proc.communicate(timeout=15)
         except subprocess.TimeoutExpired:

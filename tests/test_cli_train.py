@@ -115,6 +115,28 @@ def test_criteo_sample_logloss_falls(tmp_path):
     assert all(b < a for a, b in zip(evals, evals[1:])), evals
     assert evals[-1] < 0.8 * evals[0]
     assert sum(h["samples"] for h in run["train"][:4]) == 200   # one epoch is every row once
+    assert run["final"]["eval_split"] == "training data"   # no --eval-data: said so
+
+
+def test_eval_split_is_named_and_the_curve_is_drawn(tmp_path, straight):
+    assert straight["final"]["eval_split"] == "held-out synthetic samples"
+    pytest.importorskip("matplotlib")
+    metrics = tmp_path / "curve.json"
+    assert main(["train", *SMALL, "--steps", "6", "--eval-every", "2", "--metrics", str(metrics)]) == 0
+    png = metrics.with_suffix(".png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
+
+
+def test_help_shows_defaults_and_no_markup():
+    res = run_cli("train", "--help", cwd=ROOT)
+    assert res.returncode == 0, res.stderr
+    text = res.stdout
+    for default in ("(default: 300)", "(default: 1024)", "(default: auto)", "(default: 0.05)",
+                    "(default: 64,32)"):
+        assert default in text, default
+    for markup in ("``", ":class:", ":func:", ":mod:"):
+        assert markup not in text, markup
+    assert "torchrun" in text
 
 
 def run_cli(*args, cwd):

@@ -1,5 +1,12 @@
-"""The GPU extras of pyproject.toml (``cuda12``, ``cuda13``) and the torch that README.md
-and docs/README.md install with each.
+"""The extras of pyproject.toml and the install commands of README.md, docs/README.md and .ci/run.
+
+Extras name ranges, never exact pins (those live in .ci/constraints.txt, which the README's test
+command and .ci/run use), so hbkernels installs beside the torch a user already has: the torch
+extras resolve with torch 2.12, 2.13 and 2.14. ``mpi`` uses the machine's MPI, ``mpi-wheel``
+brings MPICH's wheel; ``tf`` names ``tensorflow`` (never a second TensorFlow build beside it).
+
+The GPU extras (``cuda12``, ``cuda13``) are paired with the torch README.md and docs/README.md
+install with each.
 
 Each extra names CuPy, numba-cuda and the NCCL wheel (``nvidia-nccl-cuXX``, where CuPy >= 13.5
 loads ``libnccl.so.2`` from) of one CUDA major, and resolves from PyPI alone with its torch: on
@@ -89,6 +96,49 @@ def test_the_install_docs_pair_each_cuda_extra_with_a_torch_of_its_major(page):
     assert not torch[12].specifier.contains(FIRST_CUDA13_TORCH), str(torch[12])
     assert torch[13].specifier.contains(FIRST_CUDA13_TORCH), str(torch[13])
     assert not torch[13].specifier.contains(LAST_CUDA12_TORCH), str(torch[13])
+
+
+def extras():
+    return {name: {canonicalize_name(Requirement(r).name): Requirement(r) for r in reqs}
+            for name, reqs in _pyproject()["optional-dependencies"].items()}
+
+
+def test_no_extra_pins_an_exact_version():
+    pinned = [f"[{name}] {req}" for name, reqs in extras().items() for req in reqs.values()
+              if any(s.operator in ("==", "===") for s in req.specifier)]
+    assert not pinned, f"exact pins belong in .ci/constraints.txt: {pinned}"
+
+
+def test_mpi_uses_the_machines_mpi_and_mpi_wheel_brings_mpich():
+    assert set(extras()["mpi"]) == {"mpi4py"}, extras()["mpi"]
+    assert set(extras()["mpi-wheel"]) == {"mpi4py", "mpich"}, extras()["mpi-wheel"]
+
+
+def test_tf_names_one_tensorflow_build():
+    assert set(extras()["tf"]) == {"tensorflow"}, extras()["tf"]
+
+
+def _readme_test_command():
+    commands = re.findall(r"^python3 -m pip install [^\n]*&& python3 -m pytest$",
+                          (ROOT / "README.md").read_text(), re.M)
+    assert len(commands) == 1, commands
+    return commands[0]
+
+
+def test_ci_runs_the_readmes_test_command_with_the_constraints():
+    command = _readme_test_command()
+    assert command in (ROOT / ".ci" / "run").read_text().splitlines()
+    assert command.count("-c .ci/constraints.txt") == command.count("pip install"), command
+    pins = {canonicalize_name(Requirement(line).name): Requirement(line)
+            for line in (ROOT / ".ci" / "constraints.txt").read_text().splitlines()
+            if line.strip() and not line.startswith("#")}
+    assert str(pins["torch"].specifier) == "==2.13.0", pins["torch"]
+
+
+def test_the_readme_installs_non_editable_too():
+    readme = (ROOT / "README.md").read_text()
+    assert re.search(r'pip install "\.\[train\]"', readme), "no non-editable install line"
+    assert re.search(r'pip install -e "\.\[train\]"', readme), "no editable install line"
 
 
 # -- online: pip resolves each extra with its documented torch from PyPI -----------------------
@@ -186,3 +236,48 @@ def test_the_cuda_extra_resolves_from_pypi_with_its_torch_and_nccl(major, resolu
     mixed += sorted(f"{n} {picked[n][0]}" for n in CUDA_VERSIONED
                     if n in picked and Version(picked[n][0]).major != major)
     assert not mixed, f"cuda{major} with torch {torch_version} mixes in CUDA {other}: {mixed}"
+
+
+TORCHES = ("2.12.0", "2.13.0", "2.14.0")
+TORCH_EXTRAS = ("torch", "train", "bench")
+
+
+@pytest.fixture(scope="module")
+def torch_resolutions(tmp_path_factory):
+    """``{torch version: (pip's exit status, its output, {name: (version, url)})}`` of
+    ``pip install --dry-run <hbkernels' dependencies> <the torch, train and bench extras>
+    torch==<version>`` against PyPI."""
+    if sys.platform != "linux":
+        pytest.skip("resolved for Linux wheels")
+    reason = _pypi_unreachable()
+    if reason:
+        pytest.skip(reason)
+    out = tmp_path_factory.mktemp("torch-extras")
+    pip = _metadata_only_pip(out)
+    reqs = [*_pyproject()["dependencies"],
+            *{str(r) for e in TORCH_EXTRAS for r in extras()[e].values()}]
+    with ThreadPoolExecutor(len(TORCHES)) as pool:
+        jobs = {v: pool.submit(_dry_run, pip, [*reqs, f"torch=={v}"], out / f"torch-{v}.json")
+                for v in TORCHES}
+        try:
+            return {v: job.result() for v, job in jobs.items()}
+        except subprocess.TimeoutExpired as e:
+            pytest.skip(f"PyPI too slow: {e}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("version", TORCHES)
+def test_the_torch_extras_resolve_beside_a_users_torch(version, torch_resolutions):
+    rc, output, picked = torch_resolutions[version]
+    assert rc == 0, f"[torch,train,bench] with torch=={version} does not resolve:\n{output[-4000:]}"
+    assert picked["torch"][0] == version, picked["torch"]
+    assert {"numba", "numpy", "pyarrow", "pandas", "matplotlib"} <= set(picked), sorted(picked)
+
+
+def test_package_metadata_names_its_license_urls_and_classifiers():
+    project = _pyproject()
+    assert project["license"] == "Apache-2.0" and "LICENSE" in project["license-files"]
+    assert "Apache License" in (ROOT / "LICENSE").read_text()[:200]
+    assert {"Homepage", "Documentation", "Source"} <= set(project["urls"]), project["urls"]
+    assert all(u.startswith("https://") for u in project["urls"].values()), project["urls"]
+    assert any(c.startswith("Programming Language :: Python :: 3") for c in project["classifiers"])

@@ -1,6 +1,10 @@
-"""PyTorch front end: ``embedding_bag`` as a differentiable torch op, and
-:class:`EmbeddingCollectionModule`, an ``nn.Module`` over
-:class:`hbkernels.EmbeddingCollection`.
+"""PyTorch front end: ``embedding_bag`` as a differentiable torch op,
+:class:`EmbeddingBag` (``torch.nn.EmbeddingBag``'s constructor and call
+conventions on that op), and :class:`EmbeddingCollectionModule`, an
+``nn.Module`` over :class:`hbkernels.EmbeddingCollection` that takes a feature
+dict or a TorchRec ``KeyedJaggedTensor`` (:func:`features_from_kjt`) and whose
+``state_dict()`` holds the tables. TorchRec is never imported here: a
+``KeyedJaggedTensor`` is recognised when TorchRec is already loaded.
 
 Arrays cross without copies: CPU tensors as NumPy views (``tensor.numpy()``
 in, ``torch.from_numpy`` out), CUDA tensors as CuPy views of the same device
@@ -42,6 +46,7 @@ spin on the same cores: on small machines ``torch.set_num_threads`` /
 [0.5, 1.0, 0.0, 0.5]
 """
 import contextlib
+import sys
 
 import numpy as np
 import torch
@@ -50,8 +55,8 @@ from .. import ops as _ops
 from .._dispatch import cupy_bfloat16
 from .._validate import BOUNDS, COMBINERS, is_bfloat16
 
-__all__ = ["EmbeddingCollectionModule", "embedding_bag", "kernel_array", "from_kernel_array",
-           "cuda_stream_of"]
+__all__ = ["EmbeddingBag", "EmbeddingCollectionModule", "embedding_bag", "features_from_kjt",
+           "is_keyed_jagged_tensor", "kernel_array", "from_kernel_array", "cuda_stream_of"]
 
 _NAMESPACE = "hbkernels"
 # torch dtypes with a NumPy twin (the kernels check which they accept and say so)
@@ -384,6 +389,214 @@ def embedding_bag(weight, values, offsets, *, combiner="sum", per_sample_weights
                                              per_sample_weights, bounds, sparse)
 
 
+# -- nn.EmbeddingBag ----------------------------------------------------------------------------------
+_MODES = ("sum", "mean")  # torch's modes that the hbkernels kernels compute
+
+
+class EmbeddingBag(torch.nn.Module):
+    """``torch.nn.EmbeddingBag`` (same constructor, attributes, ``forward`` and
+    ``from_pretrained``) computed by :func:`embedding_bag`.
+
+    ``weight``: ``nn.Parameter`` ``[num_embeddings, embedding_dim]``, initialised
+    from ``N(0, 1)`` with the ``padding_idx`` row zeroed (``_weight``, when given,
+    is used as it is, memory included). ``forward(input, offsets=None,
+    per_sample_weights=None)``: a 1-D ``input`` of ids with ``offsets`` of the bag
+    starts (``B`` entries, ``offsets[0] == 0``), or of ``B + 1`` entries with
+    ``include_last_offset=True`` (ids after ``offsets[-1]`` are ignored, as torch
+    does; reading ``offsets[-1]`` synchronises a CUDA device); or a 2-D
+    ``input [B, L]`` of fixed-size bags with ``offsets=None``. Ids and offsets are
+    int32 or int64 (they may differ). Returns ``[B, embedding_dim]``.
+
+    ``mode``: ``"sum"`` or ``"mean"`` (an empty bag gives zeros); ``"max"`` raises
+    ``NotImplementedError`` (the kernels pool by sums). ``per_sample_weights``
+    (the shape of ``input``) only with ``"sum"``, else ``NotImplementedError`` as
+    torch; they are differentiable. ``padding_idx``: ids equal to it are left out
+    of their bag (a ``"mean"`` divides by the count of the others) and the
+    gradient of its row is zero; a negative value counts from the end. ``sparse=True``: the
+    gradient of ``weight`` is a ``torch.sparse_coo_tensor`` (not coalesced).
+    ``max_norm`` and ``scale_grad_by_freq=True`` raise ``NotImplementedError``.
+    An id outside ``[0, num_embeddings)`` raises :class:`hbkernels.BoundsError`
+    (an ``IndexError``); other bad input a ``ValueError`` or ``TypeError``.
+
+    >>> import torch
+    >>> from hbkernels.adapters.torch import EmbeddingBag
+    >>> bag = EmbeddingBag(4, 2, mode="mean", padding_idx=0,
+    ...                    _weight=torch.arange(8.0).reshape(4, 2))
+    >>> bag(torch.tensor([1, 0, 3, 2]), torch.tensor([0, 3])).tolist()
+    [[4.0, 5.0], [4.0, 5.0]]
+    """
+
+    def __init__(self, num_embeddings, embedding_dim, max_norm=None, norm_type=2.0,
+                 scale_grad_by_freq=False, mode="mean", sparse=False, _weight=None,
+                 include_last_offset=False, padding_idx=None, device=None, dtype=None):
+        super().__init__()
+        if max_norm is not None:
+            raise NotImplementedError("hbkernels EmbeddingBag does not renormalise rows: max_norm "
+                                      "must be None")
+        if scale_grad_by_freq:
+            raise NotImplementedError("hbkernels EmbeddingBag does not scale gradients by id "
+                                      "frequency: scale_grad_by_freq must be False")
+        if mode == "max":
+            raise NotImplementedError(f"hbkernels EmbeddingBag supports the modes {list(_MODES)}, "
+                                      f"not 'max'")
+        if mode not in _MODES:
+            raise ValueError(f"mode must be one of {list(_MODES)}, got {mode!r}")
+        num_embeddings, embedding_dim = int(num_embeddings), int(embedding_dim)
+        if num_embeddings < 0 or embedding_dim < 1:
+            raise ValueError(f"need num_embeddings >= 0 and embedding_dim >= 1, got "
+                             f"{num_embeddings} and {embedding_dim}")
+        if padding_idx is not None:
+            if not -num_embeddings <= padding_idx < num_embeddings:
+                raise ValueError(f"padding_idx must be within [-{num_embeddings}, {num_embeddings}), "
+                                 f"got {padding_idx}")
+            padding_idx = int(padding_idx) % num_embeddings
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.max_norm, self.norm_type, self.scale_grad_by_freq = max_norm, norm_type, False
+        self.mode, self.sparse = mode, bool(sparse)
+        self.include_last_offset, self.padding_idx = bool(include_last_offset), padding_idx
+        if _weight is None:
+            self.weight = torch.nn.Parameter(
+                torch.empty((num_embeddings, embedding_dim), device=device, dtype=dtype))
+            self.reset_parameters()
+        else:
+            if tuple(_weight.shape) != (num_embeddings, embedding_dim):
+                raise ValueError(f"_weight must be [num_embeddings, embedding_dim] = "
+                                 f"[{num_embeddings}, {embedding_dim}], got {list(_weight.shape)}")
+            self.weight = torch.nn.Parameter(_weight)
+
+    def reset_parameters(self):
+        """Fill ``weight`` from ``N(0, 1)`` and zero the ``padding_idx`` row."""
+        torch.nn.init.normal_(self.weight)
+        if self.padding_idx is not None:
+            with torch.no_grad():
+                self.weight[self.padding_idx].fill_(0)
+
+    def forward(self, input, offsets=None, per_sample_weights=None):  # noqa: A002 - torch's name
+        if not isinstance(input, torch.Tensor):
+            raise TypeError(f"input must be a tensor of ids, got {type(input).__name__}")
+        if per_sample_weights is not None and self.mode != "sum":
+            raise NotImplementedError(
+                f"per_sample_weights are only supported with mode='sum' (as torch), got "
+                f"mode={self.mode!r}")
+        if per_sample_weights is not None and per_sample_weights.shape != input.shape:
+            raise ValueError(f"per_sample_weights must have the shape of input "
+                             f"{tuple(input.shape)}, got {tuple(per_sample_weights.shape)}")
+        if input.dim() == 2:
+            if offsets is not None:
+                raise ValueError("a 2-D input is a batch of fixed-size bags: offsets must be None")
+            batch, length = input.shape
+            values = input.reshape(-1)
+            offsets = torch.arange(batch + 1, device=input.device, dtype=torch.int64) * length
+            psw = None if per_sample_weights is None else per_sample_weights.reshape(-1)
+        elif input.dim() == 1:
+            if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1:
+                raise ValueError(f"a 1-D input needs 1-D offsets, got "
+                                 f"{type(offsets).__name__ if offsets is None else tuple(offsets.shape)}")
+            values, psw = input, per_sample_weights
+            if self.include_last_offset:
+                if offsets.shape[0] < 1:
+                    raise ValueError("include_last_offset=True needs offsets of B + 1 >= 1 entries")
+                end = int(offsets[-1])
+                if 0 <= end < values.shape[0]:  # torch ignores the ids after the last offset
+                    values = values[:end]
+                    psw = None if psw is None else psw[:end]
+            elif offsets.shape[0] == 0:  # no bags
+                values = values[:0]
+                psw = None if psw is None else psw[:0]
+                offsets = offsets.new_zeros(1)
+            else:
+                offsets = torch.cat([offsets, offsets.new_full((1,), values.shape[0])])
+        else:
+            raise ValueError(f"input must be 1-D (with offsets) or 2-D [B, L], got shape "
+                             f"{tuple(input.shape)}")
+        if self.padding_idx is not None:  # weight 0: out of the sums, the means and the gradient
+            keep = (values != self.padding_idx).to(self.weight.dtype)
+            psw = keep if psw is None else psw * keep
+        return embedding_bag(self.weight, values, offsets, combiner=self.mode,
+                             per_sample_weights=psw, sparse=self.sparse, bounds="raise")
+
+    @classmethod
+    def from_pretrained(cls, embeddings, freeze=True, max_norm=None, norm_type=2.0,
+                        scale_grad_by_freq=False, mode="mean", sparse=False,
+                        include_last_offset=False, padding_idx=None):
+        """An ``EmbeddingBag`` whose ``weight`` is ``embeddings`` (2-D, its memory
+        shared), frozen (``requires_grad=False``) unless ``freeze=False``."""
+        if not isinstance(embeddings, torch.Tensor) or embeddings.dim() != 2:
+            raise ValueError(f"embeddings must be a 2-D tensor [num_embeddings, embedding_dim], got "
+                             f"{getattr(embeddings, 'shape', type(embeddings).__name__)}")
+        rows, cols = embeddings.shape
+        bag = cls(rows, cols, _weight=embeddings, max_norm=max_norm, norm_type=norm_type,
+                  scale_grad_by_freq=scale_grad_by_freq, mode=mode, sparse=sparse,
+                  include_last_offset=include_last_offset, padding_idx=padding_idx)
+        bag.weight.requires_grad = not freeze
+        return bag
+
+    def extra_repr(self):
+        s = f"{self.num_embeddings}, {self.embedding_dim}, mode={self.mode!r}"
+        if self.padding_idx is not None:
+            s += f", padding_idx={self.padding_idx}"
+        if self.sparse:
+            s += ", sparse=True"
+        if self.include_last_offset:
+            s += ", include_last_offset=True"
+        return s
+
+
+# -- TorchRec KeyedJaggedTensor ------------------------------------------------------------------------
+def is_keyed_jagged_tensor(x):
+    """Whether ``x`` is a TorchRec ``KeyedJaggedTensor`` (never imports TorchRec: an
+    object can only be one when TorchRec is already loaded)."""
+    module = sys.modules.get("torchrec.sparse.jagged_tensor")
+    return module is not None and isinstance(x, module.KeyedJaggedTensor)
+
+
+def _kjt_tensors(kjt):
+    """``({key: (values, offsets)}, {key: weights} or None)`` tensors of ``kjt``:
+    ``values``/``weights`` are slices of ``kjt.values()``/``kjt.weights()`` (views),
+    ``offsets`` the key's ``B_k + 1`` bag offsets rebased to 0 (dtype of ``kjt.offsets()``)."""
+    if not is_keyed_jagged_tensor(kjt):
+        raise TypeError(f"expected a torchrec KeyedJaggedTensor, got {type(kjt).__name__}")
+    keys = list(kjt.keys())
+    values, offsets, weights = kjt.values(), kjt.offsets(), kjt.weights_or_none()
+    strides = kjt.stride_per_key() if kjt.variable_stride_per_key() else [kjt.stride()] * len(keys)
+    per_key = kjt.offset_per_key()
+    features, psw, first = {}, ({} if weights is not None else None), 0
+    for k, key in enumerate(keys):
+        lo, hi, batch = int(per_key[k]), int(per_key[k + 1]), int(strides[k])
+        bags = offsets[first:first + batch + 1]
+        features[key] = (values[lo:hi], bags - lo if lo else bags)
+        if weights is not None:
+            psw[key] = weights[lo:hi]
+        first += batch
+    return features, psw
+
+
+def _kjt_weights(weights, per_sample_weights):
+    """The per-sample weights of a call given a KJT: its own, or the caller's; not both."""
+    if weights is None:
+        return per_sample_weights
+    if per_sample_weights:
+        raise ValueError("the KeyedJaggedTensor has weights: per_sample_weights must be None")
+    return weights
+
+
+def features_from_kjt(kjt, per_sample_weights=None):
+    """The features of TorchRec ``KeyedJaggedTensor`` ``kjt`` as the kernels take them:
+    ``({key: hbk.Ragged(values, offsets)}, {key: weights} or None)`` of NumPy (CPU)
+    or CuPy (CUDA) arrays, the weights ``kjt.weights_or_none()`` or else
+    ``per_sample_weights`` (ValueError when both are given).
+    Each key has its own ``B_k = kjt.stride()`` bags (``stride_per_key()`` for a
+    variable-stride KJT); ids and weights share the KJT's memory (slices of
+    ``kjt.values()``), offsets are rebased to start at 0 (int32 or int64, as the
+    KJT's). A key without ids gives ``B_k`` empty bags."""
+    from ..types import Ragged
+
+    tensors, weights = _kjt_tensors(kjt)
+    features = {key: Ragged(kernel_array(v), kernel_array(o)) for key, (v, o) in tensors.items()}
+    psw = None if weights is None else {key: kernel_array(w) for key, w in weights.items()}
+    return features, _kjt_weights(psw, per_sample_weights)
+
+
 # -- EmbeddingCollection as an nn.Module ------------------------------------------------------------
 class _CollectionStep(torch.autograd.Function):
     """One forward of the collection; its backward hands the output gradients to
@@ -415,6 +628,23 @@ class _CollectionStep(torch.autograd.Function):
         return None, None, None, None, None
 
 
+def _write_shard_rows(target, shard, whole):
+    """Write ``shard``'s rows (and columns, for 2-D arrays) of the whole-table tensor
+    ``whole`` into its block of this rank's fused array ``target`` (NumPy or CuPy)."""
+    rows = whole.detach()[shard.row_start:shard.row_start + shard.row_step * shard.num_rows:
+                          shard.row_step]
+    if rows.dim() == 2:
+        rows = rows[:, shard.c0:shard.c1]
+    block = target[shard.base:shard.base + shard.num_rows]
+    device = "cpu" if isinstance(block, np.ndarray) else f"cuda:{block.device.id}"
+    block[...] = kernel_array(rows.to(device=device, dtype=_torch_dtype(block.dtype)))
+
+
+def _torch_dtype(dtype):
+    """The torch dtype of NumPy dtype ``dtype``."""
+    return next(t for t, n in _TORCH_DTYPES.items() if np.dtype(n) == np.dtype(dtype))
+
+
 class EmbeddingCollectionModule(torch.nn.Module):
     """``nn.Module`` over an :class:`hbkernels.EmbeddingCollection` (DLRM's sparse
     part): ``forward(features)`` returns ``{feature: [B, dim]}`` pooled tensors
@@ -428,7 +658,22 @@ class EmbeddingCollectionModule(torch.nn.Module):
     ``B + 1``), an ``hbk.Ragged`` of tensors, or a 1-D id tensor (one id per
     sample); ``per_sample_weights``: optional ``{feature: weights}``. Tensors are
     on the collection's device (CPU tensors for ``device="cpu"``, CUDA tensors
-    on a GPU collection) and cross without copies.
+    on a GPU collection) and cross without copies. ``features`` may instead be a
+    TorchRec ``KeyedJaggedTensor`` (keys are features, split as
+    :func:`features_from_kjt` does); its weights, when it has some, are the
+    per-sample weights (then ``per_sample_weights`` must be ``None``).
+
+    ``state_dict()`` holds every table gathered whole (collective: every rank
+    calls it): ``tables.<name>.weight`` ``[num_rows, dim]``,
+    ``tables.<name>.optimizer.<slot>`` for each slot of the collection's
+    optimizer (``[num_rows, dim]``, or ``[num_rows]`` for a per-row slot) and
+    ``tables.<name>.optimizer.step`` (int64 scalar), so
+    ``torch.save(model.state_dict())`` keeps them. ``load_state_dict`` writes
+    them into this rank's shards (any plan and world size, no communication);
+    tables sharing a fused array share one step counter, set to the largest
+    loaded step. With ``strict=True`` missing and unexpected table keys are
+    reported as torch reports parameters; a key of the wrong shape is a "size
+    mismatch" error and then no table is written.
 
     Rules of the collection's one-step context: every ``forward`` (in grad mode)
     is followed by **at most one** backward before the next ``forward``; a
@@ -439,8 +684,8 @@ class EmbeddingCollectionModule(torch.nn.Module):
     ranks are *summed* (torch DDP averages the dense part: scale the loss, or
     the collection's learning rate, to match). ``forward`` is excluded from
     ``torch.compile`` (``torch.compiler.disable``): a compiled model breaks the
-    graph around it. Checkpoint the tables with ``collection.save``;
-    :meth:`full_weights` reads one as a tensor.
+    graph around it. ``collection.save`` writes a sharded checkpoint without
+    gathering; :meth:`full_weights` reads one table as a tensor.
     """
 
     def __init__(self, collection):
@@ -459,9 +704,12 @@ class EmbeddingCollectionModule(torch.nn.Module):
     def forward(self, features, per_sample_weights=None):
         from ..types import Ragged
 
+        if is_keyed_jagged_tensor(features):
+            features, weights = _kjt_tensors(features)
+            per_sample_weights = _kjt_weights(weights, per_sample_weights)
         if not isinstance(features, dict):
-            raise TypeError(f"features must be a dict name -> (values, offsets) or ids, "
-                            f"got {type(features).__name__}")
+            raise TypeError(f"features must be a dict name -> (values, offsets) or ids, or a "
+                            f"torchrec KeyedJaggedTensor, got {type(features).__name__}")
         names = list(features)
         arrays, tensors = {}, []
         for f in names:
@@ -489,6 +737,74 @@ class EmbeddingCollectionModule(torch.nn.Module):
     def full_weights(self, name):
         """Table ``name`` gathered whole as a tensor (a copy; collective)."""
         return from_kernel_array(self.collection.full_weights(name))
+
+    # -- state_dict: the tables, gathered --------------------------------------------------------
+    def _table_keys(self):
+        """``{state_dict key (without prefix): (table, item)}``, item ``"weight"``, an
+        optimizer slot or ``"step"``, in the collection's table order."""
+        keys = {}
+        for name in self.collection.tables:
+            keys[f"tables.{name}.weight"] = (name, "weight")
+            for slot, _ in self.collection.optimizer.slots:
+                keys[f"tables.{name}.optimizer.{slot}"] = (name, slot)
+            keys[f"tables.{name}.optimizer.step"] = (name, "step")
+        return keys
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        coll = self.collection
+        for name in coll.tables:  # collective: every rank gathers every table
+            destination[f"{prefix}tables.{name}.weight"] = from_kernel_array(coll.full_weights(name))
+            state = coll.full_state(name)
+            for slot, _ in coll.optimizer.slots:
+                destination[f"{prefix}tables.{name}.optimizer.{slot}"] = from_kernel_array(state[slot])
+            destination[f"{prefix}tables.{name}.optimizer.step"] = torch.tensor(state["step"],
+                                                                               dtype=torch.int64)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        ours = f"{prefix}tables."
+        super()._load_from_state_dict(
+            {k: v for k, v in state_dict.items() if not k.startswith(ours)}, prefix,
+            local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        coll = self.collection
+        expected = {prefix + k: item for k, item in self._table_keys().items()}
+        unexpected_keys += [k for k in state_dict if k.startswith(ours) and k not in expected]
+        found, errors = {}, []  # table -> {item: tensor}
+        for key, (name, item) in expected.items():
+            if key not in state_dict:
+                missing_keys.append(key)
+                continue
+            value = state_dict[key]
+            if item == "step":
+                shape = ()
+            elif item == "weight" or not dict(coll.optimizer.slots)[item]:
+                shape = (coll.tables[name].num_rows, coll.tables[name].dim)
+            else:  # one state value per row
+                shape = (coll.tables[name].num_rows,)
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
+                errors.append(f"size mismatch for {key}: copying a param with shape "
+                                  f"{tuple(getattr(value, 'shape', ()))} from checkpoint, the shape "
+                                  f"in current model is {shape}.")
+                continue
+            found.setdefault(name, {})[item] = value
+        if errors:  # nothing of the tables is written
+            error_msgs += errors
+            return
+        steps = {}  # fused array -> step of its loaded tables
+        for name, items in found.items():
+            for shard in coll.local_shards():
+                if shard.table != name:
+                    continue
+                fused = coll.groups[shard.group]
+                for item, value in items.items():
+                    if item == "step":
+                        steps[shard.group] = max(steps.get(shard.group, 0), int(value))
+                        continue
+                    target = fused["weights"] if item == "weight" else fused["state"][item]
+                    _write_shard_rows(target, shard, value)
+        for group, step in steps.items():
+            coll.groups[group]["state"]["step"][0] = step
 
     def extra_repr(self):
         return f"tables={sorted(self.collection.tables)}, device={self.collection.device}"

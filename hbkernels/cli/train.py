@@ -3,6 +3,7 @@
     hbkernels train                                     # synthetic clicks, CPU or the GPU
     hbkernels train --data criteo.parquet --epochs 5    # e.g. from `hbkernels data convert criteo`
     mpiexec -n 2 hbkernels train --steps 200            # 2 ranks: NCCL with a GPU each, else MPI
+    torchrun --nproc-per-node 2 -m hbkernels train      # 2 ranks through torch.distributed
 
 The model is :class:`hbkernels.models.DLRM`: a bottom MLP on the dense
 features, one :class:`hbkernels.EmbeddingCollection` table per categorical
@@ -39,6 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from . import CLIError, error_line
+from ._help import HelpFormatter, plain
 from .progress import Progress
 
 PLANS = ("auto", "data_parallel", "table_wise", "row_wise", "column_wise")
@@ -67,13 +69,12 @@ def add_command(subparsers):
 
     p = subparsers.add_parser(
         "train", help="train a DLRM-style CTR model (synthetic data or Parquet; mpiexec for N ranks)",
-        description="\n\n".join(__doc__.split("\n\n")[1:3]),
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        description=plain("\n\n".join(__doc__.split("\n\n")[:3])), formatter_class=HelpFormatter)
     data = p.add_argument_group("data")
     data.add_argument("--data", default="synthetic",
                       help="'synthetic' (made on the fly) or Parquet file(s)/directory")
     data.add_argument("--eval-data", default=None,
-                      help="Parquet evaluation set (default: the training data)")
+                      help="Parquet evaluation set (default: the training data, labelled so)")
     data.add_argument("--table", dest="tables", type=parse_table, action="append", default=None,
                       metavar="NAME:ROWS:HOTNESS[:var]",
                       help=f"synthetic: a categorical feature (repeat; default {' '.join(DEFAULT_TABLES)})")
@@ -94,13 +95,14 @@ def add_command(subparsers):
                        help="Parquet: train this many epochs (sets --steps)")
     model.add_argument("--batch-size", type=int, default=1024, help="global batch size (all ranks)")
     model.add_argument("--dim", type=int, default=16, help="embedding and bottom-MLP output width")
-    model.add_argument("--bottom", type=int_list, default=(64,), help="bottom MLP hidden sizes")
-    model.add_argument("--top", type=int_list, default=(64, 32), help="top MLP hidden sizes")
+    model.add_argument("--bottom", type=int_list, default="64", help="bottom MLP hidden sizes")
+    model.add_argument("--top", type=int_list, default="64,32", help="top MLP hidden sizes")
     model.add_argument("--plan", default="auto", help=f"table placement: {', '.join(PLANS)}")
-    model.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    model.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                       help="auto: the GPU where CUDA and CuPy work, else the CPU")
     model.add_argument("--sparse-lr", type=float, default=0.05, help="Adagrad rate of the tables")
     model.add_argument("--dense-lr", type=float, default=1e-3, help="Adam rate of the MLPs")
-    model.add_argument("--seed", type=int, default=0)
+    model.add_argument("--seed", type=int, default=0, help="of the data, the tables and the MLPs")
     out = p.add_argument_group("evaluation, checkpoints, output")
     out.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0: at the end)")
     out.add_argument("--checkpoint", default=None, metavar="DIR", help="checkpoint directory")
@@ -108,7 +110,8 @@ def add_command(subparsers):
                      help="checkpoint every N steps (0: at the end only)")
     out.add_argument("--resume", action="store_true", help="continue from DIR/latest")
     out.add_argument("--metrics", default="hbkernels-train-metrics.json",
-                     help="metrics JSON written by rank 0")
+                     help="metrics JSON written by rank 0, and beside it a PNG of loss and AUC "
+                          "per step")
     p.set_defaults(run=run)
 
 
@@ -170,12 +173,13 @@ def resolve_device(requested):
 
 
 def open_communicator(device):
+    """One rank alone, torchrun's ranks (torch.distributed), or mpiexec's ranks: NCCL
+    with a GPU each, MPI on the CPU."""
     from .. import dist
 
-    under_launcher = any(v in os.environ for v in dist.LAUNCHER_ENV_VARS)
-    if device == "cuda":
+    if device == "cuda" or dist.launcher() != "mpi":
         return dist.init("auto")
-    return dist.init("mpi" if under_launcher else "local")
+    return dist.init("mpi")
 
 
 def abort_all(comm, exc):
@@ -183,10 +187,12 @@ def abort_all(comm, exc):
     The pause lets mpiexec's proxy forward the line before the abort kills it (without
     it the line was lost in about 1 run of 5)."""
     print(f"hbkernels train: error on rank {comm.rank}: {error_line(exc)}", flush=True)
-    from mpi4py import MPI
-
     time.sleep(ABORT_PAUSE_SECONDS)
-    MPI.COMM_WORLD.Abort(1)
+    if comm.backend in ("mpi", "nccl"):  # launched by mpiexec: it ends the job
+        from mpi4py import MPI
+
+        MPI.COMM_WORLD.Abort(1)
+    os._exit(1)  # torchrun: its agent ends the other ranks when one exits non-zero
 
 
 def run(args):
@@ -242,6 +248,10 @@ class Trainer:
             self.features = self.train_data.features
             self.num_dense = len(self.train_data.dense)
             self.steps = args.epochs * len(self.train_data) if args.epochs else args.steps
+        if self.synthetic:
+            self.eval_split = "held-out synthetic samples"
+        else:
+            self.eval_split = f"--eval-data {args.eval_data}" if args.eval_data else "training data"
         self.step = 0
         self.history, self.evals = [], []
         self.train_seconds = 0.0      # of every run that led to this step (resumes included)
@@ -303,7 +313,10 @@ class Trainer:
         self.collection = coll
         if state is not None:
             dense = torch.load(state["dir"] / "dense.pt", map_location=self.device, weights_only=True)
-            self.model.load_state_dict(dense["model"])
+            missing, unexpected = self.model.load_state_dict(dense["model"], strict=False)
+            if unexpected or any(not k.startswith("embeddings.") for k in missing):
+                raise CLIError(f"checkpoint {state['dir']}: dense.pt does not fit the model "
+                               f"(missing {missing}, unexpected {unexpected})")
             self.optimizer.load_state_dict(dense["optimizer"])
             self.step = state["step"]
             self.history, self.evals = state["history"], state["evals"]
@@ -413,8 +426,8 @@ class Trainer:
         loss, auc, n = self.evaluate()
         self.evals.append({"step": self.step, "logloss": loss, "auc": auc, "samples": n})
         if self.root:
-            print(f"step {self.step}: eval logloss {loss:.5f}, AUC {auc:.5f} over {n} samples",
-                  flush=True)
+            print(f"step {self.step}: eval ({self.eval_split}) logloss {loss:.5f}, AUC {auc:.5f} "
+                  f"over {n} samples", flush=True)
 
     def fit(self):
         a = self.args
@@ -461,13 +474,16 @@ class Trainer:
             "train_seconds": self.train_seconds, "plan": self.collection.plan.to_json(),
             "final": {"train_loss": self.history[-1]["loss"] if self.history else None,
                       "eval_logloss": last["logloss"], "eval_auc": last["auc"],
-                      "eval_samples": last["samples"]},
+                      "eval_samples": last["samples"], "eval_split": self.eval_split},
             "train": self.history, "eval": self.evals, "config": self.config,
         }
         write_json(a.metrics, metrics)
+        chart = Path(a.metrics).with_suffix(".png")
+        drawn = draw_curve(chart, self.history, self.evals, self.eval_split)
         print(f"{self.step} steps x {a.batch_size} samples on {self.world} rank(s): "
-              f"{rate:,.0f} samples/s; eval logloss {last['logloss']:.5f}, AUC {last['auc']:.5f}; "
-              f"metrics -> {a.metrics}", flush=True)
+              f"{rate:,.0f} samples/s; eval ({self.eval_split}) logloss {last['logloss']:.5f}, "
+              f"AUC {last['auc']:.5f}; metrics -> {a.metrics}"
+              + (f", curve -> {chart}" if drawn is None else f" ({drawn})"), flush=True)
 
     # -- checkpoints ----------------------------------------------------------------------------
     def save_checkpoint(self):
@@ -478,7 +494,7 @@ class Trainer:
         self.collection.save(step_dir / "embeddings")          # collective, atomic on its own
         if self.root:
             def write_dense(f):
-                self.torch.save({"model": self.model.state_dict(),
+                self.torch.save({"model": self.dense_state_dict(),
                                  "optimizer": self.optimizer.state_dict()}, f)
             from ..checkpoint import write_atomic
 
@@ -495,6 +511,12 @@ class Trainer:
                 if old.name != step_dir.name:
                     shutil.rmtree(old, ignore_errors=True)
         self.comm.barrier()
+
+    def dense_state_dict(self):
+        """The model's state without the tables (they are in the collection's checkpoint;
+        the module's own ``state_dict()`` would gather them, a collective)."""
+        return {k: v for name, child in self.model.named_children() if name != "embeddings"
+                for k, v in child.state_dict(prefix=f"{name}.").items()}
 
     def read_checkpoint(self):
         root = Path(self.args.checkpoint)
@@ -523,3 +545,30 @@ def write_json(path, obj):
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(path, obj)
 
+
+def draw_curve(path, history, evals, eval_split):
+    """Write ``path``, a PNG of the training loss per step (and the evaluation logloss at
+    each evaluation) above the evaluation AUC; returns None, or why no chart was drawn."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        return "matplotlib is not installed: no curve (pip install 'hbkernels[train]')"
+    fig = Figure(figsize=(7, 5.5))
+    FigureCanvasAgg(fig)
+    loss_ax, auc_ax = fig.subplots(2, 1, sharex=True)
+    loss_ax.plot([h["step"] for h in history], [h["loss"] for h in history], lw=0.8,
+                 label="training loss (batch)")
+    loss_ax.plot([e["step"] for e in evals], [e["logloss"] for e in evals], "o-",
+                 label=f"eval logloss ({eval_split})")
+    loss_ax.set_ylabel("logloss")
+    loss_ax.legend()
+    loss_ax.grid(alpha=0.3)
+    auc_ax.plot([e["step"] for e in evals], [e["auc"] for e in evals], "o-", color="C2")
+    auc_ax.set_ylabel(f"AUC ({eval_split})")
+    auc_ax.set_xlabel("step")
+    auc_ax.grid(alpha=0.3)
+    fig.suptitle("hbkernels train")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    return None

@@ -22,6 +22,7 @@ import importlib
 import numpy as np
 
 from .._dispatch import simulator_enabled
+from ..errors import MissingDependencyError
 
 HOST_SYNCS = [0]  # host synchronisations by to_host since import
 
@@ -30,7 +31,7 @@ def _cupy():
     try:
         return importlib.import_module("cupy")
     except ImportError as error:
-        raise ImportError("the CUDA kernels need CuPy on a GPU: pip install "
+        raise MissingDependencyError("the CUDA kernels need CuPy on a GPU: pip install "
                           "'hbkernels[cuda12]' or 'hbkernels[cuda13]'") from error
 
 

@@ -11,9 +11,23 @@ larger command line (``hbkernels data ...``) carries them; each sets
 import argparse
 import sys
 
+from ..errors import DataError, MissingDependencyError
 from ._io import ROW_GROUP_SIZE
 
 CONVERTERS = ("criteo", "avazu", "movielens")
+
+
+def at_least(minimum, kind=int):
+    """An argparse type: a ``kind`` number >= ``minimum``."""
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not value >= minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {text}")
+        return value
+    return parse
 
 
 def add_commands(subparsers):
@@ -22,21 +36,21 @@ def add_commands(subparsers):
     convert.add_argument("dataset", choices=CONVERTERS)
     convert.add_argument("src", help="input text file (.gz / .bz2 are read as such)")
     convert.add_argument("dst", help="output Parquet file")
-    convert.add_argument("--num-buckets", type=int, default=None,
+    convert.add_argument("--num-buckets", type=at_least(1), default=None,
                          help="reduce hashed ids modulo N (default: full 63-bit ids)")
-    convert.add_argument("--row-group-size", type=int, default=ROW_GROUP_SIZE)
+    convert.add_argument("--row-group-size", type=at_least(1), default=ROW_GROUP_SIZE)
     convert.set_defaults(run=run_convert)
 
     synthetic = subparsers.add_parser("synthetic", help="write Zipf-distributed synthetic data")
     synthetic.add_argument("dst", help="output Parquet file")
-    synthetic.add_argument("--rows", type=int, required=True, help="rows to write")
+    synthetic.add_argument("--rows", type=at_least(0), required=True, help="rows to write")
     synthetic.add_argument("--table", dest="tables", type=parse_table, action="append",
                            required=True, metavar="NAME:ROWS:HOTNESS[:var]",
                            help="an id column (repeat for more); ':var' for variable bags")
-    synthetic.add_argument("--alpha", type=float, default=1.05, help="Zipf exponent")
+    synthetic.add_argument("--alpha", type=at_least(0.0, float), default=1.05, help="Zipf exponent")
     synthetic.add_argument("--seed", type=int, default=0)
-    synthetic.add_argument("--dense", type=int, default=0, help="dense float columns")
-    synthetic.add_argument("--row-group-size", type=int, default=ROW_GROUP_SIZE)
+    synthetic.add_argument("--dense", type=at_least(0), default=0, help="dense float columns")
+    synthetic.add_argument("--row-group-size", type=at_least(1), default=ROW_GROUP_SIZE)
     synthetic.set_defaults(run=run_synthetic)
 
 
@@ -46,12 +60,13 @@ def parse_table(text):
 
     parts = text.split(":")
     try:
-        if len(parts) not in (3, 4) or (len(parts) == 4 and parts[3] != "var"):
+        if (len(parts) not in (3, 4) or (len(parts) == 4 and parts[3] != "var")
+                or min(int(parts[1]), int(parts[2])) < 1):
             raise ValueError
         return SyntheticTable(parts[0], int(parts[1]), int(parts[2]), len(parts) == 4)
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"expected NAME:ROWS:HOTNESS[:var], got {text!r}") from None
+            f"expected NAME:ROWS:HOTNESS[:var] with ROWS, HOTNESS >= 1, got {text!r}") from None
 
 
 def run_convert(args):
@@ -80,7 +95,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except (ImportError, ValueError, OSError) as e:
+    except (DataError, MissingDependencyError, OSError) as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 1
 

@@ -3,19 +3,21 @@ row-group writer and the summary it returns."""
 import os
 from typing import NamedTuple
 
+from ..errors import MissingDependencyError
+
 ROW_GROUP_SIZE = 1 << 18
 """Default rows per Parquet row group (about 80 MB of Criteo columns in memory)."""
 
 
 def require_pyarrow():
-    """``(pyarrow, pyarrow.compute, pyarrow.parquet)``, or ImportError naming the extra
-    that installs them."""
+    """``(pyarrow, pyarrow.compute, pyarrow.parquet)``, or
+    :class:`hbkernels.errors.MissingDependencyError` naming the extra that installs them."""
     try:
         import pyarrow
         import pyarrow.compute
         import pyarrow.parquet
     except ImportError as e:
-        raise ImportError("hbkernels.data needs pyarrow: pip install 'hbkernels[data]'") from e
+        raise MissingDependencyError("hbkernels.data needs pyarrow: pip install 'hbkernels[data]'") from e
     return pyarrow, pyarrow.compute, pyarrow.parquet
 
 

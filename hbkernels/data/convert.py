@@ -51,6 +51,7 @@ wrote 1 rows in 1 row groups to ...ratings.csv.parquet
 """
 import numpy as np
 
+from ..errors import DataError
 from ._io import ROW_GROUP_SIZE, RowGroupWriter, require_pyarrow
 from .hashing import hash_strings
 
@@ -163,7 +164,7 @@ def _first_line(src):
 def _check_header(src, header, required):
     missing = [c for c in required if c not in header]
     if missing:
-        raise ValueError(f"{src}: the header {','.join(header)!r} lacks the columns "
+        raise DataError(f"{src}: the header {','.join(header)!r} lacks the columns "
                          f"{', '.join(missing)}")
 
 
@@ -203,7 +204,7 @@ def _convert(src, dst, schema, to_columns, *, column_types, delimiter, column_na
                 writer.write(pa.RecordBatch.from_arrays(to_columns(batch), schema=schema))
     except pa.ArrowException as e:
         writer.abort()
-        raise ValueError(f"{src}: {e}") from e
+        raise DataError(f"{src}: {e}") from e
     except BaseException:
         writer.abort()
         raise

@@ -37,6 +37,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..errors import DataError
 from ..types import Ragged
 from .synthetic import SyntheticTable, ZipfIds
 
@@ -149,12 +150,12 @@ class ParquetClicks:
         kinds = {f.name: _kind(pa, f.type) for f in schema}
         listing = ", ".join(f"{f.name} ({f.type})" for f in schema)
         if label not in kinds:
-            raise ValueError(f"no label column {label!r} in {first}; columns: {listing}")
+            raise DataError(f"no label column {label!r} in {first}; columns: {listing}")
         self.label = label
         self.dense = self._columns(dense, "dense", kinds, listing)
         self.sparse = self._columns(sparse, "sparse", kinds, listing)
         if not self.sparse:
-            raise ValueError(f"no categorical (integer, string or list) columns in "
+            raise DataError(f"no categorical (integer, string or list) columns in "
                              f"{first}; columns: {listing}")
         self.num_rows = int(num_rows)
         strings = {c for c in self.sparse if "string" in str(schema.field(c).type)}
@@ -170,9 +171,9 @@ class ParquetClicks:
             return [c for c, k in kinds.items() if k == kind and c != self.label]
         for c in names:
             if c not in kinds:
-                raise ValueError(f"no column {c!r}; columns: {listing}")
+                raise DataError(f"no column {c!r}; columns: {listing}")
             if kinds[c] != kind:
-                raise ValueError(f"column {c!r} cannot be a {kind} feature; columns: {listing}")
+                raise DataError(f"column {c!r} cannot be a {kind} feature; columns: {listing}")
         return list(names)
 
     def _bucket(self, ids):

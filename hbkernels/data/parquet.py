@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..errors import DataError
 from ..types import Ragged
 from ._io import require_pyarrow
 
@@ -45,11 +46,11 @@ def _describe_column(pa, name, t, path):
     leaf_t = t.value_type if is_list else t
     kind, leaf_t = _leaf_kind(pa, leaf_t)
     if kind is None:
-        raise ValueError(f"column {name!r} of {path} has type {t}, which ParquetDataset does not "
+        raise DataError(f"column {name!r} of {path} has type {t}, which ParquetDataset does not "
                          "read (expected integer, float, bool or string, or a list of integers, "
                          "floats or strings)")
     if is_list and kind == "bool":
-        raise ValueError(f"column {name!r} of {path} has type {t}: lists of bool are not supported")
+        raise DataError(f"column {name!r} of {path} has type {t}: lists of bool are not supported")
     dtype = "int64" if kind == "string" else np.dtype(leaf_t.to_pandas_dtype()).name
     leaf = "string" if kind == "string" else dtype
     signature = f"list<{leaf}>" if is_list else leaf
@@ -72,7 +73,7 @@ def _expand_paths(paths):
             found = sorted(os.path.join(p, f) for f in os.listdir(p)
                            if f.endswith(".parquet") and os.path.isfile(os.path.join(p, f)))
             if not found:
-                raise ValueError(f"directory {p} holds no *.parquet files")
+                raise DataError(f"directory {p} holds no *.parquet files")
             files.extend(found)
         elif os.path.exists(p):
             files.append(p)
@@ -87,7 +88,7 @@ def _open(pq, path):
     except FileNotFoundError:
         raise FileNotFoundError(f"Parquet file not found: {path}") from None
     except Exception as e:  # ArrowInvalid, OSError, ...: a file that is not Parquet
-        raise ValueError(f"cannot read Parquet file {path}: {e}") from e
+        raise DataError(f"cannot read Parquet file {path}: {e}") from e
 
 
 def _close(pf):
@@ -365,7 +366,7 @@ class ParquetDataset:
                 schemas.append(pf.schema_arrow)
                 row_groups.append([md.row_group(i).num_rows for i in range(md.num_row_groups)])
             except Exception as e:
-                raise ValueError(f"cannot read Parquet metadata of {path}: {e}") from e
+                raise DataError(f"cannot read Parquet metadata of {path}: {e}") from e
             finally:
                 _close(pf)
 
@@ -382,13 +383,13 @@ class ParquetDataset:
             for path, schema in zip(self.files, schemas):
                 idx = schema.get_field_index(name)
                 if idx < 0:
-                    raise ValueError(f"column {name!r} is not in {path} "
+                    raise DataError(f"column {name!r} is not in {path} "
                                      f"(it has {', '.join(schema.names) or 'no columns'})")
                 col = _describe_column(pa, name, schema.field(idx).type, path)
                 if first is None:
                     first = (col, path)
                 elif col.signature != first[0].signature:
-                    raise ValueError(f"files have different schemas: column {name!r} is "
+                    raise DataError(f"files have different schemas: column {name!r} is "
                                      f"{first[0].signature} in {first[1]} but {col.signature} in {path}")
             self._columns.append(first[0])
         self.columns = tuple(c.name for c in self._columns)
@@ -517,7 +518,7 @@ class ParquetDataset:
                 table = pf.read_row_group(p.row_group, columns=names)
                 expected = self._row_groups[p.file][p.row_group]
                 if table.num_rows != expected:
-                    raise ValueError(f"{path} changed since the dataset was built: row group "
+                    raise DataError(f"{path} changed since the dataset was built: row group "
                                      f"{p.row_group} has {table.num_rows} rows, expected {expected}")
                 if p.start or p.stop != expected:
                     table = table.slice(p.start, p.stop - p.start)

@@ -4,6 +4,7 @@ call, and the agreement check that turns a disagreement into the same
 :class:`CommError` on every rank."""
 import contextlib
 import math
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -52,6 +53,49 @@ def dtype_name(code):
 
 def now():
     return time.perf_counter()
+
+
+SPIN_S = 0.05      # busy-poll this long first
+NAP_MAX_S = 1e-3   # then nap at most this long ...
+BURST_S = 2e-4     # ... and poll this long after each nap
+_YIELD_EVERY = 31  # polls between two yields (mask): rare enough not to slow big transfers
+_yield = getattr(os, "sched_yield", lambda: None)
+
+
+def wait_for(test, deadline):
+    """Poll ``test()`` until it returns true (then True) or the clock passes
+    ``deadline`` (then False); what ``test`` raises propagates.
+
+    Busy for the first ``SPIN_S`` (what MPICH's blocking waits do anyway),
+    then naps of at most ``NAP_MAX_S`` each followed by a burst of polls, so a
+    late peer costs little CPU and a long transfer still progresses. Polling
+    yields the CPU (``sched_yield``) every 32nd test (every test after a nap),
+    so ranks oversubscribing the cores do not starve the peer they wait for."""
+    clock = time.perf_counter
+    if test():
+        return True
+    spin_end = min(clock() + SPIN_S, deadline)
+    polls = 0
+    while clock() < spin_end:
+        if test():
+            return True
+        polls += 1
+        if not polls & _YIELD_EVERY:
+            _yield()  # lets an oversubscribed peer run
+    nap = 2e-5
+    while True:
+        t = clock()
+        if t >= deadline:
+            return False
+        time.sleep(min(nap, deadline - t))
+        nap = min(2 * nap, NAP_MAX_S)
+        burst_end = clock() + BURST_S
+        while True:
+            if test():
+                return True
+            if clock() >= burst_end:
+                break
+            _yield()
 
 
 # -- array families -------------------------------------------------------------

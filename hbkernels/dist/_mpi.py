@@ -1,16 +1,14 @@
 """The MPI backend (mpi4py, upper-case buffer calls).
 
 Every collective is non-blocking (Iallgather, Ialltoallv, Iallreduce, Ibcast,
-...) and polled with ``Test()`` until the call's deadline: busy for the first
-50 ms (what MPICH's blocking waits do anyway), then short naps each followed
-by a burst of polls, so a late peer costs little CPU and a long transfer
-still progresses. Polling yields the CPU (``sched_yield``) every 32nd test
-(every test after a nap), so ranks oversubscribing the cores do not starve
-the peer they wait for. The communicator is a duplicate of ``COMM_WORLD``
-with ``ERRORS_RETURN``, so MPI errors surface as exceptions and become
-:class:`CommError`. On a timeout the pending request and its buffers are
-kept alive forever (MPI may still write into them) and the communicator is
-marked unusable.
+...) and polled with ``Test()`` until the call's deadline
+(:func:`hbkernels.dist._common.wait_for`: busy for the first 50 ms, then
+short naps each followed by a burst of polls, yielding the CPU now and then).
+The communicator is a duplicate of ``COMM_WORLD`` (or of the communicator
+given to ``init(group=...)``) with ``ERRORS_RETURN``, so MPI errors surface
+as exceptions and become :class:`CommError`. On a timeout the pending request
+and its buffers are kept alive forever (MPI may still write into them) and the
+communicator is marked unusable.
 
 Rows travel as one contiguous MPI datatype of the row's bytes, so counts and
 displacements are in rows (no int32 byte-count overflow for large blocks).
@@ -20,19 +18,13 @@ pinned host buffers (``cupyx.empty_pinned``); Numba device arrays go through
 the host.
 """
 import os
-import time
 
 import numpy as np
 from mpi4py import MPI
 
 from . import CommError, Communicator, _common
 
-_SPIN_S = 0.05      # busy-poll this long first
-_NAP_MAX_S = 1e-3   # then nap at most this long ...
-_BURST_S = 2e-4     # ... and poll this long after each nap
 _MAX_CACHED_TYPES = 64
-_yield = getattr(os, "sched_yield", lambda: None)
-_YIELD_EVERY = 31  # polls between two yields (mask): rare enough not to slow big transfers
 
 _REDUCE_OPS = (MPI.SUM, MPI.MAX, MPI.MIN, MPI.PROD)
 _REDUCE_TYPES = {
@@ -71,39 +63,16 @@ class MpiCommunicator(Communicator):
         deadline = _common.now() + self.timeout
         comm, req = base.Idup()
         self._comm = comm
-        self._wait(req, "init (duplicating COMM_WORLD)", deadline, keep=(comm,))
+        what = f"init (duplicating {'COMM_WORLD' if base is MPI.COMM_WORLD else 'the group'})"
+        self._wait(req, what, deadline, keep=(comm,))
         comm.Set_errhandler(MPI.ERRORS_RETURN)
         self.cuda_aware = cuda_aware()
 
     # -- waiting with a deadline ----------------------------------------------------
     def _wait(self, req, what, deadline, keep=()):
-        test = req.Test
-        clock = time.perf_counter
         try:
-            if test():
+            if _common.wait_for(req.Test, deadline):
                 return
-            spin_end = min(clock() + _SPIN_S, deadline)
-            polls = 0
-            while clock() < spin_end:
-                if test():
-                    return
-                polls += 1
-                if not polls & _YIELD_EVERY:
-                    _yield()  # lets an oversubscribed peer run
-            nap = 2e-5
-            while True:
-                t = clock()
-                if t >= deadline:
-                    break
-                time.sleep(min(nap, deadline - t))
-                nap = min(2 * nap, _NAP_MAX_S)
-                burst_end = clock() + _BURST_S
-                while True:
-                    if test():
-                        return
-                    if clock() >= burst_end:
-                        break
-                    _yield()
         except MPI.Exception as e:
             self._fail(f"{what}: MPI error: {e.Get_error_string().strip()}", req, keep)
         self._fail(f"{what}: not complete after {self.timeout:g} s (HBK_COMM_TIMEOUT or "

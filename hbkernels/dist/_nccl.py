@@ -1,11 +1,11 @@
 """The NCCL backend (CuPy's ``cupy.cuda.nccl``), one GPU per rank.
 
 Bootstrap: an :class:`~hbkernels.dist._mpi.MpiCommunicator` (the control
-channel) picks this rank's GPU by node-local rank
-(``COMM_WORLD.Split_type(COMM_TYPE_SHARED)``), refuses two ranks on one GPU
-(node-local rank >= visible devices, or two ranks seeing the same PCI bus
-id), broadcasts rank 0's NCCL unique id and every rank builds its
-``NcclCommunicator``. The chosen GPU is made current.
+channel, over ``COMM_WORLD`` or the communicator given to ``init(group=...)``)
+picks this rank's GPU by node-local rank (its ``Split_type(COMM_TYPE_SHARED)``),
+refuses two ranks on one GPU (node-local rank >= visible devices, or two
+ranks seeing the same PCI bus id), broadcasts rank 0's NCCL unique id and
+every rank builds its ``NcclCommunicator``. The chosen GPU is made current.
 
 Every call first agrees on metadata over MPI (as the MPI backend does: a
 mismatch or a rank's bad input raises on every rank before any NCCL call),
