@@ -13,9 +13,10 @@ from .embedding_collection import EmbeddingCollection
 from .errors import BoundsError, CheckpointError
 from .memory import aligned_empty, aligned_full
 from .ops import (
-    embedding_bag, embedding_bag_backward, lookup, partition, segment_reduce, segment_sum, unique,
+    embedding_bag, embedding_bag_backward, lookup, lookup_backward, partition, segment_reduce,
+    segment_sum, unique,
 )
-from .types import Partitioned, Ragged, SparseGrad, TableSpec
+from .types import JaggedRows, Partitioned, Ragged, SparseGrad, TableSpec
 
 __version__ = "0.1.0"
 
@@ -23,6 +24,7 @@ __all__ = [
     "BoundsError",
     "CheckpointError",
     "EmbeddingCollection",
+    "JaggedRows",
     "Partitioned",
     "Ragged",
     "SparseGrad",
@@ -34,6 +36,7 @@ __all__ = [
     "embedding_bag",
     "embedding_bag_backward",
     "lookup",
+    "lookup_backward",
     "optim",
     "partition",
     "segment_reduce",

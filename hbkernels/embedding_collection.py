@@ -53,7 +53,7 @@ from ._dispatch import NUMPY, CudaFamily, kernels, resolve, simulator_enabled
 from .memory import aligned_empty
 from .ops import _raise_ragged_errors, embedding_bag, embedding_bag_backward, lookup, partition, unique
 from .plan import make_plan
-from .types import Ragged, SparseGrad, table_spec
+from .types import JaggedRows, Ragged, SparseGrad, table_spec
 
 _MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 _INIT_CHUNK = 1 << 22  # elements generated at a time by initial_weights
@@ -192,6 +192,7 @@ class _Feature(NamedTuple):
     batch: int
     uniq: Any  # distinct ids (the values themselves when dedup is off)
     inverse: Any  # values == uniq[inverse]
+    sequence_offsets: Any = None  # a sequence table's input offsets (its bags are single ids)
 
 
 class EmbeddingCollection:
@@ -393,6 +394,9 @@ class EmbeddingCollection:
                 family, values, offsets, spec.num_rows, check.BOUNDS["raise"])
             _raise_ragged_errors(family, values, offsets, bad_offset, bad_id, spec.num_rows)
             values = values.astype(np.int64, copy=False)
+            sequence_offsets = None
+            if spec.combiner is None:  # a sequence table: each id is a bag of its own
+                sequence_offsets, offsets = offsets, space.xp.arange(values.shape[0] + 1, dtype=np.int64)
             with self._phase("kernels"):
                 if self.dedup:
                     uniq, inverse = unique(values, return_inverse=True)
@@ -400,11 +404,13 @@ class EmbeddingCollection:
                     uniq, inverse = values, space.xp.arange(values.shape[0], dtype=np.int64)
             psw = None if psw is None else psw.astype(np.float32, copy=False)
             inputs[f] = _Feature(spec.name, values, offsets, psw, int(offsets.shape[0]) - 1,
-                                 uniq, inverse)
+                                 uniq, inverse, sequence_offsets)
         return inputs
 
     def forward(self, features, *, per_sample_weights=None):
-        """Pooled embeddings of this rank's batch: ``{feature: [B, dim]}`` (table dtype).
+        """Pooled embeddings of this rank's batch: ``{feature: [B, dim]}`` (table dtype);
+        for a sequence table (``combiner=None``) a :class:`hbkernels.types.JaggedRows`
+        ``([N, dim] rows of every id, the input's offsets)``.
 
         ``features``: ``{feature: hbk.Ragged(values, offsets)}`` or a 1-D id array
         (one id per sample), or a TorchRec ``KeyedJaggedTensor`` (its keys the
@@ -432,11 +438,13 @@ class EmbeddingCollection:
             pieces = outputs[f]
             if len(pieces) == 1:  # the whole width
                 result[f] = space.put(pieces[0][2])
-                continue
-            spec = self.tables[feature.table]
-            result[f] = space.xp.empty((feature.batch, spec.dim), spec.dtype)
-            for c0, c1, piece in pieces:
-                result[f][:, c0:c1] = space.put(piece)
+            else:
+                spec = self.tables[feature.table]
+                result[f] = space.xp.empty((feature.batch, spec.dim), spec.dtype)
+                for c0, c1, piece in pieces:
+                    result[f][:, c0:c1] = space.put(piece)
+            if feature.sequence_offsets is not None:
+                result[f] = JaggedRows(result[f], feature.sequence_offsets)
         return result
 
     def _requests(self, group, inputs, replicated):
@@ -451,7 +459,7 @@ class EmbeddingCollection:
         pools = []
         by_combiner = defaultdict(list)
         for k, (f, route) in enumerate(requests):
-            by_combiner[self.tables[route.table].combiner].append(k)
+            by_combiner[self.tables[route.table].combiner or "sum"].append(k)  # None: 1-id bags
         for combiner, ks in sorted(by_combiner.items()):
             values, offsets, psws, pieces, shift, bag = [], [space.xp.zeros(1, np.int64)], [], [], 0, 0
             any_psw = any(inputs[requests[k][0]].psw is not None for k in ks)
@@ -546,7 +554,8 @@ class EmbeddingCollection:
     # -- backward ------------------------------------------------------------------------------------
     def backward(self, grads):
         """Apply the optimizer for ``grads = {feature: d loss / d output}`` ([B, dim]
-        per feature of the last :meth:`forward`) to the rows this rank owns.
+        per feature of the last :meth:`forward`; [N, dim] for a sequence table's
+        rows) to the rows this rank owns.
         Collective; gradients of all ranks are summed."""
         if self._saved is None:
             raise RuntimeError("backward needs a forward first (each forward allows one backward)")
@@ -610,14 +619,18 @@ class EmbeddingCollection:
         space = self._space(self.device)
         out = {}
         for f, feature in inputs.items():
-            family, a = resolve(grad=grads[f])
+            g = grads[f]
+            if isinstance(g, JaggedRows):
+                g = g.values
+            family, a = resolve(grad=g)
             g = a["grad"]
             if family != space.family:
                 raise TypeError(f"grad of {f!r} is a {family.name} array; the collection lives on "
                                 f"{self.device}")
             dim = self.tables[feature.table].dim
             if g.ndim != 2 or tuple(g.shape) != (feature.batch, dim):
-                raise ValueError(f"grad of {f!r} must be [B, dim] = [{feature.batch}, {dim}], "
+                rows = "N" if feature.sequence_offsets is not None else "B"
+                raise ValueError(f"grad of {f!r} must be [{rows}, dim] = [{feature.batch}, {dim}], "
                                  f"got {tuple(g.shape)}")
             check.floating(f"grad of {f!r}", g)
             out[f] = g

@@ -44,6 +44,44 @@ def lookup(weights, ids, *, bounds="raise"):
     return family.reshape(out, tuple(ids.shape) + (weights.shape[1],))
 
 
+def lookup_backward(grad_out, ids, *, num_rows, bounds="raise", deterministic=True):
+    """Sparse gradient of :func:`lookup` w.r.t. the table, as
+    :class:`hbkernels.SparseGrad` ``(ids, rows)``: ``rows[k] = Σ_{i: ids[i] = u_k}
+    grad_out[i]`` over the distinct in-range ids ``u_k`` (order unspecified; ids dtype
+    of ``ids``). ``grad_out`` has shape ``ids.shape + (D,)``; ``rows`` its dtype (fp16
+    sums in fp32). ``bounds`` as in :func:`lookup` (``"zero"``: a bad id contributes
+    nothing); ``deterministic`` as in :func:`embedding_bag_backward`. It is
+    :func:`embedding_bag_backward` with one id per bag, summed.
+
+    >>> import numpy as np, hbkernels as hbk
+    >>> g = hbk.lookup_backward(np.ones((3, 2), np.float32), np.array([4, 1, 4]), num_rows=5)
+    >>> sorted(zip(g.ids.tolist(), g.rows[:, 0].tolist()))
+    [(1, 1.0), (4, 2.0)]
+    """
+    family, a = resolve(grad_out=grad_out, ids=ids)
+    grad_out, ids = a["grad_out"], a["ids"]
+    num_rows = check.count("num_rows", num_rows)
+    check.ids("ids", ids)
+    check.floating("grad_out", grad_out)
+    shape = tuple(grad_out.shape)
+    if len(shape) != ids.ndim + 1 or shape[:-1] != tuple(ids.shape):
+        raise ValueError(f"grad_out must have shape ids.shape + (D,) = {tuple(ids.shape)} + (D,), "
+                         f"got {shape}")
+    mode = check.choice("bounds", bounds, check.BOUNDS)
+    n = int(np.prod(ids.shape, dtype=np.int64))
+    flat = family.reshape(ids, (-1,))
+    grads = family.reshape(grad_out, (n, shape[-1]))
+    check.grad_out(grads, n)
+    offsets = family.from_numpy(np.arange(n + 1, dtype=np.int64))   # one id per bag
+    rows_of, rows, _, bad_id = kernels(family, "embedding_bag_backward").embedding_bag_backward(
+        family, grads, flat, offsets, num_rows, None, check.choice("combiner", "sum", check.COMBINERS),
+        mode, bool(deterministic), False,
+    )
+    if bad_id != _NO_ERROR:
+        check.raise_bad_id(family, "ids", flat, bad_id, num_rows)
+    return SparseGrad(rows_of, rows)
+
+
 def embedding_bag(
     weights, values, offsets, *, combiner="sum", per_sample_weights=None, bounds="raise"
 ):

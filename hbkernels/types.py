@@ -45,11 +45,24 @@ class SparseGrad(NamedTuple):
 PLACEMENTS = ("data_parallel", "table_wise", "row_wise", "column_wise")
 
 
+class JaggedRows(NamedTuple):
+    """The output of a sequence table (``TableSpec(combiner=None)``) for one feature:
+    ``values`` ``[N, dim]``, the row of every id in input order, and ``offsets``
+    ``[B + 1]``, the input's, so sample ``b``'s rows are ``values[offsets[b]:offsets[b + 1]]``.
+    Its gradient is a ``[N, dim]`` array (or a ``JaggedRows`` holding one)."""
+
+    values: Any
+    offsets: Any
+
+
 class TableSpec(NamedTuple):
     """One embedding table of an :class:`hbkernels.EmbeddingCollection`.
 
     ``num_rows`` x ``dim`` weights of ``dtype`` (float32 or float16), pooled per
-    bag with ``combiner`` (``"sum"``, ``"mean"``, ``"sqrtn"``). ``features``
+    bag with ``combiner`` (``"sum"``, ``"mean"``, ``"sqrtn"``), or, with
+    ``combiner=None``, a sequence table: not pooled, the collection returns the
+    row of every id (:class:`JaggedRows`, for attention over a user's history),
+    trained and sharded as the pooled tables are. ``features``
     names the input features looked up in this table (default: the table's
     own name); several features may share one table (shared embedding
     columns), a feature belongs to one table. ``hotness`` is the mean number of
@@ -65,7 +78,7 @@ class TableSpec(NamedTuple):
     name: str
     num_rows: int
     dim: int
-    combiner: str = "sum"
+    combiner: Any = "sum"
     dtype: str = "float32"
     features: Any = None
     hotness: float = 1.0
@@ -84,8 +97,9 @@ def table_spec(spec):
         raise ValueError(f"table {spec.name!r}: num_rows must be an integer >= 1, got {spec.num_rows!r}")
     if int(spec.dim) != spec.dim or spec.dim < 1:
         raise ValueError(f"table {spec.name!r}: dim must be an integer >= 1, got {spec.dim!r}")
-    if spec.combiner not in ("sum", "mean", "sqrtn"):
-        raise ValueError(f"table {spec.name!r}: combiner must be sum, mean or sqrtn, got {spec.combiner!r}")
+    if spec.combiner not in ("sum", "mean", "sqrtn", None):
+        raise ValueError(f"table {spec.name!r}: combiner must be sum, mean, sqrtn or None (a "
+                         f"sequence table), got {spec.combiner!r}")
     dtype = np.dtype(spec.dtype)
     if dtype not in (np.dtype(np.float32), np.dtype(np.float16)):
         raise ValueError(f"table {spec.name!r}: dtype must be float32 or float16, got {dtype.name}")

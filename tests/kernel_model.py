@@ -59,9 +59,9 @@ Definitions (one CSV row per case, :data:`COLUMNS`):
   ``fused_step`` :func:`hbkernels.cuda._segments.max_serial_items` of the real
   size's ids.
 
-Real sizes (``bench/bench_roofline.py``'s GPU sizes): E = 1e7 rows, B = 65536 bags,
+Real sizes (``hbkernels/bench/bench_roofline.py``'s GPU sizes): E = 1e7 rows, B = 65536 bags,
 L = 32 (backward and fused: B x L = 2,097,152 ids), Zipf(1.05) ids of
-``bench.common.zipf_ids`` with seed 0 (the benches' default), 2,097,152 ids for
+``hbkernels.bench.common.zipf_ids`` with seed 0 (the benches' default), 2,097,152 ids for
 lookup, 4M ids for unique. The distinct ids K and the work decomposition of the
 backward are computed from those ids with NumPy.
 
@@ -114,7 +114,7 @@ RADIX_BITS = 8  # key bits per pass of CUB's radix sort
 SECTOR = 32  # bytes DRAM moves for a scattered access of 8 bytes or less
 L2_BYTES = 50 * 2**20  # an array this small is read from DRAM once however often it is gathered
 
-# -- real sizes (bench/bench_roofline.py, GPU) -----------------------------------------
+# -- real sizes (hbkernels/bench/bench_roofline.py, GPU) -----------------------------------------
 E = 10**7
 BAGS = 65536
 ZIPF = 1.05
@@ -581,7 +581,7 @@ def simulated_op(case):
     import hbkernels as hbk
     from numba import cuda
 
-    from bench.common import float_dtype, zipf_ids
+    from hbkernels.bench.common import float_dtype, zipf_ids
 
     rng = np.random.default_rng(0)
 
@@ -644,7 +644,7 @@ class RealSizes:
 def real_sizes():
     """:class:`RealSizes` from the benches' Zipf ids (NumPy, seed :data:`SEED`)."""
     sys.path.insert(0, str(REPO))
-    from bench.common import zipf_ids
+    from hbkernels.bench.common import zipf_ids
 
     keys = zipf_ids(BAGS * 32, E, ZIPF, seed=SEED)
     uniq = zipf_ids(UNIQUE_IDS, E, ZIPF, seed=SEED)

@@ -511,8 +511,8 @@ def test_bench_adapters_smoke(tmp_path, monkeypatch):
     monkeypatch.setenv("HBK_BENCH_NO", "jax,tensorflow")  # the torch adapter's rows only
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    bench = importlib.import_module("bench.bench_adapters")
-    common = importlib.import_module("bench.common")
+    bench = importlib.import_module("hbkernels.bench.bench_adapters")
+    common = importlib.import_module("hbkernels.bench.common")
     out = tmp_path / "x.csv"
     ctx = bench.main(["--smoke", "--out", str(out)])
     with open(out, newline="") as f:

@@ -1,4 +1,4 @@
-"""bench/bench_embedding_collection.py runs: ``--smoke`` under ``mpiexec -n 2``
+"""hbkernels/bench/bench_embedding_collection.py runs: ``--smoke`` under ``mpiexec -n 2``
 and at world size 1 without a launcher (with and without the torch peer).
 The script checks every plan against the reference (torch, else the first
 plan) before timing it, so these runs also check the collection's two steps
@@ -14,10 +14,10 @@ from mpirun import HAVE_MPI4PY, MPIEXEC, ROOT, _env, mpirun
 if str(ROOT) not in sys.path:  # the bench package lives at the repository root
     sys.path.insert(0, str(ROOT))
 
-from bench.bench_embedding_collection import OP, PLANS, TORCH_MODE  # noqa: E402
-from bench.common import COLUMNS, DISABLE_ENV  # noqa: E402
+from hbkernels.bench.bench_embedding_collection import OP, PLANS, TORCH_MODE  # noqa: E402
+from hbkernels.bench.common import COLUMNS, DISABLE_ENV  # noqa: E402
 
-SCRIPT = ROOT / "bench" / "bench_embedding_collection.py"
+SCRIPT = "-m hbkernels.bench.bench_embedding_collection"
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 
 
@@ -65,7 +65,7 @@ def test_bench_embedding_collection_world_of_one(tmp_path, torch):
         pytest.skip("torch is not installed")
     out_csv = tmp_path / "b.csv"
     env = _env() if torch else _env(**{DISABLE_ENV: "torch"})
-    res = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(out_csv)],
+    res = subprocess.run([sys.executable, *SCRIPT.split(), "--smoke", "--out", str(out_csv)],
                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-6000:]

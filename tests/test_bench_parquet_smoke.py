@@ -1,4 +1,4 @@
-"""bench/bench_parquet.py runs: ``--smoke`` as a script (it spawns its own RSS
+"""hbkernels/bench/bench_parquet.py runs: ``--smoke`` as a script (it spawns its own RSS
 processes, so it does not fit test_bench_smoke.py's in-process ``main`` calls),
 with and without the pandas peer. Every batch provider is checked equal to
 hbkernels batch by batch before timing. CSV and markdown go to tmp_path."""
@@ -17,9 +17,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # the bench package lives at the repository root
     sys.path.insert(0, str(ROOT))
 
-from bench.common import COLUMNS, DISABLE_ENV  # noqa: E402
+from hbkernels.bench.common import COLUMNS, DISABLE_ENV  # noqa: E402
 
-SCRIPT = ROOT / "bench" / "bench_parquet.py"
+SCRIPT = "-m hbkernels.bench.bench_parquet"
 HAVE_PANDAS = importlib.util.find_spec("pandas") is not None
 ALWAYS = {"hbkernels", "hbkernels-noprefetch", "pyarrow-read_table", "pyarrow-iter_batches"}
 
@@ -30,7 +30,7 @@ def test_bench_parquet_smoke(tmp_path, pandas):
         pytest.skip("pandas is not installed")
     env = {**os.environ, DISABLE_ENV: "" if pandas else "pandas"}
     out_csv = tmp_path / "b.csv"
-    res = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(out_csv)],
+    res = subprocess.run([sys.executable, *SCRIPT.split(), "--smoke", "--out", str(out_csv)],
                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-6000:]

@@ -1,4 +1,4 @@
-"""bench/bench_roofline.py (issue 9's sweep): it runs at smoke sizes on the CPU, with
+"""hbkernels/bench/bench_roofline.py (issue 9's sweep): it runs at smoke sizes on the CPU, with
 and without torch; its report can be rebuilt from the CSV alone; its target
 checks read the right rows and compare the right way."""
 import importlib.util
@@ -11,8 +11,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # the bench package lives at the repository root
     sys.path.insert(0, str(ROOT))
 
-from bench import bench_roofline as roofline  # noqa: E402
-from bench import common  # noqa: E402
+from hbkernels.bench import bench_roofline as roofline  # noqa: E402
+from hbkernels.bench import common  # noqa: E402
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 

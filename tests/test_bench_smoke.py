@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # the bench package lives at the repository root
     sys.path.insert(0, str(ROOT))
 
-from bench import common  # noqa: E402
+from hbkernels.bench import common  # noqa: E402
 
 SCRIPTS = ["embedding_bag", "embedding_bag_backward", "unique", "lookup", "segment_sum", "segment_reduce", "partition"]
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
@@ -40,7 +40,7 @@ def check_rows(rows, op):
 
 
 def smoke(name, out):
-    module = importlib.import_module(f"bench.bench_{name}")
+    module = importlib.import_module(f"hbkernels.bench.bench_{name}")
     module.main(["--device", "cpu", "--smoke", "--out", str(out)])
     return read_rows(out)
 
@@ -62,7 +62,7 @@ def test_bench_script_runs_without_torch(name, tmp_path, monkeypatch):
 
 
 def test_hbkernels_alone_is_still_verified(tmp_path, capsys):
-    module = importlib.import_module("bench.bench_lookup")
+    module = importlib.import_module("hbkernels.bench.bench_lookup")
     out = tmp_path / "bench.csv"
     module.main(["--device", "cpu", "--smoke", "--out", str(out), "--providers", "hbkernels"])
     assert {r["provider"] for r in read_rows(out) if r["op"] == "lookup"} == {"hbkernels"}
@@ -70,7 +70,7 @@ def test_hbkernels_alone_is_still_verified(tmp_path, capsys):
 
 
 def test_run_all_smoke(tmp_path):
-    run_all = importlib.import_module("bench.run_all")
+    run_all = importlib.import_module("hbkernels.bench.run_all")
     out = tmp_path / "all.csv"
     assert run_all.main(["--device", "cpu", "--smoke", "--out", str(out), "--reps", "1"]) == 0
     rows = read_rows(out)
@@ -109,7 +109,7 @@ def test_zipf_ids_are_skewed_scattered_and_reproducible():
 
 
 def test_reduceat_peer_handles_empty_segments():
-    from bench.bench_segment_reduce import csr_offsets, reduceat
+    from hbkernels.bench.bench_segment_reduce import csr_offsets, reduceat
 
     offsets = csr_offsets(200, 3, seed=1)
     lengths = np.diff(offsets)

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # the bench package lives at the repository root
     sys.path.insert(0, str(ROOT))
 
-from bench import common, run_all  # noqa: E402
+from hbkernels.bench import common, run_all  # noqa: E402
 from hbkernels import cli  # noqa: E402
 from hbkernels.cli import bench as cli_bench  # noqa: E402
 
@@ -162,15 +162,16 @@ def test_no_matplotlib_is_a_note_not_an_error(tmp_path, monkeypatch):
     assert "matplotlib" in note and not (tmp_path / "c.png").exists()
 
 
-# -- finding bench/ -------------------------------------------------------------
-def test_bench_is_found_next_to_the_package(monkeypatch):
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)  # not importable
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    found_common, found_run_all = cli_bench.import_bench(ROOT / "bench")
-    assert found_common is common and found_run_all is run_all
 
 
-def test_no_checkout_is_a_clear_error(tmp_path, monkeypatch):
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(cli.CLIError, match="source checkout"):
-        cli_bench.import_bench(tmp_path / "bench")
+def test_speedups_are_against_the_fastest_named_peer():
+    def row(provider, ms):
+        return {"op": "embedding_bag", "provider": provider, "mode": "sum", "size": "n",
+                "dtype": "float32", "median_ms": str(ms), "p20_ms": str(ms), "p80_ms": str(ms),
+                "gbps": "", "device": "cpu", "_reference": ("numpy", "torch")}
+
+    rows = common.results([row("hbkernels", 1.0), row("numpy", 12.9), row("torch", 2.0),
+                           row("jax", 0.5)])   # jax is not a named peer of this case
+    by = {r["provider"]: r for r in rows}
+    assert by["hbkernels"]["vs"] == "torch" and by["hbkernels"]["speedup"] == pytest.approx(2.0)
+    assert by["numpy"]["vs"] == "torch" and by["torch"]["speedup"] is None

@@ -78,3 +78,42 @@ def test_data_commands_run_under_hbkernels(tmp_path, capsys):
 def test_console_script():
     res = subprocess.run(["hbkernels", "info"], capture_output=True, text=True, timeout=120, env=_env())
     assert res.returncode == 0 and "versions:" in res.stdout
+
+
+def test_info_shows_numba_runtime_and_hbk_variables(monkeypatch):
+    monkeypatch.setenv("HBK_TEST_SETTING", "on")
+    info = collect_info(probe_mpi=False)
+    assert info["numba"]["threads"] == numba.get_num_threads()
+    assert info["numba"]["cache"]["caching"] is True
+    assert info["environment"]["HBK_TEST_SETTING"] == "on"
+    assert all(k.startswith("HBK_") for k in info["environment"])
+    text = format_info(info)
+    for line in ("numba:", "threads", "threading layer", "kernel cache", "HBK_TEST_SETTING=on"):
+        assert line in text, line
+
+
+def test_output_into_a_closed_pipe_ends_quietly():
+    for reader in ("true", "head -1"):
+        res = subprocess.run(f"{sys.executable} -m hbkernels info | {reader}; "
+                             f"echo status ${{PIPESTATUS[0]}}", shell=True, executable="bash",
+                             cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+        assert res.stderr == "", res.stderr
+        assert res.stdout.strip().endswith("status 0"), res.stdout
+
+
+def test_only_hbkernels_user_errors_are_one_line(monkeypatch, capsys):
+    from hbkernels.cli import info
+    from hbkernels.errors import DataError, MissingDependencyError
+
+    for error in (DataError("column 'x' is missing"), MissingDependencyError("needs pyarrow")):
+        def user_error(args, error=error):
+            raise error
+        monkeypatch.setattr(info, "run", user_error)
+        assert main(["info"]) == 1
+        assert capsys.readouterr().err == f"hbkernels info: error: {error}\n"
+    for bug in (ValueError("a bug"), TypeError("a bug"), KeyError("a bug")):
+        def buggy(args, bug=bug):
+            raise bug
+        monkeypatch.setattr(info, "run", buggy)
+        with pytest.raises(type(bug)):   # shown with its traceback by the interpreter
+            main(["info"])

@@ -70,12 +70,12 @@ def test_mpi_backend_without_a_launcher_is_a_world_of_one():
 
 def test_bench_alltoallv_smoke(tmp_path):
     out_csv = tmp_path / "bench.csv"
-    rc, out, _ = mpirun(2, ROOT / "bench" / "bench_alltoallv.py", "--smoke", "--out", str(out_csv))
+    rc, out, _ = mpirun(2, "-m hbkernels.bench.bench_alltoallv", "--smoke", "--out", str(out_csv))
     assert rc == 0, out
     assert "overhead" in out, out
     sys.path.insert(0, str(ROOT))
     try:
-        from bench.common import COLUMNS
+        from hbkernels.bench.common import COLUMNS
     finally:
         sys.path.remove(str(ROOT))
     with open(out_csv, newline="") as f:
@@ -112,6 +112,6 @@ def test_nccl_backend():
 def test_bench_alltoallv_gpu_smoke(tmp_path):
     if _gpu_count() < 2:
         pytest.skip("the NCCL benchmark needs one GPU per rank: 2 GPUs")
-    rc, out, _ = mpirun(2, ROOT / "bench" / "bench_alltoallv.py", "--device", "cuda", "--smoke",
+    rc, out, _ = mpirun(2, "-m hbkernels.bench.bench_alltoallv", "--device", "cuda", "--smoke",
                         "--out", str(tmp_path / "bench.csv"), env=_env(NUMBA_ENABLE_CUDASIM=0))
     assert rc == 0 and "overhead" in out, out

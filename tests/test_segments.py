@@ -119,7 +119,7 @@ def test_group_kernels_match_numpy(rng, case):
 def test_bench_ids_walk_at_most_a_chunk():
     """The issue's case: Zipf(1.05) over 1e7 rows, B*L = 2,097,152 ids; the top id occurs
     ~180,000 times, yet no row group sums more than CHUNK items (<= 1024)."""
-    from bench.common import zipf_ids
+    from hbkernels.bench.common import zipf_ids
 
     ids = zipf_ids(2_097_152, 10**7, 1.05, seed=0)
     assert np.unique(ids, return_counts=True)[1].max() > 50_000

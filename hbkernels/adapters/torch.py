@@ -598,6 +598,14 @@ def features_from_kjt(kjt, per_sample_weights=None):
 
 
 # -- EmbeddingCollection as an nn.Module ------------------------------------------------------------
+def _rows(out):
+    """A feature's output rows: the pooled ``[B, dim]``, or a sequence table's ``[N, dim]``
+    (its offsets are the input's)."""
+    from ..types import JaggedRows
+
+    return out.values if isinstance(out, JaggedRows) else out
+
+
 class _CollectionStep(torch.autograd.Function):
     """One forward of the collection; its backward hands the output gradients to
     ``collection.backward`` (which updates the owned rows in place) and returns no
@@ -609,7 +617,7 @@ class _CollectionStep(torch.autograd.Function):
         module._generation += 1
         ctx.module, ctx.names, ctx.generation = module, names, module._generation
         out = coll.forward(features, per_sample_weights=per_sample_weights)
-        return tuple(from_kernel_array(out[f]) for f in names)
+        return tuple(from_kernel_array(_rows(out[f])) for f in names)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -648,7 +656,8 @@ def _torch_dtype(dtype):
 class EmbeddingCollectionModule(torch.nn.Module):
     """``nn.Module`` over an :class:`hbkernels.EmbeddingCollection` (DLRM's sparse
     part): ``forward(features)`` returns ``{feature: [B, dim]}`` pooled tensors
-    that require grad; ``loss.backward()`` passes their gradients to
+    (``[N, dim]``, the row of every id, for a sequence table: its offsets are the
+    input's) that require grad; ``loss.backward()`` passes their gradients to
     ``collection.backward``, which applies the collection's own sparse optimizer
     (``hbk.optim``) to the rows this rank owns, in place. No gradient reaches
     torch: the tables are not ``nn.Parameter`` s (``parameters()`` is empty), and
@@ -731,7 +740,7 @@ class EmbeddingCollectionModule(torch.nn.Module):
                 outs = _CollectionStep.apply(self._anchor, self, names, arrays, psws)
             else:  # evaluation: no backward will come
                 out = self.collection.forward(arrays, per_sample_weights=psws)
-                outs = tuple(from_kernel_array(out[f]) for f in names)
+                outs = tuple(from_kernel_array(_rows(out[f])) for f in names)
         return dict(zip(names, outs))
 
     def full_weights(self, name):

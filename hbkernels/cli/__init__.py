@@ -9,15 +9,17 @@
 Each subcommand lives in its own module (``info.py``, ``bench.py``,
 ``train.py``) with ``add_command(subparsers)``, which sets ``run(args) -> int``
 as the parser's default. Errors a user can cause (a missing file, a bad column,
-an unknown plan, no GPU for ``--device cuda``) print one line
-``hbkernels <command>: error: <why>`` and exit 1; ``HBK_DEBUG=1`` shows the
-traceback instead.
+an unknown plan, no GPU for ``--device cuda``, a missing optional dependency)
+print one line ``hbkernels <command>: error: <why>`` and exit 1;
+``HBK_DEBUG=1`` shows the traceback instead. Any other exception is a bug and
+shows its traceback. Output cut short by its reader (``hbkernels info | head``)
+ends the command quietly.
 """
 import argparse
 import os
 import sys
 
-from ..errors import BoundsError, CheckpointError
+from ..errors import BoundsError, CheckpointError, DataError, MissingDependencyError
 
 
 class CLIError(Exception):
@@ -25,8 +27,7 @@ class CLIError(Exception):
 
 
 #: exceptions shown as one line (anything else is a bug: full traceback)
-USER_ERRORS = (CLIError, ValueError, TypeError, OSError, ImportError, KeyError,
-               BoundsError, CheckpointError)
+USER_ERRORS = (CLIError, OSError, BoundsError, CheckpointError, DataError, MissingDependencyError)
 
 
 def build_parser():
@@ -47,12 +48,11 @@ def build_parser():
 
 def error_line(exc):
     """One line for a user error: the message (with the exception's type where that helps)."""
-    if type(exc) in (CLIError, ValueError):
+    if isinstance(exc, (CLIError, DataError, MissingDependencyError)):
         return str(exc).splitlines()[0]
     if isinstance(exc, OSError) and exc.filename is not None:
         return f"{exc.strerror or type(exc).__name__}: {exc.filename}"
-    text = str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)
-    return f"{type(exc).__name__}: {text}".splitlines()[0]
+    return f"{type(exc).__name__}: {exc}".splitlines()[0]
 
 
 def launcher_rank():
@@ -72,6 +72,11 @@ def main(argv=None):
     prog = f"hbkernels {args.command}"
     try:
         status = args.run(args)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+    except BrokenPipeError:  # the reader closed the pipe: nothing more to say
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # Python's exit flush then writes nowhere
+        return 0
     except USER_ERRORS as exc:
         if os.environ.get("HBK_DEBUG"):
             raise

@@ -1,41 +1,37 @@
-"""``hbkernels bench``: the op benchmarks of ``bench/`` against their peers.
+"""``hbkernels bench``: the op benchmarks of :mod:`hbkernels.bench` against their peers.
 
     hbkernels bench                                     # CPU, every op -> ./hbkernels-bench/
     hbkernels bench --device cuda --ops embedding_bag,unique --out results/
     hbkernels bench --smoke                             # tiny sizes: proves it runs
 
-It runs the ops of ``bench/run_all.py`` through one ``bench.common.Context``:
-first the device's own copy bandwidth, then every op, each verified against
-its peers (NumPy or CuPy, torch, JAX where installed) and timed next to them.
-The benchmarks live in the source checkout's ``bench/`` package, not in the
-wheel: it is found as an importable ``bench`` (run from the repository root)
-or next to the installed package (``pip install -e .``).
+It runs the ops of ``hbkernels.bench.run_all`` through one
+``hbkernels.bench.common.Context``: first the device's own copy bandwidth,
+then every op, each verified against its peers (NumPy or CuPy, torch, JAX
+where installed) and timed next to them.
 
 The console shows a progress bar, then the table (op, mode, dtype, size,
 provider, median ms, GB/s, % of the copy bandwidth, speedup vs the case's
-peer); what the benchmarks print goes to the log. Files in ``--out`` (a
+fastest peer); what the benchmarks print goes to the log. Files in ``--out`` (a
 folder, default ``./hbkernels-bench/``), ``<device>`` being the slug of the
 CPU or GPU name:
 
-* ``bench-<device>.csv``: the rows (``bench.common.COLUMNS``), a fresh file each run;
+* ``bench-<device>.csv``: the rows (``hbkernels.bench.common.COLUMNS``), a fresh file each run;
 * ``bench-<device>.json``: device, copy GB/s, versions, arguments, timestamp and
   every row with its speedup and % of copy bandwidth as numbers;
-* ``bench-<device>.png``: hbkernels' speedup vs its peer per case (matplotlib);
+* ``bench-<device>.png``: hbkernels' speedup vs its fastest peer per case (matplotlib);
 * ``bench-<device>.log``: the benchmarks' output and the tracebacks of failed ops.
 
 An op that fails is reported in one line and the others still run; the exit
 status is then 1.
 """
-import argparse
 import contextlib
 import datetime
-import importlib
-import importlib.util
 import platform
 import sys
 from pathlib import Path
 
 from . import CLIError
+from ._help import HelpFormatter, plain
 from ..checkpoint import write_json_atomic
 from .progress import Progress
 
@@ -46,71 +42,21 @@ VERSIONS_OF = ("hbkernels", "numba", "numba_cuda", "numpy", "torch", "jax", "cup
 def add_command(subparsers):
     p = subparsers.add_parser(
         "bench", help="op benchmarks vs peers (torch, NumPy, CuPy, JAX): table, CSV, JSON, PNG",
-        description=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+        description=plain(__doc__), formatter_class=HelpFormatter)
+    from ..bench.common import add_run_arguments
+
     add_run_arguments(p)
     p.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
                    help=f"folder of the CSV, JSON, PNG and log (default: ./{DEFAULT_OUT}/)")
     p.add_argument("--ops", default=None,
-                   help="comma-separated ops of bench/run_all.py, e.g. embedding_bag,unique "
+                   help="comma-separated ops of hbkernels.bench.run_all, e.g. embedding_bag,unique "
                         "(default: all)")
     p.set_defaults(run=run)
 
 
-def add_run_arguments(p):
-    """The options of a benchmark run, shared with the scripts of ``bench/`` (bench.common.parser)."""
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="cpu: NumPy arrays (Numba CPU kernels); cuda: CuPy arrays (Numba CUDA "
-                        "kernels), needs a GPU (default: cpu)")
-    p.add_argument("--smoke", action="store_true",
-                   help="tiny sizes and two repetitions: proves the benchmarks run")
-    p.add_argument("--reps", type=_positive, default=None,
-                   help="timed repetitions per provider (default: fill about a second)")
-    p.add_argument("--warmup", type=_positive, default=None, help="untimed calls before timing")
-    p.add_argument("--providers", default=None,
-                   help="comma-separated providers to time, e.g. hbkernels,torch "
-                        "(hbkernels is still verified against a peer)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the generated data")
-
-
-def _positive(text):
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def import_bench(checkout=None):
-    """``(bench.common, bench.run_all)`` of the source checkout; CLIError without one.
-
-    An importable ``bench`` with ``common.py`` wins (the repository root on
-    ``sys.path``); else ``checkout`` (default: ``bench/`` next to the installed
-    ``hbkernels`` package, true for an editable install).
-    """
-    try:
-        spec = importlib.util.find_spec("bench")
-    except (ImportError, ValueError):
-        spec = None
-    locations = (spec.submodule_search_locations or ()) if spec else ()
-    if not any((Path(loc) / "common.py").is_file() for loc in locations):
-        if checkout is None:
-            import hbkernels
-
-            checkout = Path(hbkernels.__file__).resolve().parents[1] / "bench"
-        checkout = Path(checkout)
-        if not (checkout / "common.py").is_file() or not (checkout / "run_all.py").is_file():
-            raise CLIError("the benchmarks are in the source checkout's bench/ folder, not in the "
-                           "installed package: run from a clone's root, or pip install -e . there")
-        loaded = getattr(sys.modules.get("bench"), "__file__", None)
-        if "bench" in sys.modules and (not loaded or Path(loaded).resolve().parent != checkout.resolve()):
-            raise CLIError(f"another module named 'bench' is loaded ({sys.modules['bench']!r}); "
-                           f"run from {checkout.parent}")
-        sys.path.insert(0, str(checkout.parent))
-        importlib.invalidate_caches()
-    return importlib.import_module("bench.common"), importlib.import_module("bench.run_all")
-
-
 def run(args):
-    common, run_all = import_bench()
+    from ..bench import common, run_all
+
     try:
         ops = run_all.select_ops(args.ops)
     except ValueError as exc:
@@ -195,7 +141,7 @@ def write_json(path, ctx, rows, args, ops, failed):
 
 
 def write_chart(path, rows, device_name, smoke=False):
-    """Horizontal bars of hbkernels' speedup vs its peer per case, log x, line at 1x.
+    """Horizontal bars of hbkernels' speedup vs its fastest peer per case, log x, line at 1x.
     Returns a note when there is no chart to draw."""
     bars = [r for r in rows if r["provider"] == "hbkernels" and r["speedup"]]
     if not bars:
@@ -228,7 +174,7 @@ def write_chart(path, rows, device_name, smoke=False):
     ax.set_yticks(list(y), labels, fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("speedup of hbkernels (peer time / hbkernels time, log scale)")
-    ax.set_title(f"hbkernels vs peers on {device_name}{' (smoke sizes)' if smoke else ''}",
+    ax.set_title(f"hbkernels vs the fastest peer on {device_name}{' (smoke sizes)' if smoke else ''}",
                  fontsize=10)
     ax.grid(axis="x", which="both", alpha=0.3)
     fig.savefig(path, dpi=110, bbox_inches="tight")

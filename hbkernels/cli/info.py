@@ -17,6 +17,8 @@ import os
 import platform
 import sys
 
+from .._machine import cpu_name
+
 #: label -> distributions that provide it (the first one installed is reported)
 DISTRIBUTIONS = {
     "numpy": ("numpy",),
@@ -39,18 +41,6 @@ def distribution_version(names):
         except metadata.PackageNotFoundError:
             continue
     return None
-
-
-def cpu_name():
-    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "cpu"
 
 
 def probe_cuda():
@@ -101,12 +91,26 @@ def mpi_library():
     return MPI.Get_library_version().strip().splitlines()[0]
 
 
+def numba_runtime():
+    """The CPU kernels' runtime: Numba's thread count, threading layer (chosen when
+    the first parallel kernel runs) and kernel cache location."""
+    import numba
+
+    from .._numba_cache import cache_info
+
+    try:
+        layer = numba.threading_layer()
+    except ValueError:  # no parallel kernel ran yet
+        layer = f"chosen at the first parallel kernel (NUMBA_THREADING_LAYER={numba.config.THREADING_LAYER})"
+    return {"threads": numba.get_num_threads(), "threading_layer": layer, "cache": cache_info()}
+
+
 def collect_info(probe_mpi=True):
     """Everything ``hbkernels info`` reports, as a dict."""
     import numba
 
     import hbkernels
-    from ..dist import LAUNCHER_ENV_VARS
+    from ..dist import launcher
 
     versions = {"hbkernels": hbkernels.__version__, "python": platform.python_version()}
     versions.update({label: distribution_version(names) for label, names in DISTRIBUTIONS.items()})
@@ -114,9 +118,11 @@ def collect_info(probe_mpi=True):
     versions["nccl"] = nccl_version() if devices else None
     versions["mpi library"] = mpi_library() if probe_mpi else None
 
-    under_launcher = any(v in os.environ for v in LAUNCHER_ENV_VARS)
-    if not under_launcher:
-        dist_choice = "local: not started by an MPI launcher (mpiexec -n N sets PMI_RANK)"
+    started_by = launcher()
+    if started_by is None:
+        dist_choice = "local: not started by a launcher (mpiexec -n N or torchrun --nproc-per-node N)"
+    elif started_by == "torch":
+        dist_choice = "torch: torch.distributed's ranks (gloo; NCCL for CUDA arrays)"
     elif devices:
         dist_choice = "nccl if every rank has a GPU of its own, else mpi (the ranks agree)"
     else:
@@ -128,13 +134,15 @@ def collect_info(probe_mpi=True):
         "cuda_devices": devices,
         "backends": {
             "numpy": {"available": True,
-                      "why": f"NumPy arrays -> Numba CPU kernels on {numba.config.NUMBA_NUM_THREADS} "
-                             f"threads (threading layer: {numba.config.THREADING_LAYER})"},
+                      "why": f"NumPy arrays -> Numba CPU kernels on {numba.get_num_threads()} "
+                             f"threads"},
             "cuda": {"available": bool(devices) or simulator,
                      "why": ("CuPy / CUDA arrays -> Numba CUDA kernels on "
                              + ", ".join(d["name"] for d in devices)) if devices else cuda_reason},
             "dist": {"available": True, "why": f"hbk.dist.init('auto') -> {dist_choice}"},
         },
+        "numba": numba_runtime(),
+        "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith("HBK_")},
         "executable": sys.executable,
     }
 
@@ -154,6 +162,14 @@ def format_info(info):
     lines.append("backends:")
     for name, b in info["backends"].items():
         lines.append(f"  {name:<6} {'yes' if b['available'] else 'no ':<4} {b['why']}")
+    rt = info["numba"]
+    lines.append("numba:")
+    lines.append(f"  threads          {rt['threads']}")
+    lines.append(f"  threading layer  {rt['threading_layer']}")
+    cache = rt["cache"]
+    lines.append(f"  kernel cache     {cache['location'] if cache['caching'] else 'off: ' + cache['location']}")
+    lines.append("environment (HBK_*):")
+    lines += [f"  {k}={v}" for k, v in info["environment"].items()] or ["  none set"]
     return "\n".join(lines)
 
 

@@ -22,6 +22,7 @@ from numba import config, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
+from .._numba_cache import cached_njit as numba_cached_njit
 from .._validate import accumulator_dtype, is_bfloat16  # noqa: F401 (accumulator_dtype: for the kernels)
 from ..memory import CACHE_LINE_BYTES
 
@@ -41,7 +42,8 @@ KERNEL_SOURCES_DIGEST = _kernel_sources_digest()
 
 
 def cached_njit(**options):
-    """``njit(cache=True, **options)`` whose on-disk cache entry also depends on
+    """``njit(cache=True, **options)`` (through :func:`hbkernels._numba_cache.cached_njit`:
+    a read-only install falls back to a temporary cache or none) whose on-disk cache entry also depends on
     :data:`KERNEL_SOURCES_DIGEST`. Numba invalidates a cached function only when its
     own file changes, so a kernel that inlines a helper of this file (``add_row``,
     ``widen``) kept the old helper after an edit here; the digest in the
@@ -49,7 +51,7 @@ def cached_njit(**options):
     compile again."""
     def decorate(function):
         function.__qualname__ = f"{function.__qualname__}__src{KERNEL_SOURCES_DIGEST}"
-        return njit(cache=True, **options)(function)
+        return numba_cached_njit(function, **options)
 
     return decorate
 

@@ -12,14 +12,15 @@ The same string gets the same id on every machine, run and Python version
 import sys
 
 import numpy as np
-from numba import njit
+
+from .._numba_cache import cached_njit
 
 FNV64_OFFSET_BASIS = np.uint64(0xCBF29CE484222325)
 FNV64_PRIME = np.uint64(0x100000001B3)
 LOW_63_BITS = np.uint64((1 << 63) - 1)
 
 
-@njit(cache=True)
+@cached_njit
 def fnv1a64_ids(offsets, data, num_buckets, out):
     """out[i] = FNV-1a-64(data[offsets[i]:offsets[i + 1]]) & (2**63 - 1), then
     % num_buckets when num_buckets > 0."""

@@ -308,9 +308,9 @@ class ParquetDataset:
       rows (the previous window's leftover carried over); a permutation of the
       rank's rows that depends only on ``(seed, epoch, rank)``. Without it a
       rank sees its rows in file order.
-    * **Nulls** raise ``ValueError`` naming the column, file and row (within the
-      file) unless ``fill_null={column: value}`` gives a value (in the column's
-      own type; a string for string columns): null scalars and null list
+    * **Nulls** raise :class:`hbkernels.errors.DataError` (a ``ValueError``) naming
+      the column, file and row (within the file) unless ``fill_null={column: value}``
+      gives a value (in the column's own type; a string for string columns): null scalars and null list
       elements become ``value``, null lists become empty lists.
     * ``prefetch`` batches are prepared by a background thread (0: none); its
       errors re-raise in the loop, and leaving the loop early stops it.
@@ -543,8 +543,8 @@ class ParquetDataset:
         return out
 
     def _null_error(self, col, path, row):
-        return ValueError(f"column {col.name!r} has a null at row {row} of {path}; "
-                          f"pass fill_null={{{col.name!r}: value}} to replace nulls")
+        return DataError(f"column {col.name!r} has a null at row {row} of {path}; "
+                         f"pass fill_null={{{col.name!r}: value}} to replace nulls")
 
     def _leaf(self, col, arr, path, row_of):
         """NumPy values of a flat Arrow array (``row_of(i)``: the file row of element i)."""

@@ -1,8 +1,8 @@
 """Run every op benchmark on one device, print one table, append all rows to one CSV.
 
-    PYTHONPATH=. python3 bench/run_all.py --device cpu            # bench/results/<cpu>.csv
-    PYTHONPATH=. python3 bench/run_all.py --device cuda --smoke   # quick check on a GPU
-    PYTHONPATH=. python3 bench/run_all.py --device cuda --ops embedding_bag,unique
+    python3 -m hbkernels.bench.run_all --device cpu            # bench/results/<cpu>.csv
+    python3 -m hbkernels.bench.run_all --device cuda --smoke   # quick check on a GPU
+    python3 -m hbkernels.bench.run_all --device cuda --ops embedding_bag,unique
 
 An op that fails (e.g. its CUDA kernel module does not exist yet, or its
 result disagrees with the peer) is reported and the others still run; the
@@ -11,7 +11,7 @@ exit status is then 1.
 import sys
 import traceback
 
-from bench import (
+from . import (
     bench_embedding_bag,
     bench_embedding_bag_backward,
     bench_lookup,
@@ -20,7 +20,7 @@ from bench import (
     bench_segment_sum,
     bench_unique,
 )
-from bench.common import Context, parser
+from .common import Context, parser
 
 BENCHMARKS = {
     "embedding_bag": bench_embedding_bag,

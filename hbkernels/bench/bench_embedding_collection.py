@@ -27,8 +27,8 @@ with mode = plan or torch with mode single-process-global-batch, size
 ``tiny-N{N}-B{batch}``, gbps = all ranks' ids x dim x 4 B / median step) and
 a report of 1-3 to ``<csv stem>-embedding-collection.md``.
 
-    python3 bench/bench_embedding_collection.py [--smoke] [--out CSV] [--device cpu|cuda]
-    mpiexec -n 2 python3 -m mpi4py bench/bench_embedding_collection.py [--batch B] [--plans row_wise,auto]
+    python3 -m hbkernels.bench.bench_embedding_collection [--smoke] [--out CSV] [--device cpu|cuda]
+    mpiexec -n 2 python3 -m mpi4py -m hbkernels.bench.bench_embedding_collection [--batch B] [--plans row_wise,auto]
 """
 import datetime
 import gc
@@ -39,15 +39,12 @@ from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script: make `bench` and the checkout importable
-    sys.path.insert(0, str(ROOT))
 
-import bench  # noqa: E402,F401  (sets OMP_WAIT_POLICY before any thread pool starts)
+import hbkernels.bench  # noqa: E402,F401  (sets OMP_WAIT_POLICY before any thread pool starts)
 import numpy as np  # noqa: E402
 
 import hbkernels as hbk  # noqa: E402
-from bench.common import (  # noqa: E402
+from .common import (  # noqa: E402
     HBK, RESULTS_DIR, Timing, append_csv, cpu_name, gpu_name, optional_module, parser, slug, to_host,
     zipf_ids,
 )
@@ -344,7 +341,7 @@ class Bench:
         launcher = f"mpiexec -n {self.N} python3 -m mpi4py" if self.N > 1 else "python3"
         md = [f"## {self.size}: {self.N} rank(s), local batch {self.batch}, {self.device_name} "
               f"({self.args.device}, backend {self.comm.backend}), {datetime.datetime.now():%Y-%m-%d %H:%M}\n",
-              f"`{' '.join([launcher, 'bench/bench_embedding_collection.py', *sys.argv[1:]])}`; "
+              f"`{' '.join([launcher, '-m', 'hbkernels.bench.bench_embedding_collection', *sys.argv[1:]])}`; "
               f"lookup payload {self.payload / 1e6:.1f} MB/step (all ranks)\n",
               "### Step time (forward + backward + Adagrad, slowest rank)\n",
               "| provider | plan / mode | median ms | p20 ms | p80 ms | payload GB/s | wire MB/step | vs torch |",
@@ -386,7 +383,7 @@ class Bench:
         fresh = not self.md.exists() or self.md.stat().st_size == 0
         with open(self.md, "a") as f:
             f.write(("# EmbeddingCollection: training step of the synthetic tiny model\n\nWritten by "
-                     "`bench/bench_embedding_collection.py` (see its docstring), one section per run.\n\n"
+                     "`hbkernels/bench/bench_embedding_collection.py` (see its docstring), one section per run.\n\n"
                      if fresh else "\n") + text)
         print(f"rows appended to {self.out}; report appended to {self.md}")
 

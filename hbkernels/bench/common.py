@@ -31,14 +31,14 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from hbkernels._validate import is_bfloat16
-from hbkernels.cli.info import cpu_name
+from hbkernels._machine import cpu_name
 from hbkernels.memory import aligned_empty
 
 COLUMNS = (
     "op", "provider", "mode", "size", "dtype",
     "median_ms", "p20_ms", "p80_ms", "gbps", "device",
 )
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+RESULTS_DIR = Path("bench") / "results"   # under the current directory (the checkout's root)
 HBK = "hbkernels"
 DISABLE_ENV = "HBK_BENCH_NO"
 PERMUTATION_SEED = 20240601  # one fixed scattering of hot rows for every id stream
@@ -450,8 +450,9 @@ class Context:
         are dropped. ``nbytes`` is the bytes one call moves, or a function of
         hbkernels' canonical result. ``canon`` maps a host result to a tuple of
         arrays that must agree across providers (e.g. sorted for unique).
-        ``reference`` lists, by preference, the peer the summary's speedups are
-        against.
+        Each row's speedup is against the fastest peer timed in this case, or
+        the fastest of ``reference`` when given (e.g. hbkernels itself, for the
+        overhead of a front end).
         """
         providers = [p for p in providers if p is not None]
         if not providers or providers[0].name != HBK:
@@ -481,15 +482,15 @@ class Context:
         print(f"verified {others} against {ref.name}: {what}")
 
         moved = nbytes(hbk_result) if callable(nbytes) else nbytes
-        ref_name = next((r for r in reference if any(p.name == r for p in timed)), None)
         timings = self.measure_together([(p.run, prepared[p.name], p.block) for p in timed])
         for p, timing in zip(timed, timings):
-            self.record(op, p.name, mode, size, dtype, timing, moved, reference=ref_name)
+            self.record(op, p.name, mode, size, dtype, timing, moved,
+                        reference=tuple(reference) or tuple(p.name for p in peers))
         del prepared, copies
         self.release()
 
     # -- rows -------------------------------------------------------------------
-    def record(self, op, provider, mode, size, dtype, timing, nbytes, reference=None):
+    def record(self, op, provider, mode, size, dtype, timing, nbytes, reference=()):
         gbps = nbytes / (timing.median_ms * 1e6) if nbytes and timing.median_ms > 0 else None
         row = {
             "op": op, "provider": provider, "mode": mode, "size": size, "dtype": str(dtype),
@@ -558,8 +559,9 @@ def results(rows, copy_gbps=None):
     (op, mode, size, dtype) in the order the cases ran.
 
     Adds ``speedup`` (the case's reference peer's median over this row's: > 1
-    is faster than the peer; None for the peer itself or when the case has
-    none), ``vs`` (that peer) and ``pct_copy`` (GB/s as % of the copy
+    is faster than the peer; the reference is the fastest of the providers the
+    case names in ``_reference``, see :meth:`Context.compare`; None for that
+    peer itself or when the case has none), ``vs`` (that peer) and ``pct_copy`` (GB/s as % of the copy
     bandwidth measured in the same run; None without GB/s or copy row).
     """
     # the copy row's own (rounded) GB/s, so that it reads exactly 100%
@@ -569,7 +571,8 @@ def results(rows, copy_gbps=None):
         groups.setdefault((row["op"], row["mode"], row["size"], row["dtype"]), []).append(row)
     out = []
     for case in groups.values():
-        ref = next((r for r in case if r["provider"] == case[0].get("_reference")), None)
+        named = [r for r in case if r["provider"] in (case[0].get("_reference") or ())]
+        ref = min(named, key=lambda r: float(r["median_ms"])) if named else None   # the fastest
         for r in case:
             ms = float(r["median_ms"])
             gbps = float(r["gbps"]) if r["gbps"] else None
@@ -591,7 +594,7 @@ TABLE_HEAD = ("op", "mode", "dtype", "size", "provider", "median ms", "GB/s", "%
 
 
 def format_table(rows):
-    """Plain-text table of :func:`results` rows (``bench/run_all.py``, ``hbkernels bench``)."""
+    """Plain-text table of :func:`results` rows (``hbkernels/bench/run_all.py``, ``hbkernels bench``)."""
     table = [list(TABLE_HEAD)]
     for r in rows:
         table.append([
@@ -629,9 +632,31 @@ def append_csv(path, row):
 
 
 # -- command line -------------------------------------------------------------
-def parser(description):
-    from hbkernels.cli.bench import add_run_arguments
+def add_run_arguments(p):
+    """The options of a benchmark run: of every op script (:func:`parser`) and of
+    ``hbkernels bench``."""
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu: NumPy arrays (Numba CPU kernels); cuda: CuPy arrays (Numba CUDA "
+                        "kernels), needs a GPU (default: cpu)")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny sizes and two repetitions: proves the benchmarks run")
+    p.add_argument("--reps", type=_positive, default=None,
+                   help="timed repetitions per provider (default: fill about a second)")
+    p.add_argument("--warmup", type=_positive, default=None, help="untimed calls before timing")
+    p.add_argument("--providers", default=None,
+                   help="comma-separated providers to time, e.g. hbkernels,torch "
+                        "(hbkernels is still verified against a peer)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the generated data")
 
+
+def _positive(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def parser(description):
     p = argparse.ArgumentParser(description=description)
     add_run_arguments(p)
     p.add_argument("--out", default=None,

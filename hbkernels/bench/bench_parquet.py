@@ -31,7 +31,7 @@ CSV rows go to ``--out`` (op=parquet_load, mode=rows), the report
 (rows/s, targets: hbk >= 0.8x read_table, >= 10x pandas-rowwise, RSS 4x/1x ~1)
 to ``<csv stem>-parquet.md``.
 
-    python3 bench/bench_parquet.py [--smoke] [--out CSV] [--rows N]
+    python3 -m hbkernels.bench.bench_parquet [--smoke] [--out CSV] [--rows N]
 """
 import datetime
 import json
@@ -44,14 +44,11 @@ import time
 from itertools import chain, zip_longest
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script: make `bench` and the checkout importable
-    sys.path.insert(0, str(ROOT))
 
-import bench  # noqa: E402,F401  (sets OMP_WAIT_POLICY before any thread pool starts)
+import hbkernels.bench  # noqa: E402,F401  (sets OMP_WAIT_POLICY before any thread pool starts)
 import numpy as np  # noqa: E402
 
-from bench.common import (  # noqa: E402
+from .common import (  # noqa: E402
     HBK, RESULTS_DIR, Timing, append_csv, cpu_name, optional_module, parser, slug,
 )
 from hbkernels.data import ParquetDataset, write_synthetic  # noqa: E402
@@ -168,7 +165,8 @@ def measure_rss(provider, path, B):
 
 
 def rss(provider, path, B):
-    cmd = [sys.executable, __file__, "--measure-rss", provider, str(path), "--batch-size", str(B)]
+    cmd = [sys.executable, "-m", "hbkernels.bench.bench_parquet", "--measure-rss", provider, str(path),
+           "--batch-size", str(B)]
     res = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return json.loads(res.stdout.strip().splitlines()[-1])
 
@@ -224,7 +222,7 @@ def report(md, head, timings, rows, rss_rows, elapsed):
     with open(md, "a") as f:
         if new:
             f.write("# Parquet loading: hbkernels ParquetDataset vs pyarrow and pandas\n\nWritten by "
-                    "`bench/bench_parquet.py` (data, method and definitions in its docstring), one section "
+                    "`hbkernels/bench/bench_parquet.py` (data, method and definitions in its docstring), one section "
                     "per run; the CSV rows beside this file hold the epoch times.\n\n")
         f.write(text + "\n")
 
@@ -273,8 +271,8 @@ def main(argv=None):
                              "p80_ms": f"{t.p80_ms:.6g}", "gbps": f"{nbytes / t.median_ms / 1e6:.6g}",
                              "device": device})
         rss_rows = {n: (rss(n, path, B), rss(n, x4, B)) for n in RSS_PROVIDERS}
-    cmd = " ".join(["python3 bench/bench_parquet.py", *(argv if argv is not None else sys.argv[1:])])
-    shown = out.resolve().relative_to(ROOT) if out.resolve().is_relative_to(ROOT) else out
+    cmd = " ".join(["python3 -m hbkernels.bench.bench_parquet", *(argv if argv is not None else sys.argv[1:])])
+    shown = out.resolve().relative_to(Path.cwd()) if out.resolve().is_relative_to(Path.cwd()) else out
     head = (f"## {size}, batch {B}: {device}, {os.cpu_count()} cores, "
             f"{datetime.datetime.now():%Y-%m-%d %H:%M}\n\n`{cmd}` ({nbytes / 1e6:.1f} MB Parquet, "
             f"{reps} timed epochs per provider; load average {load:.2f} at start, "

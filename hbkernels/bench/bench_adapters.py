@@ -21,12 +21,12 @@ adapter is verified against the bare kernel's result before timing, and the
 summary prints its overhead in µs per call on top of the kernel
 (``median(adapter) - median(hbkernels)``).
 
-    PYTHONPATH=. python3 bench/bench_adapters.py --device cpu
+    python3 -m hbkernels.bench.bench_adapters --device cpu
 """
 import numpy as np
 
 import hbkernels as hbk
-from bench.common import HBK, Provider, cli_main, optional_module
+from .common import HBK, Provider, cli_main, optional_module
 
 OP = "adapter_embedding_bag"
 MODES = ("forward", "forward_backward")  # what every adapter measures
@@ -131,7 +131,7 @@ def jax_adapter(ctx, mode, case):
         ctx.note("jax-adapter on CUDA would go through host memory (no buffer_callback or "
                  "no CuPy): skipped")
         return None
-    from bench.common import to_host
+    from .common import to_host
 
     eb = hbk_jax.embedding_bag
 

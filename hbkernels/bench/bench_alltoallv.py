@@ -17,24 +17,21 @@ is timed with ``perf_counter`` (on a GPU until the stream is idle); a
 repetition's time is the slowest rank's. hbk and the peer alternate
 repetition by repetition, so the noise of a shared machine hits both alike.
 GB/s = bytes one rank sends (all its blocks) / median time. Rank 0 appends
-the rows (``bench/common.py`` columns; op=alltoallv, provider hbkernels or
+the rows (``hbkernels/bench/common.py`` columns; op=alltoallv, provider hbkernels or
 mpi4py / cupy-nccl, mode mpi or nccl) and prints the hbk overhead.
 
-    mpiexec -n 2 python3 -m mpi4py bench/bench_alltoallv.py [--smoke] [--out CSV] [--device cuda]
+    mpiexec -n 2 python3 -m mpi4py -m hbkernels.bench.bench_alltoallv [--smoke] [--out CSV] [--device cuda]
 """
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script: make `bench` and the checkout importable
-    sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 import hbkernels as hbk  # noqa: E402
-from bench.common import (  # noqa: E402
+from .common import (  # noqa: E402
     HBK, RESULTS_DIR, Timing, append_csv, cpu_name, gpu_name, optional_module, parser, slug,
 )
 

@@ -1,0 +1,81 @@
+"""Where Numba keeps hbkernels' compiled CPU kernels, decided once, so that a
+read-only install (package directory and ``$HOME`` not writable, as in a
+non-root container) still imports and runs.
+
+Numba looks for a cache location when a ``cache=True`` function is decorated
+(not compiled: decorating compiles nothing): ``NUMBA_CACHE_DIR`` if set, else
+``__pycache__`` beside the source, else the user's cache directory; with none
+writable it raises. :func:`cached_njit` decorates with caching where Numba
+finds a place; where it finds none, it points Numba at a private directory
+under the system's temporary directory (``hbkernels-numba-<uid>``, created
+mode 0700 and used only when this user owns it and nobody else can write to
+it); where that fails too, the kernels compile on every run without a cache.
+:func:`cache_info` says which of these is in effect.
+"""
+import os
+import tempfile
+
+import numba
+from numba import njit
+
+_state = {"mode": None, "dir": None}   # mode: "numba" | "temporary" | "off"
+
+
+def _private_temp_dir():
+    """``<tmp>/hbkernels-numba-<uid>``, made if missing, or None when it cannot be
+    this user's private directory."""
+    try:
+        path = os.path.join(tempfile.gettempdir(), f"hbkernels-numba-{os.getuid()}")
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        st = os.stat(path)
+    except OSError:
+        return None
+    if st.st_uid != os.getuid() or st.st_mode & 0o022 or not os.access(path, os.W_OK):
+        return None
+    return path
+
+
+def _use_dir(path):
+    os.environ["NUMBA_CACHE_DIR"] = path   # Numba re-reads its config from the environment
+    numba.config.CACHE_DIR = path
+
+
+def cached_njit(function, **options):
+    """``njit(cache=True, **options)(function)`` with the fallbacks of this module:
+    never raises for want of a cache location, compiles nothing."""
+    if _state["mode"] != "off":
+        try:
+            dispatcher = njit(cache=True, **options)(function)
+            if _state["mode"] is None:
+                _state["mode"] = "numba"
+            return dispatcher
+        except RuntimeError as error:   # "cannot cache function ...: no locator available"
+            if "cannot cache" not in str(error) or _state["mode"] == "temporary":
+                raise
+        path = _private_temp_dir()
+        if path is not None:
+            _use_dir(path)
+            try:
+                dispatcher = njit(cache=True, **options)(function)
+                _state.update(mode="temporary", dir=path)
+                return dispatcher
+            except RuntimeError as error:
+                if "cannot cache" not in str(error):
+                    raise
+        _state.update(mode="off", dir=None)
+    return njit(**options)(function)
+
+
+def cache_info():
+    """``{"caching": bool, "location": str, "numba_cache_dir": str or None}``: whether
+    compiled kernels are kept between runs, and where (``"__pycache__ beside the
+    sources, else the user cache directory"`` when Numba's own choice is in effect)."""
+    mode = _state["mode"]
+    configured = numba.config.CACHE_DIR or None
+    if mode == "off":
+        where = "none: no writable location (kernels compile on every run)"
+    elif configured:
+        where = configured
+    else:
+        where = "__pycache__ beside the sources, else the user cache directory (Numba's choice)"
+    return {"caching": mode != "off", "location": where, "numba_cache_dir": configured}
