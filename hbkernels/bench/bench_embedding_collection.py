@@ -40,7 +40,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 
-import hbkernels.bench  # noqa: E402,F401  (sets OMP_WAIT_POLICY before any thread pool starts)
+import hbkernels.bench.common  # noqa: E402,F401  (sets OMP_WAIT_POLICY before any thread pool starts)
 import numpy as np  # noqa: E402
 
 import hbkernels as hbk  # noqa: E402

@@ -45,7 +45,7 @@ from itertools import chain, zip_longest
 from pathlib import Path
 
 
-import hbkernels.bench  # noqa: E402,F401  (sets OMP_WAIT_POLICY before any thread pool starts)
+import hbkernels.bench.common  # noqa: E402,F401  (sets OMP_WAIT_POLICY before any thread pool starts)
 import numpy as np  # noqa: E402
 
 from .common import (  # noqa: E402

@@ -34,6 +34,15 @@ from hbkernels._validate import is_bfloat16
 from hbkernels._machine import cpu_name
 from hbkernels.memory import aligned_empty
 
+from .options import add_run_arguments
+
+# torch and Numba each bring an OpenMP pool; by default idle threads of one spin
+# for a while after every parallel region and steal the cores of the other, so
+# whichever provider runs second in a process looks slower. Passive waiting
+# (set before either pool starts: importing this module comes first) keeps the
+# side-by-side timings fair.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 COLUMNS = (
     "op", "provider", "mode", "size", "dtype",
     "median_ms", "p20_ms", "p80_ms", "gbps", "device",
@@ -632,30 +641,6 @@ def append_csv(path, row):
 
 
 # -- command line -------------------------------------------------------------
-def add_run_arguments(p):
-    """The options of a benchmark run: of every op script (:func:`parser`) and of
-    ``hbkernels bench``."""
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="cpu: NumPy arrays (Numba CPU kernels); cuda: CuPy arrays (Numba CUDA "
-                        "kernels), needs a GPU (default: cpu)")
-    p.add_argument("--smoke", action="store_true",
-                   help="tiny sizes and two repetitions: proves the benchmarks run")
-    p.add_argument("--reps", type=_positive, default=None,
-                   help="timed repetitions per provider (default: fill about a second)")
-    p.add_argument("--warmup", type=_positive, default=None, help="untimed calls before timing")
-    p.add_argument("--providers", default=None,
-                   help="comma-separated providers to time, e.g. hbkernels,torch "
-                        "(hbkernels is still verified against a peer)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the generated data")
-
-
-def _positive(text):
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
 def parser(description):
     p = argparse.ArgumentParser(description=description)
     add_run_arguments(p)

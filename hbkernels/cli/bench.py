@@ -43,7 +43,7 @@ def add_command(subparsers):
     p = subparsers.add_parser(
         "bench", help="op benchmarks vs peers (torch, NumPy, CuPy, JAX): table, CSV, JSON, PNG",
         description=plain(__doc__), formatter_class=HelpFormatter)
-    from ..bench.common import add_run_arguments
+    from ..bench.options import add_run_arguments
 
     add_run_arguments(p)
     p.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",

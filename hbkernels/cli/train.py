@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import CLIError, error_line
+from . import USER_ERRORS, CLIError, error_line
 from ._help import HelpFormatter, plain
 from .progress import Progress
 
@@ -210,7 +210,7 @@ def run(args):
         return Trainer(args, comm, device).fit()
     except BaseException as exc:
         if comm.world_size > 1 and not isinstance(exc, (SystemExit, KeyboardInterrupt)):
-            if os.environ.get("HBK_DEBUG"):
+            if os.environ.get("HBK_DEBUG") or not isinstance(exc, USER_ERRORS):  # a bug: its traceback
                 import traceback
 
                 traceback.print_exc()
