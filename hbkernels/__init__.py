@@ -9,7 +9,7 @@ CUDA); results come back in the caller's array family.
 [[1.0, 0.0, 1.0]]
 """
 from . import data, dist, optim
-from .embedding_collection import EmbeddingCollection
+from .sharding import EmbeddingCollection
 from .errors import BoundsError, CheckpointError
 from .memory import aligned_empty, aligned_full
 from .ops import (
@@ -17,8 +17,7 @@ from .ops import (
     segment_sum, unique,
 )
 from .types import JaggedRows, Partitioned, Ragged, SparseGrad, TableSpec
-
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = [
     "BoundsError",

@@ -1,6 +1,8 @@
 """The one dispatch layer: which backend runs a call, and how its arrays are made.
 
-An *array family* is where the caller's arrays live and what type comes back:
+An *array family* is where the caller's arrays live and what type comes back
+(the one notion of "where arrays live": the kernels, the collectives and the
+sharded tables all ask the family):
 
 * ``numpy``  -> the CPU kernels in :mod:`hbkernels.cpu`;
 * ``cupy``   -> the CUDA kernels in :mod:`hbkernels.cuda`, results as CuPy arrays;
@@ -13,11 +15,11 @@ CuPy and ``numba.cuda`` are imported on first GPU use only, so
 ``import hbkernels`` works on machines with no GPU and no CUDA toolkit.
 """
 import importlib
-import os
 
 import numpy as np
 
 from . import _validate
+from ._machine import cupy, has_cupy, numba_cuda, simulator_enabled
 from .memory import aligned_full
 
 _DLPACK_CUDA_DEVICES = (2, 13)  # kDLCUDA, kDLCUDAManaged
@@ -27,9 +29,31 @@ class NumpyFamily:
     name = "numpy"
     is_cuda = False
     device_id = None
+    device = "cpu"
 
     def __init__(self):
         self.kernels = "hbkernels.cpu"
+
+    # -- computing with array-module code (NumPy) ------------------------------
+    @property
+    def xp(self):
+        """The array module to compute on this family's arrays with."""
+        return np
+
+    def compute(self, x):
+        """``x`` as an array of :attr:`xp` (no copy)."""
+        return x
+
+    def from_compute(self, a):
+        """An :attr:`xp` result as an array of this family."""
+        return a
+
+    def put(self, a):
+        """``a`` in this family: a NumPy array as is, a CUDA array copied to the host."""
+        return a if isinstance(a, np.ndarray) else host(a)
+
+    def sync(self):
+        """Wait for the work queued on this family's arrays (none on the CPU)."""
 
     def empty(self, shape, dtype):
         return np.empty(shape, dtype)
@@ -76,21 +100,50 @@ class CudaFamily:
     def __hash__(self):
         return hash((self.name, self.device_id))
 
+    device = "cuda"
+
+    # -- computing with array-module code (CuPy; Numba arrays through the host) -
+    @property
+    def xp(self):
+        """The array module to compute on this family's arrays with."""
+        return cupy() if self.name == "cupy" else np
+
+    def compute(self, x):
+        """``x`` as an array of :attr:`xp` (a host copy for Numba device arrays)."""
+        return x if self.name == "cupy" else self.to_numpy(x)
+
+    def from_compute(self, a):
+        """An :attr:`xp` result as an array of this family."""
+        if self.name == "numba" and isinstance(a, np.ndarray):
+            return self.from_numpy(np.ascontiguousarray(a))
+        return a
+
+    def put(self, a):
+        """``a`` in this family (a copy only when it lives elsewhere)."""
+        if self.name == "cupy":
+            return cupy().asarray(a)
+        return a if not isinstance(a, np.ndarray) else self.from_numpy(a)
+
+    def sync(self):
+        """Wait for the work queued on CuPy's current stream."""
+        if self.name == "cupy" and not simulator_enabled():
+            cupy().cuda.get_current_stream().synchronize()
+
     # -- allocation, in the caller's family ---------------------------------
     def empty(self, shape, dtype):
         if self.name == "cupy":
-            return _cupy().empty(shape, dtype)
-        return _numba_cuda().device_array(shape, dtype)
+            return cupy().empty(shape, dtype)
+        return numba_cuda().device_array(shape, dtype)
 
     def zeros(self, shape, dtype):
         if self.name == "cupy":
-            return _cupy().zeros(shape, dtype)
+            return cupy().zeros(shape, dtype)
         return self.full(shape, 0, dtype)
 
     def full(self, shape, value, dtype, aligned=False):
         """``aligned`` is always true here: CUDA allocations start on 256 bytes."""
         if self.name == "cupy":
-            return _cupy().full(shape, value, dtype)
+            return cupy().full(shape, value, dtype)
         out = self.empty(shape, dtype)
         from .cuda._launch import fill
 
@@ -101,13 +154,13 @@ class CudaFamily:
 
     def to_numpy(self, a):
         if self.name == "cupy":
-            return _cupy().asnumpy(a)
+            return cupy().asnumpy(a)
         return a.copy_to_host()
 
     def from_numpy(self, a):
         if self.name == "cupy":
-            return _cupy().asarray(a)
-        return _numba_cuda().to_device(np.ascontiguousarray(a))
+            return cupy().asarray(a)
+        return numba_cuda().to_device(np.ascontiguousarray(a))
 
     def reshape(self, a, shape):
         return a.reshape(shape)
@@ -123,41 +176,36 @@ class CudaFamily:
         if _validate.is_bfloat16(a.dtype):
             a = a.view(np.int16)
         if self.name == "cupy":
-            return _numba_cuda().as_cuda_array(a, sync=False)
+            return numba_cuda().as_cuda_array(a, sync=False)
         return a
 
     def stream(self):
         """The stream to launch on: CuPy's current stream, else Numba's default."""
-        cuda = _numba_cuda()
+        cuda = numba_cuda()
         if self.name == "cupy" and not simulator_enabled():
-            return cuda.external_stream(_cupy().cuda.get_current_stream().ptr)
+            return cuda.external_stream(cupy().cuda.get_current_stream().ptr)
         return cuda.default_stream()
 
 
 NUMPY = NumpyFamily()
 
 
-def simulator_enabled():
-    return os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
+def host(a):
+    """A NumPy array of ``a`` (a NumPy array as is; CuPy and Numba arrays copied)."""
+    if isinstance(a, np.ndarray):
+        return a
+    return a.get() if hasattr(a, "get") else a.copy_to_host()
 
 
-def _numba_cuda():
-    return importlib.import_module("numba.cuda")
+def device_family(device):
+    """The family a collection on ``device`` (``"cpu"`` or ``"cuda"``) keeps its arrays
+    in: NumPy, or CuPy on the current GPU."""
+    if device == "cpu":
+        return NUMPY
+    return CudaFamily("cupy", int(cupy().cuda.Device().id))
 
 
-def _cupy():
-    return importlib.import_module("cupy")
-
-
-def _cupy_available():
-    try:
-        importlib.import_module("cupy")
-        return True
-    except ImportError:
-        return False
-
-
-def _classify(x):
+def classify(x):
     """(family, array to use) for one argument, or raise TypeError."""
     if isinstance(x, np.ndarray):
         return NUMPY, x
@@ -167,19 +215,19 @@ def _classify(x):
     if mod.startswith("numba.cuda") or mod.startswith("numba_cuda"):
         return CudaFamily("numba", _numba_device_id()), x
     if hasattr(x, "__cuda_array_interface__"):
-        if _cupy_available():
-            arr = _cupy().asarray(x)
+        if has_cupy():
+            arr = cupy().asarray(x)
             return CudaFamily("cupy", int(arr.device.id)), arr
-        return CudaFamily("numba", _numba_device_id()), _numba_cuda().as_cuda_array(x)
+        return CudaFamily("numba", _numba_device_id()), numba_cuda().as_cuda_array(x)
     if hasattr(x, "__dlpack_device__") and hasattr(x, "__dlpack__"):
         dev_type, dev_id = x.__dlpack_device__()
         if int(dev_type) in _DLPACK_CUDA_DEVICES:
-            if not _cupy_available():
+            if not has_cupy():
                 raise TypeError(
                     f"{type(x).__name__} is a CUDA array reachable only through DLPack; "
                     "install CuPy (pip install 'hbkernels[cuda12]' or '[cuda13]')"
                 )
-            return CudaFamily("cupy", int(dev_id)), _cupy().from_dlpack(x)
+            return CudaFamily("cupy", int(dev_id)), cupy().from_dlpack(x)
     raise TypeError(
         f"expected a NumPy array or a CUDA array (CuPy, __cuda_array_interface__, "
         f"CUDA __dlpack__), got {type(x).__module__}.{type(x).__name__}"
@@ -203,7 +251,7 @@ def cupy_bfloat16(bits):
 def _numba_device_id():
     if simulator_enabled():
         return 0
-    return int(_numba_cuda().get_current_device().id)
+    return int(numba_cuda().get_current_device().id)
 
 
 def resolve(optional=(), **arrays):
@@ -223,7 +271,7 @@ def resolve(optional=(), **arrays):
                 raise TypeError(f"{name} must be a NumPy or CUDA array, got None")
             out[name] = None
             continue
-        fam, arr = _classify(x)
+        fam, arr = classify(x)
         if family is None:
             family, first = fam, name
         elif fam != family:

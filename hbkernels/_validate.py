@@ -1,13 +1,14 @@
 """Input checks shared by every op: done once, in the dispatch layer, so kernels stay lean."""
 import numpy as np
 
+from ._modes import Bounds, Combiner, codes
 from .errors import BoundsError
 
 ID_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 TABLE_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 FLOAT_NAMES = "float16, bfloat16, float32 or float64"
-COMBINERS = {"sum": 0, "mean": 1, "sqrtn": 2}
-BOUNDS = {"raise": 0, "zero": 1, "unchecked": 2}
+COMBINERS = codes(Combiner)
+BOUNDS = codes(Bounds)
 
 
 def _dtype_name(a):
@@ -108,6 +109,14 @@ def raise_bad_offsets(family, offsets_arr, n_values, k):
         else:
             problem = f"offsets[{b}] = {v}, expected len(values) = {n_values}"
     raise ValueError(f"malformed offsets: {problem}")
+
+
+def raise_ragged(family, values, offsets, bad_offset, bad_id, num_rows):
+    """Raise for the first bad offset or id a backend's check found (-1: none)."""
+    if bad_offset != -1:
+        raise_bad_offsets(family, offsets, values.shape[0], bad_offset)
+    if bad_id != -1:
+        raise_bad_id(family, "values", values, bad_id, num_rows)
 
 
 def raise_bad_id(family, what, arr, pos, limit):

@@ -10,16 +10,31 @@ import numpy as np
 
 from . import _validate as check
 from ._dispatch import kernels, resolve
+from ._modes import PartitionMode, codes
 from .types import Partitioned, SparseGrad
 
 _NO_ERROR = -1
 
 
-def _raise_ragged_errors(family, values, offsets, bad_offset, bad_id, num_rows):
-    if bad_offset != _NO_ERROR:
-        check.raise_bad_offsets(family, offsets, values.shape[0], bad_offset)
-    if bad_id != _NO_ERROR:
-        check.raise_bad_id(family, "values", values, bad_id, num_rows)
+def check_ragged(values, offsets, num_rows, *, bounds="raise"):
+    """Check CSR input ``(values, offsets)`` of a table of ``num_rows`` rows as
+    :func:`embedding_bag` does, without computing anything: a bad offset is a
+    ``ValueError`` naming its first position; under ``bounds="raise"`` an id
+    outside ``[0, num_rows)`` is a :class:`hbkernels.BoundsError` naming the first.
+
+    >>> import numpy as np, hbkernels as hbk
+    >>> hbk.ops.check_ragged(np.array([0, 3]), np.array([0, 2]), 3)
+    Traceback (most recent call last):
+    ...
+    hbkernels.errors.BoundsError: values[1] = 3 is out of range [0, 3)
+    """
+    family, a = resolve(values=values, offsets=offsets)
+    values, offsets = a["values"], a["offsets"]
+    check.ids("values", values, ndim=1)
+    check.offsets(offsets)
+    mode = check.choice("bounds", bounds, check.BOUNDS)
+    bad_offset, bad_id = kernels(family, "ragged").check_ragged(family, values, offsets, num_rows, mode)
+    check.raise_ragged(family, values, offsets, bad_offset, bad_id, num_rows)
 
 
 def lookup(weights, ids, *, bounds="raise"):
@@ -116,7 +131,7 @@ def embedding_bag(
     out, bad_offset, bad_id = kernels(family, "embedding_bag").embedding_bag(
         family, weights, values, offsets, psw, comb, mode
     )
-    _raise_ragged_errors(family, values, offsets, bad_offset, bad_id, weights.shape[0])
+    check.raise_ragged(family, values, offsets, bad_offset, bad_id, weights.shape[0])
     return out
 
 
@@ -207,7 +222,7 @@ def unique(ids, *, return_inverse=False, return_counts=False, sorted=False):
     return result[0] if len(result) == 1 else tuple(result)
 
 
-PARTITION_MODES = {"mod": 0, "div": 1}
+PARTITION_MODES = codes(PartitionMode)
 
 
 def partition(ids, num_shards, *, mode="mod", num_rows=None):
@@ -286,5 +301,5 @@ def embedding_bag_backward(
         family, grad_out, values, offsets, num_rows, psw, comb, mode, bool(deterministic),
         bool(padded),
     )
-    _raise_ragged_errors(family, values, offsets, bad_offset, bad_id, num_rows)
+    check.raise_ragged(family, values, offsets, bad_offset, bad_id, num_rows)
     return SparseGrad(ids, rows)

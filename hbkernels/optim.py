@@ -45,10 +45,11 @@ Update rules (g is a row's summed gradient; all element-wise unless noted):
 """
 import numpy as np
 
+from . import _bits
 from . import _rules as rules
 from . import _validate as check
 from ._dispatch import kernels, resolve
-from .ops import _raise_ragged_errors, unique, segment_sum
+from .ops import unique, segment_sum
 from .types import SparseGrad
 
 ROUNDING = {"nearest": 0, "stochastic": 1}
@@ -57,11 +58,9 @@ _MASK64 = (1 << 64) - 1
 
 
 def _mix64(x):
-    """splitmix64 finaliser (host side, for the stochastic-rounding key)."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
+    """:func:`hbkernels._bits.splitmix64` of the Python int ``x`` (its low 64 bits)."""
+    with np.errstate(over="ignore"):
+        return int(_bits.splitmix64(np.uint64(x & _MASK64)))
 
 
 class SparseOptimizer:
@@ -202,7 +201,7 @@ class SparseOptimizer:
         )
         _raise_nonfinite("grad_out", bad_grad)
         _raise_nonfinite("per_sample_weights", bad_psw)
-        _raise_ragged_errors(family, values, offsets, bad_offset, bad_id, weights.shape[0])
+        check.raise_ragged(family, values, offsets, bad_offset, bad_id, weights.shape[0])
         state["step"][0] = step
 
 

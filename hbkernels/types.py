@@ -42,7 +42,9 @@ class SparseGrad(NamedTuple):
     rows: Any
 
 
-PLACEMENTS = ("data_parallel", "table_wise", "row_wise", "column_wise")
+#: the placements of a table: the replicated one, then the sharded ones in the order
+#: the planner prefers them on a tie
+PLACEMENTS = ("data_parallel", "row_wise", "table_wise", "column_wise")
 
 
 class JaggedRows(NamedTuple):

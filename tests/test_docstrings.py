@@ -12,16 +12,18 @@ import hbkernels.data.hashing
 import hbkernels.data.parquet
 import hbkernels.data.synthetic
 import hbkernels.dist
-import hbkernels.embedding_collection
 import hbkernels.memory
 import hbkernels.metrics
 import hbkernels.ops
 import hbkernels.optim
-import hbkernels.plan
+import hbkernels.sharding.collection
+import hbkernels.sharding.layout
+import hbkernels.sharding.plan
 import hbkernels.types
 
 MODULES = [hbkernels, hbkernels.ops, hbkernels.optim, hbkernels.types, hbkernels.dist,
-           hbkernels.plan, hbkernels.embedding_collection, hbkernels.memory, hbkernels.data.parquet,
+           hbkernels.sharding.plan, hbkernels.sharding.layout, hbkernels.sharding.collection,
+           hbkernels.memory, hbkernels.data.parquet,
            hbkernels.data.hashing, hbkernels.data.convert, hbkernels.data.synthetic,
            hbkernels.data.ctr, hbkernels.metrics, hbkernels.cli.info, hbkernels.cli.progress]
 

@@ -47,9 +47,9 @@ def test_tables_hbkernels_makes_on_the_cpu_are_aligned():
     coll = hbk.EmbeddingCollection(
         tables=[hbk.TableSpec("a", num_rows=300, dim=16), hbk.TableSpec("b", num_rows=7, dim=5)],
         comm=init(backend="local"), optimizer=hbk.optim.Adam(lr=0.1), plan="data_parallel")
-    for group in coll.groups.values():
-        assert group["weights"].ctypes.data % 64 == 0
-        assert group["state"]["exp_avg"].ctypes.data % 64 == 0
-        assert group["state"]["exp_avg_sq"].ctypes.data % 64 == 0
+    for fused in coll.arrays.values():
+        assert fused.weights.ctypes.data % 64 == 0
+        assert fused.state["exp_avg"].ctypes.data % 64 == 0
+        assert fused.state["exp_avg_sq"].ctypes.data % 64 == 0
     state = hbk.optim.Adagrad(lr=0.1).init_state(np.zeros((1000, 16), np.float32))
     assert state["sum"].ctypes.data % 64 == 0 and (state["sum"] == 0).all()

@@ -564,7 +564,7 @@ def test_check_ragged(backend, bounds, expected):
     for (values, offsets), want in zip(cases, expected):
         family, a = resolve(values=backend.put(np.array(values, np.int64)),
                             offsets=backend.put(np.array(offsets, np.int64)))
-        got = kernels(family, "sparse_update").check_ragged(family, a["values"], a["offsets"], 5,
+        got = kernels(family, "ragged").check_ragged(family, a["values"], a["offsets"], 5,
                                                             bounds)
         assert tuple(got) == want, (values, offsets)
 

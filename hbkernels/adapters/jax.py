@@ -70,8 +70,6 @@ failed"``. With ``B == 0`` the output is empty and XLA skips the callback, so
 nothing is checked.
 """
 import functools
-import importlib
-import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -79,6 +77,7 @@ import numpy as np
 
 from .. import _validate as check
 from .. import ops
+from .._machine import cupy as _cupy, has_cupy as _has_cupy
 
 try:  # JAX >= 0.7
     from jax.experimental.buffer_callback import buffer_callback as _buffer_callback
@@ -245,9 +244,3 @@ def _buffer_call(kernel_into, out_type, *args):
     return _buffer_callback(callback, out_type, vmap_method="sequential")(*args)
 
 
-def _cupy():
-    return importlib.import_module("cupy")
-
-
-def _has_cupy():
-    return importlib.util.find_spec("cupy") is not None

@@ -81,6 +81,7 @@ except ImportError:  # pragma: no cover - TF always brings Keras 3 since 2.16
 
 from .. import ops as _ops
 from .._dispatch import cupy_bfloat16
+from .._machine import cupy as _cupy
 from .._validate import BOUNDS, COMBINERS, FLOAT_NAMES, is_bfloat16
 
 __all__ = ["embedding_bag", "EmbeddingBag", "kernel_array", "from_kernel_array"]
@@ -104,15 +105,6 @@ class _Capsule:
 
     def __dlpack_device__(self):
         return self._device
-
-
-def _cupy():
-    try:
-        import cupy
-    except ImportError as error:  # pragma: no cover - needs a GPU build of TF without CuPy
-        raise TypeError("GPU tensors reach the hbkernels CUDA kernels through CuPy; install it "
-                        "(pip install 'hbkernels[cuda12]' or '[cuda13]')") from error
-    return cupy
 
 
 def _on_gpu(t):

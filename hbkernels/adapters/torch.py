@@ -46,13 +46,15 @@ spin on the same cores: on small machines ``torch.set_num_threads`` /
 [0.5, 1.0, 0.0, 0.5]
 """
 import contextlib
-import sys
 
 import numpy as np
 import torch
 
 from .. import ops as _ops
 from .._dispatch import cupy_bfloat16
+from .._machine import cupy as _cupy
+from ..sharding import kjt as _kjt
+from ..sharding.kjt import is_keyed_jagged_tensor, kjt_tensors, kjt_weights
 from .._validate import BOUNDS, COMBINERS, is_bfloat16
 
 __all__ = ["EmbeddingBag", "EmbeddingCollectionModule", "embedding_bag", "features_from_kjt",
@@ -67,15 +69,6 @@ _TORCH_DTYPES = {torch.float16: np.float16, torch.float32: np.float32, torch.flo
 
 
 # -- zero-copy crossings ----------------------------------------------------------------------------
-def _cupy():
-    try:
-        import cupy
-    except ImportError as error:  # pragma: no cover - needs a CUDA machine without CuPy
-        raise TypeError("CUDA tensors reach the hbkernels CUDA kernels through CuPy; install it "
-                        "(pip install 'hbkernels[cuda12]' or '[cuda13]')") from error
-    return cupy
-
-
 def kernel_array(t):
     """The array the kernels take for tensor ``t``, sharing its memory: a NumPy view
     of a CPU tensor, a CuPy view of a CUDA tensor (``None`` stays ``None``). A
@@ -543,43 +536,6 @@ class EmbeddingBag(torch.nn.Module):
 
 
 # -- TorchRec KeyedJaggedTensor ------------------------------------------------------------------------
-def is_keyed_jagged_tensor(x):
-    """Whether ``x`` is a TorchRec ``KeyedJaggedTensor`` (never imports TorchRec: an
-    object can only be one when TorchRec is already loaded)."""
-    module = sys.modules.get("torchrec.sparse.jagged_tensor")
-    return module is not None and isinstance(x, module.KeyedJaggedTensor)
-
-
-def _kjt_tensors(kjt):
-    """``({key: (values, offsets)}, {key: weights} or None)`` tensors of ``kjt``:
-    ``values``/``weights`` are slices of ``kjt.values()``/``kjt.weights()`` (views),
-    ``offsets`` the key's ``B_k + 1`` bag offsets rebased to 0 (dtype of ``kjt.offsets()``)."""
-    if not is_keyed_jagged_tensor(kjt):
-        raise TypeError(f"expected a torchrec KeyedJaggedTensor, got {type(kjt).__name__}")
-    keys = list(kjt.keys())
-    values, offsets, weights = kjt.values(), kjt.offsets(), kjt.weights_or_none()
-    strides = kjt.stride_per_key() if kjt.variable_stride_per_key() else [kjt.stride()] * len(keys)
-    per_key = kjt.offset_per_key()
-    features, psw, first = {}, ({} if weights is not None else None), 0
-    for k, key in enumerate(keys):
-        lo, hi, batch = int(per_key[k]), int(per_key[k + 1]), int(strides[k])
-        bags = offsets[first:first + batch + 1]
-        features[key] = (values[lo:hi], bags - lo if lo else bags)
-        if weights is not None:
-            psw[key] = weights[lo:hi]
-        first += batch
-    return features, psw
-
-
-def _kjt_weights(weights, per_sample_weights):
-    """The per-sample weights of a call given a KJT: its own, or the caller's; not both."""
-    if weights is None:
-        return per_sample_weights
-    if per_sample_weights:
-        raise ValueError("the KeyedJaggedTensor has weights: per_sample_weights must be None")
-    return weights
-
-
 def features_from_kjt(kjt, per_sample_weights=None):
     """The features of TorchRec ``KeyedJaggedTensor`` ``kjt`` as the kernels take them:
     ``({key: hbk.Ragged(values, offsets)}, {key: weights} or None)`` of NumPy (CPU)
@@ -589,12 +545,7 @@ def features_from_kjt(kjt, per_sample_weights=None):
     variable-stride KJT); ids and weights share the KJT's memory (slices of
     ``kjt.values()``), offsets are rebased to start at 0 (int32 or int64, as the
     KJT's). A key without ids gives ``B_k`` empty bags."""
-    from ..types import Ragged
-
-    tensors, weights = _kjt_tensors(kjt)
-    features = {key: Ragged(kernel_array(v), kernel_array(o)) for key, (v, o) in tensors.items()}
-    psw = None if weights is None else {key: kernel_array(w) for key, w in weights.items()}
-    return features, _kjt_weights(psw, per_sample_weights)
+    return _kjt.features_from_kjt(kjt, per_sample_weights, to_array=kernel_array)
 
 
 # -- EmbeddingCollection as an nn.Module ------------------------------------------------------------
@@ -636,14 +587,13 @@ class _CollectionStep(torch.autograd.Function):
         return None, None, None, None, None
 
 
-def _write_shard_rows(target, shard, whole):
+def _write_shard_rows(block, shard, whole):
     """Write ``shard``'s rows (and columns, for 2-D arrays) of the whole-table tensor
-    ``whole`` into its block of this rank's fused array ``target`` (NumPy or CuPy)."""
+    ``whole`` into ``block``, the shard's rows of this rank's array (NumPy or CuPy)."""
     rows = whole.detach()[shard.row_start:shard.row_start + shard.row_step * shard.num_rows:
                           shard.row_step]
     if rows.dim() == 2:
         rows = rows[:, shard.c0:shard.c1]
-    block = target[shard.base:shard.base + shard.num_rows]
     device = "cpu" if isinstance(block, np.ndarray) else f"cuda:{block.device.id}"
     block[...] = kernel_array(rows.to(device=device, dtype=_torch_dtype(block.dtype)))
 
@@ -699,7 +649,7 @@ class EmbeddingCollectionModule(torch.nn.Module):
 
     def __init__(self, collection):
         super().__init__()
-        from ..embedding_collection import EmbeddingCollection
+        from ..sharding.collection import EmbeddingCollection
 
         if not isinstance(collection, EmbeddingCollection):
             raise TypeError(f"collection must be a hbk.EmbeddingCollection, got {type(collection).__name__}")
@@ -714,8 +664,8 @@ class EmbeddingCollectionModule(torch.nn.Module):
         from ..types import Ragged
 
         if is_keyed_jagged_tensor(features):
-            features, weights = _kjt_tensors(features)
-            per_sample_weights = _kjt_weights(weights, per_sample_weights)
+            features, weights = kjt_tensors(features)
+            per_sample_weights = kjt_weights(weights, per_sample_weights)
         if not isinstance(features, dict):
             raise TypeError(f"features must be a dict name -> (values, offsets) or ids, or a "
                             f"torchrec KeyedJaggedTensor, got {type(features).__name__}")
@@ -805,15 +755,14 @@ class EmbeddingCollectionModule(torch.nn.Module):
             for shard in coll.local_shards():
                 if shard.table != name:
                     continue
-                fused = coll.groups[shard.group]
+                arrays = coll.shard_arrays(shard)
                 for item, value in items.items():
                     if item == "step":
                         steps[shard.group] = max(steps.get(shard.group, 0), int(value))
                         continue
-                    target = fused["weights"] if item == "weight" else fused["state"][item]
-                    _write_shard_rows(target, shard, value)
+                    _write_shard_rows(arrays["weights" if item == "weight" else item], shard, value)
         for group, step in steps.items():
-            coll.groups[group]["state"]["step"][0] = step
+            coll.arrays[group].state["step"][0] = step
 
     def extra_repr(self):
         return f"tables={sorted(self.collection.tables)}, device={self.collection.device}"

@@ -48,10 +48,11 @@ from .common import (  # noqa: E402
     HBK, RESULTS_DIR, Timing, append_csv, cpu_name, gpu_name, optional_module, parser, slug, to_host,
     zipf_ids,
 )
-from hbkernels.embedding_collection import initial_weights  # noqa: E402
+from hbkernels.sharding import initial_weights  # noqa: E402
+from hbkernels.types import PLACEMENTS  # noqa: E402
 
 OP = "embedding_collection"
-PLANS = ("data_parallel", "table_wise", "row_wise", "column_wise", "auto")
+PLANS = PLACEMENTS + ("auto",)
 WIRE_PLANS = ("row_wise", "auto")
 WIRE_VARIANTS = ((True, None), (False, None), (True, "float16"), (False, "float16"))  # (dedup, wire dtype)
 STATS = ("ids_bytes", "rows_bytes", "grads_bytes", "replica_grads_bytes")  # coll.stats, bytes per step

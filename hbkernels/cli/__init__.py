@@ -19,15 +19,7 @@ import argparse
 import os
 import sys
 
-from ..errors import BoundsError, CheckpointError, DataError, MissingDependencyError
-
-
-class CLIError(Exception):
-    """An error the user can fix; printed as one line, exit status 1."""
-
-
-#: exceptions shown as one line (anything else is a bug: full traceback)
-USER_ERRORS = (CLIError, OSError, BoundsError, CheckpointError, DataError, MissingDependencyError)
+from ._errors import USER_ERRORS, CLIError, error_line  # noqa: F401 - their public home
 
 
 def build_parser():
@@ -44,15 +36,6 @@ def build_parser():
     data = commands.add_parser("data", help="convert CTR datasets to Parquet, write synthetic data")
     add_data_commands(data.add_subparsers(dest="data_command", required=True, metavar="command"))
     return parser
-
-
-def error_line(exc):
-    """One line for a user error: the message (with the exception's type where that helps)."""
-    if isinstance(exc, (CLIError, DataError, MissingDependencyError)):
-        return str(exc).splitlines()[0]
-    if isinstance(exc, OSError) and exc.filename is not None:
-        return f"{exc.strerror or type(exc).__name__}: {exc.filename}"
-    return f"{type(exc).__name__}: {exc}".splitlines()[0]
 
 
 def launcher_rank():

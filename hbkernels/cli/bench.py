@@ -30,9 +30,9 @@ import platform
 import sys
 from pathlib import Path
 
-from . import CLIError
+from ._errors import CLIError
 from ._help import HelpFormatter, plain
-from ..checkpoint import write_json_atomic
+from .._files import write_json_atomic
 from .progress import Progress
 
 DEFAULT_OUT = "hbkernels-bench"

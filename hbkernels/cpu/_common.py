@@ -22,6 +22,7 @@ from numba import config, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
+from .. import _bits
 from .._numba_cache import cached_njit as numba_cached_njit
 from .._validate import accumulator_dtype, is_bfloat16  # noqa: F401 (accumulator_dtype: for the kernels)
 from ..memory import CACHE_LINE_BYTES
@@ -174,16 +175,14 @@ def _widen(value):
     return None
 
 
+fmix32 = njit(inline="always")(_bits.fmix32)
+bfloat16_bits = njit(inline="always")(_bits.bfloat16_bits)
+
+
 @njit(inline="always")
 def float_to_bfloat16_bits(x):
-    """float32 to bf16 bits (int16), rounded to nearest even; NaN becomes the quiet
-    NaN 0x7FC0 with x's sign (as ml_dtypes does)."""
-    bits = float32_bits(np.float32(x))
-    if bits & np.uint32(0x7FFFFFFF) > np.uint32(0x7F800000):
-        out = ((bits >> 16) & np.uint32(0x8000)) | np.uint32(0x7FC0)
-    else:
-        out = (bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16
-    return np.int16(np.uint16(out))
+    """float32 to bf16 bits (int16) by :func:`hbkernels._bits.bfloat16_bits`."""
+    return np.int16(np.uint16(bfloat16_bits(float32_bits(np.float32(x)))))
 
 
 def narrow_to(value, array):

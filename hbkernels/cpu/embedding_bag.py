@@ -23,6 +23,7 @@ import math
 import numpy as np
 from numba import prange
 
+from .._modes import Bounds, Combiner
 from ._common import (
     accumulator_dtype,
     add_row,
@@ -77,16 +78,16 @@ def pool_kernel(dim, weighted, check_ids, identity):
                     add_row(acc, table, row, w, dim)
                 else:
                     add_row(acc, table, row, None, dim)
-            if combiner == 0:
+            if combiner == Combiner.SUM:
                 for d in range(dim):
                     out[b, d] = narrow_to(acc[d], out)
                 continue
             if not weighted:
                 w_sum = w_sq = num_good
             scale = 0.0
-            if combiner == 1 and w_sum != 0.0:
+            if combiner == Combiner.MEAN and w_sum != 0.0:
                 scale = 1.0 / w_sum
-            elif combiner == 2 and w_sq != 0.0:
+            elif combiner == Combiner.SQRTN and w_sq != 0.0:
                 scale = 1.0 / math.sqrt(w_sq)
             for d in range(dim):
                 out[b, d] = narrow_to(acc[d] * scale, out)
@@ -119,8 +120,8 @@ def pool(table, values, offsets, weights, combiner, check_ids, identity):
 
 
 def embedding_bag(family, weights, values, offsets, per_sample_weights, combiner, bounds):
-    bad_offset = first_bad_offset(offsets, values.shape[0]) if bounds != 2 else -1
+    bad_offset = first_bad_offset(offsets, values.shape[0]) if bounds != Bounds.UNCHECKED else -1
     if bad_offset != -1:
         return None, bad_offset, -1
-    out, bad_id = pool(weights, values, offsets, per_sample_weights, combiner, bounds != 2, False)
-    return out, -1, (bad_id if bounds == 0 else -1)
+    out, bad_id = pool(weights, values, offsets, per_sample_weights, combiner, bounds != Bounds.UNCHECKED, False)
+    return out, -1, (bad_id if bounds == Bounds.RAISE else -1)

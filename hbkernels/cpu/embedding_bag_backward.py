@@ -24,6 +24,7 @@ import numba
 import numpy as np
 from numba import prange
 
+from .._modes import Bounds, Combiner
 from ._common import (accumulator_dtype, add_row, cached_njit, first_bad_offset, first_out_of_range,
                       kernel_table, narrow)
 from .unique import hash_unique
@@ -67,7 +68,7 @@ def _place(values, offsets, weights, weighted, combiner, num_rows, skip_bad, uni
     for b in range(offsets.shape[0] - 1):
         lo, hi = offsets[b], offsets[b + 1]
         scale = 1.0
-        if combiner != 0:
+        if combiner != Combiner.SUM:
             w_sum = 0.0
             w_sq = 0.0
             for j in range(lo, hi):
@@ -76,7 +77,7 @@ def _place(values, offsets, weights, weighted, combiner, num_rows, skip_bad, uni
                 w = weights[j] if weighted else 1.0
                 w_sum += w
                 w_sq += w * w
-            if combiner == 1:
+            if combiner == Combiner.MEAN:
                 scale = 1.0 / w_sum if w_sum != 0.0 else 0.0
             else:
                 scale = 1.0 / math.sqrt(w_sq) if w_sq != 0.0 else 0.0
@@ -137,12 +138,12 @@ def accumulate_kernel(dim):
 
 def first_errors(values, offsets, num_rows, bounds):
     """``(bad_offset, bad_id)`` as the forward: offsets under raise/zero, ids under raise."""
-    if bounds == 2:
+    if bounds == Bounds.UNCHECKED:
         return -1, -1
     bad_offset = first_bad_offset(offsets, values.shape[0])
     if bad_offset != -1:
         return bad_offset, -1
-    if bounds == 0:
+    if bounds == Bounds.RAISE:
         return -1, first_out_of_range(values, num_rows)
     return -1, -1
 
@@ -169,7 +170,7 @@ def _sparse_grad(grad_out, values, offsets, num_rows, per_sample_weights, combin
     if values.shape[0] == 0 or offsets.shape[0] < 2:
         return np.zeros(0, values.dtype), np.zeros((0, dim), grad_out.dtype)
     ids, starts, occ_bag, occ_coef = group_occurrences(
-        values, offsets, per_sample_weights, combiner, num_rows, bounds != 2, acc_dtype)
+        values, offsets, per_sample_weights, combiner, num_rows, bounds != Bounds.UNCHECKED, acc_dtype)
     rows = np.empty((ids.shape[0], dim), acc_dtype)
     if ids.shape[0]:
         kernel_grad = kernel_table(np.ascontiguousarray(grad_out))

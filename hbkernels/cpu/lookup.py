@@ -2,6 +2,7 @@
 import numpy as np
 from numba import prange
 
+from .._modes import Bounds
 from ._common import cached_njit, first_out_of_range
 
 
@@ -17,13 +18,13 @@ def gather_rows(table, ids, zero_bad, out):
 
 
 def lookup(family, weights, ids, bounds):
-    if bounds == 0:
+    if bounds == Bounds.RAISE:
         bad = first_out_of_range(ids, weights.shape[0])
         if bad != -1:
             return None, bad
     out = np.empty((ids.shape[0], weights.shape[1]), weights.dtype)
     if weights.dtype.itemsize == 2:  # fp16/bf16 copied as bits: Numba has no CPU float16
-        gather_rows(weights.view(np.uint16), ids, bounds == 1, out.view(np.uint16))
+        gather_rows(weights.view(np.uint16), ids, bounds == Bounds.ZERO, out.view(np.uint16))
     else:
-        gather_rows(weights, ids, bounds == 1, out)
+        gather_rows(weights, ids, bounds == Bounds.ZERO, out)
     return out, -1

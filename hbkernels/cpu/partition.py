@@ -1,6 +1,7 @@
 """Stable partition of ids by owning shard on the CPU: a counting sort over shards."""
 import numpy as np
 
+from .._modes import PartitionMode, shard_block
 from ._common import cached_njit, first_out_of_range
 
 
@@ -10,7 +11,7 @@ def counting_sort_by_shard(ids, num_shards, mode, block):
     shard = np.empty(n, np.int64)
     counts = np.zeros(num_shards, np.int64)
     for i in range(n):
-        s = ids[i] % num_shards if mode == 0 else ids[i] // block
+        s = ids[i] % num_shards if mode == PartitionMode.MOD else ids[i] // block
         shard[i] = s
         counts[s] += 1
     start = np.empty(num_shards, np.int64)
@@ -26,11 +27,6 @@ def counting_sort_by_shard(ids, num_shards, mode, block):
         parted[k] = ids[i]
         order[k] = i
     return parted, counts, order
-
-
-def shard_block(mode, num_rows, num_shards):
-    """Rows per shard in ``div`` mode (ceil(num_rows / num_shards), at least 1)."""
-    return max(1, -(-num_rows // num_shards)) if mode == 1 else 1
 
 
 def partition(family, ids, num_shards, mode, num_rows):

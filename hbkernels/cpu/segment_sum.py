@@ -12,6 +12,7 @@ import numba
 import numpy as np
 from numba import prange
 
+from .._modes import Bounds
 from ._common import accumulator_dtype, add_row, cached_njit, first_out_of_range, kernel_table, narrow
 
 
@@ -35,12 +36,12 @@ def scatter_add_kernel(dim, skip_bad):
 
 
 def segment_sum(family, data, segment_ids, num_segments, bounds):
-    if bounds == 0:
+    if bounds == Bounds.RAISE:
         bad = first_out_of_range(segment_ids, num_segments)
         if bad != -1:
             return None, bad
     kernel_data = kernel_table(data)
     acc = np.zeros((num_segments, data.shape[1]), accumulator_dtype(data.dtype))
     owners = max(1, min(numba.get_num_threads(), num_segments))
-    scatter_add_kernel(data.shape[1], bounds == 1)(kernel_data, segment_ids, owners, acc)
+    scatter_add_kernel(data.shape[1], bounds == Bounds.ZERO)(kernel_data, segment_ids, owners, acc)
     return narrow(acc, data.dtype), -1

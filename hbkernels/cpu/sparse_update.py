@@ -31,11 +31,13 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
+from .._modes import Bounds
 from .. import _rules as rules
 from .._validate import is_bfloat16
-from ._common import (accumulator_dtype, add_row, cached_njit, first_bad_offset, kernel_table,
+from ._common import (accumulator_dtype, add_row, cached_njit, fmix32, kernel_table,
                       narrow, prefetch_row, widen)
 from ._common import first_out_of_range as _first_out_of_range
+from .ragged import check_ragged
 from .embedding_bag_backward import FASTMATH, balanced_chunks, group_occurrences
 
 # kernel parameter vector: the front end's hyper-parameters, then derived constants
@@ -44,8 +46,7 @@ INV_DIM, TWO_L2, NEG_POWER, SQRT_POWER, ZERO, ONE_M_B1, ONE_M_B2 = range(
 NUM_PARAMS = rules.NUM_HYPER + 7
 
 _MASK32 = np.uint64(0xFFFFFFFF)
-_S13, _S16, _S32 = np.uint64(13), np.uint64(16), np.uint64(32)
-_C1, _C2 = np.uint64(0x85EBCA6B), np.uint64(0xC2B2AE35)
+_S32 = np.uint64(32)
 _TWO_POW_M32 = 2.0 ** -32
 # stochastic rounding targets (the kernels' ``stochastic`` code):
 # (smallest normal exponent, stored significand bits, largest finite value)
@@ -88,17 +89,6 @@ def first_nonfinite_row(family, a):
     return int(_first_nonfinite_row(table, num_chunks))
 
 
-def check_ragged(family, values, offsets, num_rows, bounds):
-    if bounds == 2:
-        return -1, -1
-    bad_offset = first_bad_offset(offsets, values.shape[0])
-    if bad_offset != -1:
-        return int(bad_offset), -1
-    if bounds == 0:
-        return -1, int(_first_out_of_range(values, num_rows))
-    return -1, -1
-
-
 def fused_checks(family, grad_out, per_sample_weights, values, offsets, num_rows, bounds,
                  finite):
     """``(first non-finite row of grad_out, of per_sample_weights, first bad offset,
@@ -129,21 +119,11 @@ def fsqrt(typingctx, x):
 
 # -- stochastic rounding to fp16 and bf16 -------------------------------------------
 @njit(inline="always")
-def _fmix32(h):
-    h ^= h >> _S16
-    h = (h * _C1) & _MASK32
-    h ^= h >> _S13
-    h = (h * _C2) & _MASK32
-    h ^= h >> _S16
-    return h
-
-
-@njit(inline="always")
 def uniform(key, row, d):
     """u in [0, 1) from (key, row, column): identical on CPU and GPU."""
     r = np.uint64(row)
-    h = _fmix32(_fmix32((key & _MASK32) ^ (r & _MASK32)) ^ (r >> _S32) ^ (key >> _S32))
-    return np.float64(_fmix32(h ^ np.uint64(d))) * _TWO_POW_M32
+    h = fmix32(fmix32((key & _MASK32) ^ (r & _MASK32)) ^ (r >> _S32) ^ (key >> _S32))
+    return np.float64(fmix32(h ^ np.uint64(d))) * _TWO_POW_M32
 
 
 @cached_njit()
@@ -410,7 +390,7 @@ def _fused_update(family, rule, weights, state1, state2, hp, grad_out, values, o
         return
     acc = accumulator_dtype(weights.dtype)
     ids, starts, occ_bag, occ_coef = group_occurrences(
-        values, offsets, psw, combiner, weights.shape[0], bounds != 2, acc)
+        values, offsets, psw, combiner, weights.shape[0], bounds != Bounds.UNCHECKED, acc)
     if ids.shape[0] == 0:
         return
     target = _Target(weights, state1, state2, ids.shape[0], stochastic)

@@ -17,22 +17,12 @@
 On a GPU, CuPy is required (``pip install "hbkernels[cuda12]"`` or ``[cuda13]``);
 Numba device arrays are still accepted and returned, viewed by CuPy without a copy.
 """
-import importlib
 
 import numpy as np
 
-from .._dispatch import simulator_enabled
-from ..errors import MissingDependencyError
+from .._machine import cupy as _cupy, simulator_enabled
 
 HOST_SYNCS = [0]  # host synchronisations by to_host since import
-
-
-def _cupy():
-    try:
-        return importlib.import_module("cupy")
-    except ImportError as error:
-        raise MissingDependencyError("the CUDA kernels need CuPy on a GPU: pip install "
-                          "'hbkernels[cuda12]' or 'hbkernels[cuda13]'") from error
 
 
 def xp():

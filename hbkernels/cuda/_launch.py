@@ -13,7 +13,8 @@ import numpy as np
 from numba import cuda
 from numba.cuda import libdevice
 
-from .._dispatch import simulator_enabled
+from .. import _bits
+from .._machine import simulator_enabled
 from .._validate import accumulator_dtype, is_bfloat16
 from . import _device
 
@@ -119,16 +120,14 @@ def bfloat16_to_float32(bits):
     return float32_from_bits(np.uint32(np.uint16(bits)) << np.uint32(16))
 
 
+fmix32 = cuda.jit(device=True, inline=True)(_bits.fmix32)
+bfloat16_bits = cuda.jit(device=True, inline=True)(_bits.bfloat16_bits)
+
+
 @cuda.jit(device=True, inline=True)
 def float32_to_bfloat16(x):
-    """float32 to bf16 bits (int16), rounded to nearest even; NaN becomes the quiet
-    NaN 0x7FC0 with x's sign (as ml_dtypes and the CPU backend do)."""
-    bits = float32_bits(x)
-    if bits & np.uint32(0x7FFFFFFF) > np.uint32(0x7F800000):
-        out = ((bits >> np.uint32(16)) & np.uint32(0x8000)) | np.uint32(0x7FC0)
-    else:
-        out = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-    return np.int16(np.uint16(out))
+    """float32 to bf16 bits (int16) by :func:`hbkernels._bits.bfloat16_bits`."""
+    return np.int16(np.uint16(bfloat16_bits(float32_bits(x))))
 
 
 @cuda.jit(device=True, inline=True)

@@ -18,7 +18,7 @@ host. Under Numba's simulator they are element accesses.
 import numpy as np
 from numba import types
 
-from .._dispatch import simulator_enabled
+from .._machine import simulator_enabled
 from .._validate import accumulator_dtype, is_bfloat16
 from ._launch import group_size, load_as_float
 

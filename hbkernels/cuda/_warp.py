@@ -17,7 +17,7 @@ import weakref
 import numpy as np
 from numba import cuda
 
-from .._dispatch import simulator_enabled
+from .._machine import simulator_enabled
 
 FULL_MASK = np.uint32(0xFFFFFFFF)
 

@@ -34,6 +34,7 @@ import math
 import numpy as np
 from numba import cuda
 
+from .._modes import Bounds, Combiner
 from . import _device, _vector
 from ._launch import (
     WIDEN,
@@ -220,15 +221,15 @@ def pool_kernel(table_dtype, weights_dtype, width, group, chunks_per_lane, ident
                             acc_b = _vector.fma_where(ok1, acc_b, v1, e1b)
                             acc_b = _vector.fma_where(ok2, acc_b, v2, e2b)
                             acc_b = _vector.fma_where(ok3, acc_b, v3, e3b)
-                        if combiner != 0:  # the denominators, in position order
+                        if combiner != Combiner.SUM:  # the denominators, in position order
                             w_sum, w_sq = add_weight(ok0, v0, w_sum, w_sq)
                             w_sum, w_sq = add_weight(ok1, v1, w_sum, w_sq)
                             w_sum, w_sq = add_weight(ok2, v2, w_sum, w_sq)
                             w_sum, w_sq = add_weight(ok3, v3, w_sum, w_sq)
                 scale = widen(1)
-                if combiner == 1:
+                if combiner == Combiner.MEAN:
                     scale = widen(1) / w_sum if w_sum != 0 else widen(0)
-                elif combiner == 2:
+                elif combiner == Combiner.SQRTN:
                     scale = widen(1) / math.sqrt(w_sq) if w_sq != 0 else widen(0)
                 if ca < vectors:
                     for k in range(width):
@@ -279,15 +280,15 @@ def pool(family, table, values, offsets, n_values, weights, combiner, identity, 
 
 def embedding_bag(family, weights, values, offsets, per_sample_weights, combiner, bounds):
     n_values = values.shape[0]
-    check = bounds != 2
+    check = bounds != Bounds.UNCHECKED
     if offsets.shape[0] == 1:
         bad_offset = empty_batch_bad_offset(family, offsets, n_values) if check else -1
         return family.empty((0, weights.shape[1]), weights.dtype), bad_offset, -1
     out, stream, slots = pool(
         family, weights, values, offsets, n_values, per_sample_weights, combiner, False,
-        check, bounds == 0,
+        check, bounds == Bounds.RAISE,
     )
     if slots is None:
         return out, -1, -1
     bad_offset, bad_id = read_error_slots(slots)
-    return out, bad_offset, (bad_id if bounds == 0 else -1)
+    return out, bad_offset, (bad_id if bounds == Bounds.RAISE else -1)

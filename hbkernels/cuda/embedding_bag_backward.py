@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda
 
+from .._modes import Bounds, Combiner
 from . import _device, _segments
 from ._launch import (
     UNROLL,
@@ -133,9 +134,9 @@ def prepare_kernel(acc_dtype, weights_dtype, scaled):
                 elif record_ids:
                     cuda.atomic.min(slots, 1, j)
             scale = 1.0
-            if combiner == 1:
+            if combiner == Combiner.MEAN:
                 scale = 1.0 / w_sum if w_sum != 0.0 else 0.0
-            elif combiner == 2:
+            elif combiner == Combiner.SQRTN:
                 scale = 1.0 / math.sqrt(w_sq) if w_sq != 0.0 else 0.0
             for j in range(start, end):
                 row = values[j]
@@ -173,7 +174,7 @@ def prepare(family, values, offsets, weights, combiner, num_rows, acc_dtype, che
     else:
         keys = _device.full(n, -1, key_dtype(num_rows))
         bag_of = _device.full(n, -1, _segments.index_dtype(num_bags))
-    scaled = weights is not None or combiner != 0
+    scaled = weights is not None or combiner != Combiner.SUM
     coef = _device.scratch(n if scaled else 0, acc_dtype)
     if slots is None:
         slots = error_slots(2) if check_offsets or record_ids else no_error_slots()
@@ -467,7 +468,7 @@ def embedding_bag_backward(family, grad_out, values, offsets, num_rows, per_samp
     n = values.shape[0]
     num_bags = offsets.shape[0] - 1
     dim = grad_out.shape[1]
-    check = bounds != 2
+    check = bounds != Bounds.UNCHECKED
     xp = _device.xp()
 
     def empty():
@@ -488,8 +489,8 @@ def embedding_bag_backward(family, grad_out, values, offsets, num_rows, per_samp
     if padded:  # every distinct key (-1 for out-of-range ids), then -1: no count read back
         if check:
             bad_offset, bad_id = read_error_slots(_device.kernel(slots))
-            if bad_offset != -1 or (bounds == 0 and bad_id != -1):
-                return (*empty(), bad_offset, bad_id if bounds == 0 else -1)
+            if bad_offset != -1 or (bounds == Bounds.RAISE and bad_id != -1):
+                return (*empty(), bad_offset, bad_id if bounds == Bounds.RAISE else -1)
         skip, num_ids = 0, n
         ids = grouping.ids.astype(values.dtype)
         ids[xp.arange(n) >= grouping.count] = -1
@@ -497,8 +498,8 @@ def embedding_bag_backward(family, grad_out, values, offsets, num_rows, per_samp
         info = _device.to_host(xp.concatenate([
             slots.astype(np.int64), grouping.count, grouping.ids[:1].astype(np.int64)]))
         bad_offset, bad_id = error_positions(info[:2]) if check else (-1, -1)
-        if bad_offset != -1 or (bounds == 0 and bad_id != -1):
-            return (*empty(), bad_offset, bad_id if bounds == 0 else -1)
+        if bad_offset != -1 or (bounds == Bounds.RAISE and bad_id != -1):
+            return (*empty(), bad_offset, bad_id if bounds == Bounds.RAISE else -1)
         skip = 1 if info[-1] < 0 else 0
         num_ids = int(info[-2]) - skip
         if num_ids == 0:

@@ -14,6 +14,7 @@ not stored, so nothing is read out of range in any mode. Under ``bounds="raise"`
 import numpy as np
 from numba import cuda
 
+from .._modes import Bounds
 from . import _vector
 from ._launch import (
     blocks_for,
@@ -113,7 +114,7 @@ def as_bits(a):
 def lookup(family, weights, ids, bounds):
     dim = weights.shape[1]
     n = ids.shape[0]
-    record = bounds == 0
+    record = bounds == Bounds.RAISE
     if weights.shape[0] == 0:  # every id is bad: zero rows, the first bad position is 0
         return family.zeros((n, dim), weights.dtype), (0 if record and n else -1)
     out = family.empty((n, dim), weights.dtype)

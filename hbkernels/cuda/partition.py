@@ -11,7 +11,7 @@ once, at the end.
 import numpy as np
 from numba import cuda
 
-from ..cpu.partition import shard_block
+from .._modes import PartitionMode, shard_block
 from . import _device
 from ._launch import blocks_for, error_slots, read_error_slots, threads_per_block
 from ._segments import stable_argsort
@@ -26,7 +26,7 @@ def _shard_of(ids, num_shards, mode, block, limit, shard, err):
         if v < 0 or (limit >= 0 and v >= limit):
             cuda.atomic.min(err, 0, i)
             shard[i] = 0
-        elif mode == 0:
+        elif mode == PartitionMode.MOD:
             shard[i] = v % num_shards
         else:
             s = v // block

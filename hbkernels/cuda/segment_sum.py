@@ -11,6 +11,7 @@ lane 0 also records the first bad position in an error slot, read back once.
 
 from numba import cuda
 
+from .._modes import Bounds
 from ._launch import (
     accumulator_dtype,
     blocks_for,
@@ -71,7 +72,7 @@ def segment_sum(family, data, segment_ids, num_segments, bounds):
     if n == 0:
         return (acc if acc_dtype == data.dtype else family.zeros(acc.shape, data.dtype)), -1
     stream = family.stream()
-    record = bounds == 0
+    record = bounds == Bounds.RAISE
     slots = error_slots(1) if record else no_error_slots()
     group = group_size(dim)
     tpb = threads_per_block()

@@ -29,6 +29,7 @@ import math
 import numpy as np
 from numba import cuda, from_dtype, int32, int64, uint64
 
+from .._modes import Bounds
 from .. import _rules as rules
 from . import _device
 from ._launch import (
@@ -40,6 +41,7 @@ from ._launch import (
     columns_per_lane,
     dtype_key,
     error_slots,
+    fmix32,
     group_size,
     jit_kernel,
     kernel_factory,
@@ -49,7 +51,7 @@ from ._launch import (
     threads_per_block,
 )
 from ._warp import group_mask, shfl_xor
-from .embedding_bag import check_bag_offsets, empty_batch_bad_offset
+from .embedding_bag import empty_batch_bad_offset
 from .embedding_bag_backward import (
     make_accumulate,
     occurrences,
@@ -57,7 +59,6 @@ from .embedding_bag_backward import (
     run_sum_range,
     sum_partials,
 )
-from .unique import _fmix32
 
 _M32 = np.uint64(0xFFFFFFFF)
 _S32 = np.uint64(32)
@@ -147,34 +148,6 @@ def first_nonfinite_row(family, a):
     return read_error_slots(slots)[0]
 
 
-@cuda.jit
-def _ragged_kernel(values, offsets, n_values, num_rows, record_ids, slots):
-    num_bags = offsets.shape[0] - 1
-    for i in range(cuda.grid(1), max(num_bags, n_values), cuda.gridsize(1)):
-        if i < num_bags:
-            check_bag_offsets(slots, i, offsets[i], offsets[i + 1], num_bags, n_values)
-        if record_ids and i < n_values:
-            v = values[i]
-            if v < 0 or v >= num_rows:
-                cuda.atomic.min(slots, 1, i)
-
-
-def check_ragged(family, values, offsets, num_rows, bounds):
-    """``(first bad offset, first bad id)`` of CSR input, as the forward reports them.
-    bounds 0: offsets and ids; 1: offsets only; 2: nothing (no launch, no sync)."""
-    num_bags = offsets.shape[0] - 1
-    n = values.shape[0]
-    if bounds == 2:
-        return -1, -1
-    if num_bags == 0:
-        return empty_batch_bad_offset(family, offsets, n), -1
-    slots = error_slots(2)
-    tpb = threads_per_block()
-    _ragged_kernel[blocks_for(max(num_bags, n), tpb), tpb, family.stream()](
-        family.kernel_array(values), family.kernel_array(offsets), n, num_rows, bounds == 0,
-        slots)
-    bad_offset, bad_id = read_error_slots(slots)
-    return bad_offset, (bad_id if bounds == 0 else -1)
 
 
 # ---------------------------------------------------------------------------
@@ -220,9 +193,9 @@ def _make_rule(widen):
 def _uniform(key_lo, key_hi, row, col):
     """u in [0, 1) from fmix32(fmix32(fmix32(key_lo ^ row_lo) ^ row_hi ^ key_hi) ^ col) / 2^32."""
     r = uint64(row)
-    h = _fmix32(key_lo ^ (r & _M32))
-    h = _fmix32(h ^ (r >> _S32) ^ key_hi)
-    h = _fmix32(h ^ uint64(col))
+    h = fmix32(key_lo ^ (r & _M32))
+    h = fmix32(h ^ (r >> _S32) ^ key_hi)
+    h = fmix32(h ^ uint64(col))
     return np.float64(h) * _TWO_M32
 
 
@@ -497,11 +470,11 @@ def fused_sparse_update(family, rule, weights, state1, state2, hp, grad_out, val
     n = values.shape[0]
     num_bags = offsets.shape[0] - 1
     clean = (-1, -1, -1, -1)
-    if bounds != 2 and num_bags == 0:
+    if bounds != Bounds.UNCHECKED and num_bags == 0:
         bad = empty_batch_bad_offset(family, offsets, n)
         if bad != -1:
             return -1, -1, bad, -1
-    checked = finite or bounds != 2
+    checked = finite or bounds != Bounds.UNCHECKED
     slots = error_slots(4) if checked else None
     if finite:
         _record_nonfinite(family, grad_out, slots, 0)
@@ -510,11 +483,11 @@ def fused_sparse_update(family, rule, weights, state1, state2, hp, grad_out, val
     dim = weights.shape[1]
     grad_acc = accumulator_dtype(weights.dtype)  # as the CPU: summed in the table's type
     keys, bag_of, coef, _ = prepare(family, values, offsets, psw, combiner, weights.shape[0],
-                                    grad_acc, bounds != 2, bounds == 0,
+                                    grad_acc, bounds != Bounds.UNCHECKED, bounds == Bounds.RAISE,
                                     slots=None if slots is None else slots[2:])
     if checked:
         bad_grad, bad_psw, bad_offset, bad_id = read_error_slots(slots)
-        bad = (bad_grad, bad_psw, bad_offset, bad_id if bounds == 0 else -1)
+        bad = (bad_grad, bad_psw, bad_offset, bad_id if bounds == Bounds.RAISE else -1)
         if bad != clean:
             return bad
     if n == 0 or num_bags == 0:

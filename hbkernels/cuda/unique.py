@@ -21,29 +21,13 @@ import numpy as np
 from numba import cuda, int64, uint64
 
 from . import _device
-from ._launch import blocks_for, threads_per_block
+from ._launch import blocks_for, fmix32, threads_per_block
 from ._segments import stable_argsort
 
 EMPTY = np.int64(np.iinfo(np.int64).min)
 _M32 = np.uint64(0xFFFFFFFF)
-_S13 = np.uint64(13)
-_S16 = np.uint64(16)
 _S32 = np.uint64(32)
-_C1 = np.uint64(0x85EBCA6B)
-_C2 = np.uint64(0xC2B2AE35)
 _GOLD = np.uint64(0x9E3779B9)
-
-
-@cuda.jit(device=True, inline=True)
-def _fmix32(x):
-    """MurmurHash3's 32-bit finaliser on the low 32 bits of a uint64 (no overflow:
-    every product is of two values < 2^32)."""
-    x ^= x >> _S16
-    x = (x * _C1) & _M32
-    x ^= x >> _S13
-    x = (x * _C2) & _M32
-    x ^= x >> _S16
-    return x
 
 
 @cuda.jit(device=True, inline=True)
@@ -52,8 +36,8 @@ def _hash(key):
     u = uint64(key)
     lo = u & _M32
     hi = u >> _S32
-    h1 = _fmix32(lo ^ _fmix32(hi ^ _GOLD))
-    h2 = _fmix32(hi ^ h1)
+    h1 = fmix32(lo ^ fmix32(hi ^ _GOLD))
+    h2 = fmix32(hi ^ h1)
     return (h2 << _S32) | h1
 
 

@@ -3,7 +3,7 @@ row-group writer and the summary it returns."""
 import os
 from typing import NamedTuple
 
-from ..errors import MissingDependencyError
+from ..errors import DataError, MissingDependencyError
 
 ROW_GROUP_SIZE = 1 << 18
 """Default rows per Parquet row group (about 80 MB of Criteo columns in memory)."""
@@ -84,3 +84,46 @@ class RowGroupWriter:
         """Close and delete the partial file."""
         self._writer.close()
         os.remove(self._partial_path)
+
+
+def parquet_files(paths):
+    """The Parquet files of ``paths`` (files, or directories of ``*.parquet``), in order."""
+    if isinstance(paths, (str, bytes, os.PathLike)):
+        paths = [paths]
+    else:
+        paths = list(paths)
+    if not paths:
+        raise ValueError("ParquetDataset needs at least one path")
+    files = []
+    for p in paths:
+        p = os.fspath(p)
+        if isinstance(p, bytes):
+            p = os.fsdecode(p)
+        if os.path.isdir(p):
+            found = sorted(os.path.join(p, f) for f in os.listdir(p)
+                           if f.endswith(".parquet") and os.path.isfile(os.path.join(p, f)))
+            if not found:
+                raise DataError(f"directory {p} holds no *.parquet files")
+            files.extend(found)
+        elif os.path.exists(p):
+            files.append(p)
+        else:
+            raise FileNotFoundError(f"Parquet file not found: {p}")
+    return files
+
+
+def open_parquet(pq, path):
+    """``pq.ParquetFile(path)``; a file that is not Parquet is a DataError naming it."""
+    try:
+        return pq.ParquetFile(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"Parquet file not found: {path}") from None
+    except Exception as e:  # ArrowInvalid, OSError, ...: a file that is not Parquet
+        raise DataError(f"cannot read Parquet file {path}: {e}") from e
+
+
+def close_parquet(pf):
+    """Close a ParquetFile (where this pyarrow can)."""
+    close = getattr(pf, "close", None)
+    if close is not None:
+        close()

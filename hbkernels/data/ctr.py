@@ -139,14 +139,14 @@ class ParquetClicks:
 
     def __init__(self, paths, batch_size, *, num_rows, label="label", dense=None, sparse=None,
                  rank=0, world_size=1, shuffle_buffer=0, seed=0):
-        from ._io import require_pyarrow
-        from .parquet import ParquetDataset, _close, _expand_paths, _open
+        from ._io import close_parquet, open_parquet, parquet_files, require_pyarrow
+        from .parquet import ParquetDataset
 
         pa, _, pq = require_pyarrow()
-        first = _expand_paths(paths)[0]
-        handle = _open(pq, first)
+        first = parquet_files(paths)[0]
+        handle = open_parquet(pq, first)
         schema = handle.schema_arrow   # the dataset checks that the other files agree
-        _close(handle)
+        close_parquet(handle)
         kinds = {f.name: _kind(pa, f.type) for f in schema}
         listing = ", ".join(f"{f.name} ({f.type})" for f in schema)
         if label not in kinds:

@@ -1,5 +1,4 @@
 """Batches of ragged categorical data from Parquet files (pyarrow, imported on use)."""
-import os
 import queue
 import threading
 from collections import OrderedDict
@@ -9,7 +8,7 @@ import numpy as np
 
 from ..errors import DataError
 from ..types import Ragged
-from ._io import require_pyarrow
+from ._io import close_parquet, open_parquet, parquet_files, require_pyarrow
 
 class _Column(NamedTuple):
     name: str
@@ -55,46 +54,6 @@ def _describe_column(pa, name, t, path):
     leaf = "string" if kind == "string" else dtype
     signature = f"list<{leaf}>" if is_list else leaf
     return _Column(name, is_list, kind, dtype, signature)
-
-
-def _expand_paths(paths):
-    if isinstance(paths, (str, bytes, os.PathLike)):
-        paths = [paths]
-    else:
-        paths = list(paths)
-    if not paths:
-        raise ValueError("ParquetDataset needs at least one path")
-    files = []
-    for p in paths:
-        p = os.fspath(p)
-        if isinstance(p, bytes):
-            p = os.fsdecode(p)
-        if os.path.isdir(p):
-            found = sorted(os.path.join(p, f) for f in os.listdir(p)
-                           if f.endswith(".parquet") and os.path.isfile(os.path.join(p, f)))
-            if not found:
-                raise DataError(f"directory {p} holds no *.parquet files")
-            files.extend(found)
-        elif os.path.exists(p):
-            files.append(p)
-        else:
-            raise FileNotFoundError(f"Parquet file not found: {p}")
-    return files
-
-
-def _open(pq, path):
-    try:
-        return pq.ParquetFile(path)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"Parquet file not found: {path}") from None
-    except Exception as e:  # ArrowInvalid, OSError, ...: a file that is not Parquet
-        raise DataError(f"cannot read Parquet file {path}: {e}") from e
-
-
-def _close(pf):
-    close = getattr(pf, "close", None)
-    if close is not None:
-        close()
 
 
 # -- row chunks: dict column -> 1-D ndarray or Ragged (int64 offsets from 0) --------
@@ -357,10 +316,10 @@ class ParquetDataset:
         self.device = device
         self.epoch = 0
 
-        self.files = tuple(_expand_paths(paths))
+        self.files = tuple(parquet_files(paths))
         schemas, row_groups = [], []
         for path in self.files:
-            pf = _open(pq, path)
+            pf = open_parquet(pq, path)
             try:
                 md = pf.metadata
                 schemas.append(pf.schema_arrow)
@@ -368,7 +327,7 @@ class ParquetDataset:
             except Exception as e:
                 raise DataError(f"cannot read Parquet metadata of {path}: {e}") from e
             finally:
-                _close(pf)
+                close_parquet(pf)
 
         if columns is None:
             columns = list(schemas[0].names)
@@ -511,10 +470,10 @@ class ParquetDataset:
                 path = self.files[p.file]
                 pf = handles.pop(p.file, None)
                 if pf is None:
-                    pf = _open(pq, path)
+                    pf = open_parquet(pq, path)
                 handles[p.file] = pf
                 while len(handles) > 8:
-                    _close(handles.popitem(last=False)[1])
+                    close_parquet(handles.popitem(last=False)[1])
                 table = pf.read_row_group(p.row_group, columns=names)
                 expected = self._row_groups[p.file][p.row_group]
                 if table.num_rows != expected:
@@ -527,7 +486,7 @@ class ParquetDataset:
                 del table
         finally:
             for pf in handles.values():
-                _close(pf)
+                close_parquet(pf)
 
     def _empty(self):
         out = {}

@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .. import _dispatch
+from .. import _dispatch, _machine
 from . import _wire
 
 
@@ -99,27 +99,10 @@ def wait_for(test, deadline):
 
 
 # -- array families -------------------------------------------------------------
-def compute_space(family, x):
-    """``(xp, array)``: an array module we can compute on and ``x`` in it.
-    NumPy stays NumPy, CuPy stays CuPy; Numba device arrays go through the host."""
-    if not family.is_cuda:
-        return np, x
-    if family.name == "cupy":
-        return _dispatch._cupy(), x
-    return np, family.to_numpy(x)
-
-
-def to_family(family, arr):
-    """A compute-space result back in the caller's family."""
-    if family.is_cuda and family.name == "numba" and isinstance(arr, np.ndarray):
-        return family.from_numpy(np.ascontiguousarray(arr))
-    return arr
-
-
 def device_of(call):
     """A context making a CuPy input's GPU current (CuPy kernels run on the current one)."""
     if call.family.is_cuda and call.family.name == "cupy":
-        return _dispatch._cupy().cuda.Device(call.family.device_id)
+        return _machine.cupy().cuda.Device(call.family.device_id)
     return contextlib.nullcontext()
 
 
@@ -191,8 +174,7 @@ def check_array(op, x, *, rows, name="x"):
     if not _is_c_contiguous(x):
         raise ValueError(f"{op}: {name} must be C-contiguous (np.ascontiguousarray / "
                          "cupy.ascontiguousarray it first)")
-    xp, xc = compute_space(family, x)
-    return Call(op=op, family=family, xp=xp, x=xc, dtype=dtype, shape=shape)
+    return Call(op=op, family=family, xp=family.xp, x=family.compute(x), dtype=dtype, shape=shape)
 
 
 def check_counts(op, counts, world_size, rows):

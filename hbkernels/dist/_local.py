@@ -3,7 +3,8 @@ apply the wire dtype (so a 1-rank run sees the same rounding as an N-rank run)
 and return new arrays in the caller's family."""
 import numpy as np
 
-from . import Communicator, _common
+from . import _common
+from ._communicator import Communicator
 
 
 class LocalCommunicator(Communicator):

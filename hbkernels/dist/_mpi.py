@@ -22,7 +22,9 @@ import os
 import numpy as np
 from mpi4py import MPI
 
-from . import CommError, Communicator, _common
+from . import _common
+from ._common import CommError
+from ._communicator import Communicator
 
 _MAX_CACHED_TYPES = 64
 

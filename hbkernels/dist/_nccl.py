@@ -46,8 +46,11 @@ import weakref
 
 import numpy as np
 
-from . import CommError, Communicator, _common, _wire
+from . import _common, _wire
+from ._common import CommError
+from ._communicator import Communicator
 from .. import _dispatch
+from .._machine import cupy as _cupy
 
 _SPIN_S = 0.05
 _NAP_MAX_S = 1e-3
@@ -60,12 +63,6 @@ _NCCL_TYPE_VALUES = {"int8": 0, "uint8": 1, "int32": 2, "uint32": 3, "int64": 4,
 _NCCL_OP_VALUES = {"sum": 0, "prod": 1, "max": 2, "min": 3}
 _UPCAST = {np.dtype(np.int16): np.dtype(np.int32), np.dtype(np.uint16): np.dtype(np.uint32),
            np.dtype(np.bool_): np.dtype(np.uint8)}
-
-
-def _cupy():
-    import cupy
-
-    return cupy
 
 
 def _nccl():
@@ -272,7 +269,7 @@ class NcclCommunicator(Communicator):
         # Numba device arrays ride as zero-copy CuPy views and come back as Numba arrays
         if x is not None and not isinstance(x, np.ndarray):
             try:
-                family, _ = _dispatch._classify(x)
+                family, _ = _dispatch.classify(x)
             except TypeError:
                 family = None
             if family is not None and family.is_cuda and family.name == "numba":

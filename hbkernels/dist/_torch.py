@@ -43,7 +43,9 @@ import numpy as np
 import torch
 import torch.distributed as tdist
 
-from . import CommError, Communicator, _common
+from . import _common
+from ._common import CommError
+from ._communicator import Communicator
 
 _NATIVE_REDUCE = {np.dtype(n): getattr(torch, n)
                   for n in ("int8", "uint8", "int32", "int64", "float32", "float64")}

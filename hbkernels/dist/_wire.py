@@ -12,6 +12,8 @@ Integer and bool data ignore the wire dtype.
 """
 import numpy as np
 
+from .. import _bits
+
 FLOAT16 = "float16"
 BFLOAT16 = "bfloat16"
 _ALIASES = {
@@ -106,12 +108,7 @@ def to_bf16_bits(x, xp=np):
         f = x
     else:
         f = x.astype(np.float32)  # float16 is exact in float32
-    b = xp.ascontiguousarray(f).view(np.uint32)
-    bias = ((b >> np.uint32(16)) & np.uint32(1)) + np.uint32(0x7FFF)
-    rounded = ((b + bias) >> np.uint32(16)).astype(np.uint16)
-    nan = (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
-    quiet = ((b >> np.uint32(16)) | np.uint32(0x0040)).astype(np.uint16)
-    return xp.where(nan, quiet, rounded).astype(np.uint16)
+    return _bits.bfloat16_bits(xp.ascontiguousarray(f).view(np.uint32)).astype(np.uint16)
 
 
 def from_bf16_bits(b, xp=np):

@@ -1,0 +1,300 @@
+"""Checkpoints of an :class:`~hbkernels.EmbeddingCollection`: ``.npy`` arrays plus a
+JSON manifest, no pickle, written atomically, loadable at any world size.
+
+This module knows the layout (:class:`~hbkernels.sharding.layout.Shard`) and the
+optimizers, never the collection's class: :func:`save` reads a collection through
+its public attributes, and :class:`Checkpoint` hands
+:meth:`EmbeddingCollection.load <hbkernels.EmbeddingCollection.load>` the tables,
+the constructor arguments (the optimizer rebuilt through its constructor), the
+saved weights of any shard and the saved optimizer state.
+
+Layout of a checkpoint directory::
+
+    manifest.json              # format, tables, optimizer, plan, files (+ crc32 each)
+    <save id>/<table>.<slice>.<rows>.<array>.npy
+
+Each ``.npy`` holds one shard of one array (``weights`` or an optimizer slot):
+rows ``row_start + row_step * k`` (``k < num_rows``), columns ``[c0, c1)`` of
+the table. A replicated table is written once, by rank 0.
+
+Saving (collective): every rank writes its shards into a fresh ``<save id>``
+directory (each file through a temp name, fsync, rename), the ranks agree,
+then rank 0 writes ``manifest.json`` the same way and only then removes older
+save directories. A crash at any point leaves the previous manifest, and the
+files it names, intact. Loading reads, on every rank, only the rows its new
+shards need (memory-mapped), after checking the crc32 of each file it opens:
+a missing, truncated or corrupt file raises :class:`CheckpointError` naming it.
+"""
+import inspect
+import json
+import os
+import shutil
+import time
+import uuid
+import zlib
+
+import numpy as np
+
+from .. import optim as _optim
+from .._dispatch import classify, host
+from .._files import fsync_dir, write_atomic, write_json_atomic
+from .._version import __version__
+from ..errors import CheckpointError
+from ..types import TableSpec
+from .layout import shard_rows
+
+FORMAT = "hbkernels-embedding-collection"
+VERSION = 1
+MANIFEST = "manifest.json"
+_CHUNK = 1 << 22
+
+
+class _CrcWriter:
+    """A write-only file object that keeps the crc32 of what went through it."""
+
+    def __init__(self, f):
+        self.f, self.crc, self.size = f, 0, 0
+
+    def write(self, data):
+        view = memoryview(data).cast("B")
+        self.crc = zlib.crc32(view, self.crc)
+        self.size += view.nbytes
+        return self.f.write(view)
+
+
+def _save_array(path, array):
+    """``np.save`` (no pickle) atomically; returns (crc32, bytes)."""
+    def write(f):
+        w = _CrcWriter(f)
+        np.save(w, np.ascontiguousarray(array), allow_pickle=False)
+        return w.crc, w.size
+    return write_atomic(path, write)
+
+
+def _bytes_json(comm, obj):
+    """Every rank's ``obj`` (JSON-able), in rank order."""
+    raw = np.frombuffer(json.dumps(obj).encode(), np.uint8)
+    if comm.world_size == 1:
+        return [obj]
+    blob, counts = comm.allgatherv(raw)
+    blob, out, start = np.asarray(blob), [], 0
+    for c in np.asarray(counts).tolist():
+        out.append(json.loads(blob[start:start + c].tobytes().decode()))
+        start += c
+    return out
+
+
+def _optimizer_json(opt):
+    return {"type": type(opt).__name__,
+            "options": {k: list(v) if isinstance(v, tuple) else v for k, v in vars(opt).items()}}
+
+
+def _constructor_options(cls):
+    """The keyword arguments ``cls(...)`` takes (its own and, through ``**options``,
+    those of the classes above it)."""
+    names = set()
+    for klass in cls.__mro__:
+        if "__init__" not in vars(klass):
+            continue
+        params = inspect.signature(vars(klass)["__init__"]).parameters.values()
+        names |= {p.name for p in params if p.name != "self" and p.kind != p.VAR_KEYWORD}
+        if not any(p.kind == p.VAR_KEYWORD for p in params):
+            break
+    return names
+
+
+def _optimizer_from_json(d, where):
+    """The optimizer of manifest entry ``d``, made by its constructor (so its checks run);
+    saved attributes the constructor does not take are derived ones and are dropped."""
+    cls = getattr(_optim, str(d.get("type")), None)
+    if not (isinstance(cls, type) and issubclass(cls, _optim.SparseOptimizer)):
+        raise CheckpointError(f"{where}: unknown optimizer {d.get('type')!r} in the manifest")
+    accepted = _constructor_options(cls)
+    options = {k: tuple(v) if isinstance(v, list) else v for k, v in d["options"].items() if k in accepted}
+    try:
+        return cls(**options)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{where}: bad {cls.__name__} options in the manifest ({e})") from None
+
+
+def save(coll, path):
+    """Write ``coll`` to directory ``path`` (collective; see the module doc)."""
+    comm, me = coll.comm, coll.comm.rank
+    path = os.fspath(path)
+    save_id = np.array([time.time_ns(), int(uuid.uuid4().int & 0x7FFFFFFF)], np.int64)
+    if comm.world_size > 1:
+        save_id = comm.broadcast(save_id, root=0)
+    save_dir = f"save-{int(save_id[0])}-{int(save_id[1]):08x}"
+    error = None
+    files = []
+    steps = {s.table: int(coll.arrays[s.group].state["step"][0]) for s in coll.local_shards()}
+    try:
+        os.makedirs(os.path.join(path, save_dir), exist_ok=True)
+        for shard in coll.local_shards():
+            if coll.plan[shard.table].kind == "data_parallel" and me != 0:
+                continue  # replicas are identical: rank 0 writes the table
+            for name, part in coll.shard_arrays(shard).items():
+                part = host(part)
+                rel = (f"{save_dir}/{shard.table}.{shard.slice}.{shard.row_start}-{shard.row_step}"
+                       f".{name}.npy")
+                crc, size = _save_array(os.path.join(path, rel), part)
+                files.append({"file": rel, "table": shard.table, "array": name,
+                              "slice": shard.slice, "row_start": shard.row_start,
+                              "row_step": shard.row_step, "num_rows": shard.num_rows,
+                              "c0": shard.c0, "c1": shard.c1, "dtype": part.dtype.name,
+                              "shape": list(part.shape), "crc32": crc, "bytes": size})
+        fsync_dir(os.path.join(path, save_dir))
+    except Exception as e:  # noqa: BLE001 - every rank learns of it below
+        error = f"rank {me}: {type(e).__name__}: {e}"
+    everyone = _bytes_json(comm, {"error": error, "files": files, "steps": steps})
+    errors = [r["error"] for r in everyone if r["error"]]
+    if errors:
+        if me == 0:
+            shutil.rmtree(os.path.join(path, save_dir), ignore_errors=True)
+        raise CheckpointError(f"saving {path} failed, the previous checkpoint is kept: "
+                              + "; ".join(errors))
+    if me == 0:
+        steps = {t: s for r in everyone for t, s in r["steps"].items()}
+        manifest = {
+            "format": FORMAT, "version": VERSION, "hbkernels": __version__, "save": save_dir,
+            "world_size": comm.world_size, "seed": coll.seed, "dedup": coll.dedup,
+            "wire_dtype": coll.wire_dtype,
+            "plan_request": coll.plan_request, "plan": coll.plan.to_json(),
+            "batch_size_hint": coll.batch_size_hint,
+            "optimizer": _optimizer_json(coll.optimizer),
+            "tables": [dict(spec._asdict(), features=list(spec.features), step=steps[name])
+                       for name, spec in coll.tables.items()],
+            "files": [f for r in everyone for f in r["files"]],
+        }
+        write_json_atomic(os.path.join(path, MANIFEST), manifest)
+        fsync_dir(path)
+        for entry in os.listdir(path):  # older saves and leftovers of crashed ones
+            if entry.startswith("save-") and entry != save_dir:
+                shutil.rmtree(os.path.join(path, entry), ignore_errors=True)
+    if comm.world_size > 1:
+        comm.barrier()
+
+
+def read_manifest(path):
+    """The manifest of checkpoint ``path`` (dict), checked."""
+    name = os.path.join(os.fspath(path), MANIFEST)
+    try:
+        with open(name, "rb") as f:
+            manifest = json.loads(f.read().decode())
+    except FileNotFoundError:
+        raise CheckpointError(f"{name}: no checkpoint manifest here") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{name}: unreadable manifest ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{name}: not a {FORMAT} manifest")
+    if manifest.get("version") != VERSION:
+        raise CheckpointError(f"{name}: format version {manifest.get('version')!r}, "
+                              f"this hbkernels reads {VERSION}")
+    return manifest
+
+
+class _Reader:
+    """Rows of the saved arrays, from the shard files (checked once, memory-mapped)."""
+
+    def __init__(self, path, manifest):
+        self.path = os.fspath(path)
+        self.files = {}
+        for f in manifest["files"]:
+            self.files.setdefault((f["table"], f["array"]), []).append(f)
+        self._open = {}
+
+    def _array(self, entry):
+        name = os.path.join(self.path, entry["file"])
+        if name in self._open:
+            return self._open[name]
+        crc = 0
+        try:
+            with open(name, "rb") as f:
+                size = 0
+                while chunk := f.read(_CHUNK):
+                    crc = zlib.crc32(chunk, crc)
+                    size += len(chunk)
+        except OSError as e:
+            raise CheckpointError(f"{name}: cannot read checkpoint file ({e.strerror or e})") from None
+        if size != entry["bytes"] or crc != entry["crc32"]:
+            raise CheckpointError(f"{name}: checkpoint file is corrupt (crc32 {crc:08x}, {size} bytes; "
+                                  f"the manifest says {entry['crc32']:08x}, {entry['bytes']} bytes)")
+        try:
+            arr = np.load(name, mmap_mode="r", allow_pickle=False)
+        except ValueError as e:
+            raise CheckpointError(f"{name}: not a valid .npy file ({e})") from None
+        if list(arr.shape) != entry["shape"] or arr.dtype.name != entry["dtype"]:
+            raise CheckpointError(f"{name}: holds {arr.shape} {arr.dtype.name}, the manifest says "
+                                  f"{tuple(entry['shape'])} {entry['dtype']}")
+        self._open[name] = arr
+        return arr
+
+    def rows(self, table, array, rows, c0, c1, out):
+        """Fill ``out`` ([len(rows), c1 - c0], or [len(rows)] per-row) with saved rows."""
+        filled = np.zeros(rows.shape[0], bool)
+        for entry in self.files.get((table, array), []):
+            lo, hi = max(c0, entry["c0"]), min(c1, entry["c1"])
+            per_row = len(entry["shape"]) == 1
+            if not per_row and lo >= hi:
+                continue
+            k, rem = np.divmod(rows - entry["row_start"], entry["row_step"])
+            hit = (rem == 0) & (k >= 0) & (k < entry["num_rows"])
+            if not hit.any():
+                continue
+            data = self._array(entry)
+            if per_row:
+                out[hit] = data[k[hit]]
+            else:
+                out[np.flatnonzero(hit), lo - c0:hi - c0] = data[k[hit], lo - entry["c0"]:hi - entry["c0"]]
+            filled |= hit
+        if not filled.all():
+            missing = int(rows[np.flatnonzero(~filled)[0]])
+            raise CheckpointError(f"{self.path}: no saved {array} for row {missing} of table {table!r}")
+
+
+class Checkpoint:
+    """Checkpoint ``path``, opened: its manifest read and checked; arrays are read
+    (and their crc32 checked) only as shards ask for them."""
+
+    def __init__(self, path):
+        self.path = os.fspath(path)
+        self.manifest = read_manifest(path)
+        self._reader = _Reader(path, self.manifest)
+        self.tables = [TableSpec(**{k: v for k, v in t.items() if k != "step"})
+                       for t in self.manifest["tables"]]
+        self.steps = {t["name"]: int(t["step"]) for t in self.manifest["tables"]}
+
+    def constructor_args(self, **overrides):
+        """The saved constructor arguments of the collection (``plan``,
+        ``batch_size_hint``, ``wire_dtype``, ``seed``, ``dedup``, ``optimizer``),
+        with ``overrides`` replacing them."""
+        m = self.manifest
+        kwargs = {"plan": m["plan_request"], "batch_size_hint": m["batch_size_hint"],
+                  "wire_dtype": m["wire_dtype"], "seed": m["seed"], "dedup": m["dedup"]}
+        if "optimizer" not in overrides:
+            kwargs["optimizer"] = _optimizer_from_json(m["optimizer"], os.path.join(self.path, MANIFEST))
+        kwargs.update(overrides)
+        return kwargs
+
+    def initial_weights(self, shard, rows):
+        """The saved weights of rows ``rows`` of ``shard`` (its columns)."""
+        out = np.empty((rows.shape[0], shard.c1 - shard.c0), shard.group.dtype)
+        self._reader.rows(shard.table, "weights", rows, shard.c0, shard.c1, out)
+        return out
+
+    def restore_state(self, coll):
+        """Write the saved optimizer state of every shard ``coll``'s rank holds into its
+        state arrays (slots the checkpoint has for the table; others keep their
+        initial values), and each fused array's step."""
+        saved = {(f["table"], f["array"]) for f in self.manifest["files"]}
+        for group, fused in coll.arrays.items():
+            shards = coll.local_shards(group)
+            for slot, _ in coll.optimizer.slots:
+                state = host(fused.state[slot]).copy()
+                for shard in shards:
+                    if (shard.table, slot) in saved:
+                        self._reader.rows(shard.table, slot, shard_rows(shard), shard.c0, shard.c1,
+                                          state[shard.base:shard.base + shard.num_rows])
+                target = fused.state[slot]
+                target[...] = classify(target)[0].put(state)
+            fused.state["step"][0] = max([self.steps[s.table] for s in shards] or [0])

@@ -1,0 +1,620 @@
+"""Sharded embedding tables: placement, forward and backward across ranks.
+
+An :class:`EmbeddingCollection` holds many tables split over the ranks of a
+communicator (``hbk.dist``) by a :mod:`plan <hbkernels.plan>`:
+
+* ``data_parallel``: every rank holds the table; forward is a local pooled
+  lookup; backward all-gathers every rank's sparse gradient and applies the
+  same update everywhere (replicas stay bit-identical);
+* ``row_wise``: rank ``id % N`` holds row ``id`` (as its local row ``id // N``);
+* ``table_wise``: one rank holds the table;
+* ``column_wise``: column slices of the table on different ranks.
+
+Forward of a sharded table, per rank: dedup the ids of each feature
+(``unique``), route each distinct id to its owner (``partition``),
+``alltoallv`` the ids, look the owned rows up (dedup again on the owner),
+``alltoallv`` the rows back (optionally as ``wire_dtype``), restore the order
+and pool with the table's combiner (``embedding_bag`` over the received rows).
+Tables whose slices have the same width and dtype share one fused array per
+rank, one exchange and one pooling launch per combiner (coalescing). Backward
+mirrors it: ``embedding_bag_backward`` into the distinct rows, gradients back
+to the owners, one optimizer step per fused array on the owned rows only.
+
+Gradients of all ranks are *summed* (the loss is a sum over the global batch):
+N ranks given their slices of a batch train exactly like one rank given the
+whole batch, up to float summation order. Initial weights depend only on the
+seed and the table (:func:`initial_weights`), never on the plan or world size.
+
+>>> import numpy as np, hbkernels as hbk
+>>> coll = hbk.EmbeddingCollection([hbk.TableSpec("user", num_rows=10, dim=4)],
+...                                comm=hbk.dist.init("local"), optimizer=hbk.optim.SGD(lr=0.1))
+>>> out = coll.forward({"user": hbk.Ragged(np.array([1, 2, 2]), np.array([0, 1, 3]))})
+>>> out["user"].shape
+(2, 4)
+>>> coll.backward({"user": np.ones((2, 4), np.float32)})
+>>> coll.full_weights("user").shape
+(10, 4)
+"""
+import contextlib
+import os
+import time
+from collections import defaultdict
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .. import _validate as check
+from .. import dist as _dist
+from .. import optim as _optim
+from .._dispatch import device_family, host, resolve
+from .._machine import cupy, simulator_enabled
+from ..dist import _wire
+from ..ops import check_ragged, embedding_bag, embedding_bag_backward, lookup, partition, unique
+from ..types import JaggedRows, Ragged, SparseGrad, table_spec
+from ..memory import aligned_empty
+from . import checkpoint
+from .kjt import features_from_kjt, is_keyed_jagged_tensor
+from .kinds import SHARDINGS
+from .layout import initial_weights, make_layout, shard_rows
+from .plan import make_plan
+
+
+class FusedArrays(NamedTuple):
+    """This rank's array of one :class:`~hbkernels.sharding.layout.FusedGroup` and its
+    optimizer state (``init_state`` of the weights)."""
+
+    weights: Any
+    state: dict
+
+
+class Pool(NamedTuple):
+    """One ``embedding_bag`` launch of a forward: its combiner and CSR input over the
+    fused rows, and ``pieces`` ``[(feature, c0, c1, first bag, bags)]`` of the output."""
+
+    combiner: Any
+    values: Any
+    offsets: Any
+    psw: Any
+    pieces: list
+
+
+class ExchangeContext(NamedTuple):
+    """What backward needs of one sharded fused array's forward exchange."""
+
+    group: Any
+    pools: list
+    rows: int  # distinct ids requested by this rank
+    order: Any  # the partition's order (None at world size 1)
+    send_counts: Any
+    recv_keys: Any  # fused rows this rank served, as received
+    recv_counts: Any
+
+
+class ReplicaContext(NamedTuple):
+    group: Any
+    pools: list
+
+
+class Saved(NamedTuple):
+    inputs: dict
+    exchanges: list
+    replicas: list
+
+
+def _device_of(device):
+    """``"cpu"`` or ``"cuda"`` for the collection's ``device`` argument."""
+    if device in ("cpu", "cuda"):
+        return device
+    if device != "auto":
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    if simulator_enabled():
+        return "cpu"
+    try:
+        return "cuda" if cupy().cuda.runtime.getDeviceCount() > 0 else "cpu"
+    except Exception:  # noqa: BLE001 - no CuPy or no driver: the CPU
+        return "cpu"
+
+
+def _memory_per_rank(device, world_size):
+    """Bytes a rank may hold by default: 80% of the GPU's memory, or of the host's
+    memory shared by ``world_size`` ranks (they may all be on this host)."""
+    if device == "cuda":
+        return int(0.8 * cupy().cuda.Device().mem_info[1])
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):
+        return None
+    return int(0.8 * total / world_size)
+
+
+class _Feature(NamedTuple):
+    table: str
+    values: Any  # int64 ids
+    offsets: Any
+    psw: Any
+    batch: int
+    uniq: Any  # distinct ids (the values themselves when dedup is off)
+    inverse: Any  # values == uniq[inverse]
+    sequence_offsets: Any = None  # a sequence table's input offsets (its bags are single ids)
+
+
+class EmbeddingCollection:
+    """Embedding tables sharded over the ranks of ``comm`` (see the module doc).
+
+    ``tables``: :class:`hbkernels.TableSpec` list. ``plan``: ``"auto"`` (cost
+    model of :func:`hbkernels.plan.make_plan`), a placement for every table, or
+    a dict table -> placement. ``optimizer``: a ``hbk.optim`` optimizer
+    (default ``Adagrad(lr=0.05)``), applied to the owned rows in
+    :meth:`backward`. ``wire_dtype``: ``"float16"``/``"bfloat16"`` rows and
+    gradients on the wire. ``device``: ``"auto"`` (the GPU when CuPy sees one),
+    ``"cpu"`` or ``"cuda"``; a table's own ``TableSpec.device="cpu"`` keeps it in
+    host memory. ``dedup=False`` sends every id, duplicates included. ``memory_per_rank``:
+    bytes of weights and optimizer state a rank may hold (``"auto"``: 80% of
+    the GPU, or of host memory / world size; ``None``: unlimited).
+    ``profile=True`` records the seconds of each phase in :attr:`timings`.
+    ``initializer(shard, rows)``: the initial values of rows ``rows`` of
+    :class:`~hbkernels.sharding.layout.Shard` ``shard`` (its columns
+    ``[shard.c0, shard.c1)``), default :func:`~hbkernels.sharding.initial_weights`
+    of ``(seed, table)``. Every rank constructs the collection with the same arguments.
+
+    Who holds what is :attr:`layout` (:class:`~hbkernels.sharding.layout.Layout`);
+    this rank's arrays are :attr:`arrays` (fused group -> :class:`FusedArrays`).
+    """
+
+    def __init__(self, tables, comm=None, optimizer=None, plan="auto", batch_size_hint=None,
+                 wire_dtype=None, seed=0, *, device="auto", dedup=True, memory_per_rank="auto",
+                 profile=False, initializer=None):
+        self.comm = _dist.init() if comm is None else comm
+        if not isinstance(self.comm, _dist.Communicator):
+            raise TypeError(f"comm must be a hbk.dist communicator, got {type(self.comm).__name__}")
+        self.tables = {}
+        for spec in (tables if isinstance(tables, (list, tuple)) else [tables]):
+            spec = table_spec(spec)
+            if spec.name in self.tables:
+                raise ValueError(f"two tables are named {spec.name!r}")
+            self.tables[spec.name] = spec
+        if not self.tables:
+            raise ValueError("an EmbeddingCollection needs at least one table")
+        self.optimizer = _optim.Adagrad(lr=0.05) if optimizer is None else optimizer
+        if not isinstance(self.optimizer, _optim.SparseOptimizer):
+            raise TypeError(f"optimizer must be a hbk.optim optimizer, got {type(optimizer).__name__}")
+        self.seed = int(seed)
+        self.wire_dtype = _wire.normalize(wire_dtype)  # None, "float16" or "bfloat16"
+        self.dedup = bool(dedup)
+        self.profile = bool(profile)
+        self.device = _device_of(device)
+        self.batch_size_hint = batch_size_hint
+        if isinstance(memory_per_rank, str) and memory_per_rank == "auto":
+            memory_per_rank = _memory_per_rank(self.device, self.comm.world_size)
+        self.memory_per_rank = memory_per_rank
+        self.plan_request = plan
+        per_row = sum(1 for _, row in self.optimizer.slots if row)
+        self.plan = make_plan(
+            list(self.tables.values()), self.comm.world_size, plan,
+            batch_size_hint=batch_size_hint, memory_per_rank=memory_per_rank,
+            state_floats_per_element=len(self.optimizer.slots) - per_row,
+            state_floats_per_row=per_row,
+            wire_itemsize=self._wire_itemsize(np.float32),
+        )
+        for name, place in self.plan.items():
+            if place.kind == "column_wise" and per_row and len(place.ranks) > 1:
+                raise ValueError(
+                    f"table {name!r}: {type(self.optimizer).__name__} keeps one state value per "
+                    "whole row, which column_wise slices cannot share; use another placement")
+        self.feature_table = {f: t.name for t in self.tables.values() for f in t.features}
+        self._feature_order = {f: i for i, f in enumerate(self.feature_table)}
+        self._families = {}
+        self.layout = make_layout(self.tables, self.plan, self.comm.world_size, self._table_device)
+        self.arrays = self._allocate(initializer)
+        self._saved = None
+        self.stats = {}
+        self.timings = defaultdict(float)
+        self._timing = False
+
+    # -- layout -------------------------------------------------------------------------------
+    def _family(self, device):
+        """The array family of ``device`` (NumPy, or CuPy on the current GPU)."""
+        if device not in self._families:
+            self._families[device] = device_family(device)
+        return self._families[device]
+
+    def _table_device(self, spec):
+        return spec.device or self.device
+
+    def _allocate(self, initializer):
+        """This rank's fused arrays: weights (initial values) and optimizer state."""
+        arrays = {}
+        for group in self.layout.groups(self.comm.rank):
+            weights = aligned_empty((self.layout.rows[self.comm.rank, group], group.width), group.dtype)
+            for shard in self.local_shards(group):
+                rows = shard_rows(shard)
+                block = (initializer(shard, rows) if initializer is not None else
+                         initial_weights(self.tables[shard.table], self.seed, rows, shard.c0, shard.c1))
+                weights[shard.base:shard.base + shard.num_rows] = block
+            weights = self._family(group.device).put(weights)
+            arrays[group] = FusedArrays(weights, self.optimizer.init_state(weights))
+        return arrays
+
+    def local_shards(self, group=None):
+        """The shards this rank holds (of fused array ``group``, or all)."""
+        return self.layout.local_shards(self.comm.rank, group)
+
+    def shard_arrays(self, shard):
+        """``{"weights": rows, slot: rows}``: views of this rank's rows of ``shard`` in
+        the weights and in each optimizer state slot (writes go to the collection)."""
+        fused = self.arrays[shard.group]
+        rows = slice(shard.base, shard.base + shard.num_rows)
+        out = {"weights": fused.weights[rows]}
+        out.update({slot: fused.state[slot][rows] for slot, _ in self.optimizer.slots})
+        return out
+
+    # -- timing -----------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _phase(self, name):
+        """Add the seconds of the block to ``timings[name]`` (under ``profile``; a
+        phase inside another counts once, in the outer one)."""
+        if not self.profile or self._timing:
+            yield
+            return
+        for family in self._families.values():
+            family.sync()
+        self._timing = True
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            for family in self._families.values():
+                family.sync()
+            self.timings[name] += time.perf_counter() - t0
+            self._timing = False
+
+    def _exchange(self, x, counts, wire=False):
+        """alltoallv, skipped at world size 1 (nothing leaves the rank)."""
+        if self.comm.world_size == 1:
+            return x, np.asarray(counts, np.int64)
+        with self._phase("comm"):
+            return self.comm.alltoallv(x, counts, wire_dtype=self.wire_dtype if wire else None)
+
+    # -- forward ------------------------------------------------------------------------------------
+    def _read_inputs(self, features, per_sample_weights):
+        if is_keyed_jagged_tensor(features):
+            features, per_sample_weights = features_from_kjt(features, per_sample_weights)
+        if not isinstance(features, dict):
+            raise TypeError(f"features must be a dict name -> hbk.Ragged or ids, or a torchrec "
+                            f"KeyedJaggedTensor, got {type(features).__name__}")
+        psws = per_sample_weights or {}
+        unknown = sorted(set(features) - set(self.feature_table)) + sorted(set(psws) - set(features))
+        if unknown:
+            raise ValueError(f"unknown features {unknown}; this collection has "
+                             f"{sorted(self.feature_table)}")
+        space = self._family(self.device)
+        inputs = {}
+        for f in sorted(features, key=self._feature_order.get):
+            spec = self.tables[self.feature_table[f]]
+            x = features[f]
+            if isinstance(x, Ragged):
+                values, offsets = x.values, x.offsets
+            else:  # one id per sample
+                values = resolve(values=x)[1]["values"]
+                if values.ndim != 1:
+                    raise ValueError(f"feature {f!r}: one-hot ids must be 1-D, got shape {tuple(values.shape)}")
+                offsets = space.xp.arange(values.shape[0] + 1, dtype=np.int64)
+            family, a = resolve(("psw",), values=values, offsets=offsets, psw=psws.get(f))
+            if family != space:
+                raise TypeError(f"feature {f!r} is a {family.name} array but the collection lives on "
+                                f"{self.device} ({space.name} arrays)")
+            values, offsets, psw = a["values"], a["offsets"], a["psw"]
+            check.ids(f"{f}.values", values, ndim=1)
+            check.offsets(offsets)
+            check.per_sample_weights(psw, values)
+            check_ragged(values, offsets, spec.num_rows)
+            values = values.astype(np.int64, copy=False)
+            sequence_offsets = None
+            if spec.combiner is None:  # a sequence table: each id is a bag of its own
+                sequence_offsets, offsets = offsets, space.xp.arange(values.shape[0] + 1, dtype=np.int64)
+            with self._phase("kernels"):
+                if self.dedup:
+                    uniq, inverse = unique(values, return_inverse=True)
+                else:
+                    uniq, inverse = values, space.xp.arange(values.shape[0], dtype=np.int64)
+            psw = None if psw is None else psw.astype(np.float32, copy=False)
+            inputs[f] = _Feature(spec.name, values, offsets, psw, int(offsets.shape[0]) - 1,
+                                 uniq, inverse, sequence_offsets)
+        return inputs
+
+    def forward(self, features, *, per_sample_weights=None):
+        """Pooled embeddings of this rank's batch: ``{feature: [B, dim]}`` (table dtype);
+        for a sequence table (``combiner=None``) a :class:`hbkernels.types.JaggedRows`
+        ``([N, dim] rows of every id, the input's offsets)``.
+
+        ``features``: ``{feature: hbk.Ragged(values, offsets)}`` or a 1-D id array
+        (one id per sample), or a TorchRec ``KeyedJaggedTensor`` (its keys the
+        features, its weights the ``per_sample_weights``); ``per_sample_weights``:
+        optional ``{feature: weights}`` (one per value). Collective: every rank calls it (with its own batch).
+        Ids outside a table raise :class:`hbkernels.BoundsError` here and
+        :class:`hbkernels.dist.CommError` on the other ranks.
+        """
+        self.stats = {"ids_bytes": 0, "rows_bytes": 0, "grads_bytes": 0, "replica_grads_bytes": 0}
+        try:
+            inputs = self._read_inputs(features, per_sample_weights)
+        except Exception as error:
+            if self.layout.exchange_groups and self.comm.world_size > 1:
+                self.comm.fail_collectively("alltoallv", error)
+            raise
+        space = self._family(self.device)
+        outputs = {}
+        exchanges = [self._forward_exchange(group, inputs, outputs) for group in self.layout.exchange_groups]
+        replicas = [self._forward_replica(group, inputs, outputs) for group in self.layout.replica_groups]
+        self._saved = Saved(inputs, exchanges, replicas)
+        result = {}
+        for f, feature in inputs.items():
+            pieces = outputs[f]
+            if len(pieces) == 1:  # the whole width
+                result[f] = space.put(pieces[0][2])
+            else:
+                spec = self.tables[feature.table]
+                result[f] = space.xp.empty((feature.batch, spec.dim), spec.dtype)
+                for c0, c1, piece in pieces:
+                    result[f][:, c0:c1] = space.put(piece)
+            if feature.sequence_offsets is not None:
+                result[f] = JaggedRows(result[f], feature.sequence_offsets)
+        return result
+
+    def _requests(self, group, inputs, replicated):
+        """(feature, route) pairs of ``group``'s replicated (or sharded) slices, in a fixed order."""
+        return [(f, route) for f, feature in inputs.items() for route in self.layout.routes[feature.table]
+                if route.group == group and SHARDINGS[route.kind].replicated == replicated]
+
+    def _pool(self, space, group_rows, requests, starts, inputs, ids_of, outputs):
+        """One ``embedding_bag`` per combiner over ``group_rows`` for the ``requests``
+        (the ids of request k are ``ids_of(k) + starts[k]``); pieces go to ``outputs``."""
+        xp = space.xp
+        pools = []
+        by_combiner = defaultdict(list)
+        for k, (f, route) in enumerate(requests):
+            by_combiner[self.tables[route.table].combiner or "sum"].append(k)  # None: 1-id bags
+        for combiner, ks in sorted(by_combiner.items()):
+            values, offsets, psws, pieces, shift, bag = [], [space.xp.zeros(1, np.int64)], [], [], 0, 0
+            any_psw = any(inputs[requests[k][0]].psw is not None for k in ks)
+            for k in ks:
+                f, route = requests[k]
+                feature = inputs[f]
+                values.append(space.put(ids_of(k)) + starts[k])
+                offsets.append(space.put(feature.offsets[1:]).astype(np.int64) + shift)
+                if any_psw:
+                    psws.append(space.put(feature.psw) if feature.psw is not None else
+                                xp.ones(feature.values.shape[0], np.float32))
+                shift += int(feature.values.shape[0])
+                pieces.append((f, route.c0, route.c1, bag, feature.batch))
+                bag += feature.batch
+            pool = Pool(combiner, xp.concatenate(values), xp.concatenate(offsets),
+                        xp.concatenate(psws) if any_psw else None, pieces)
+            with self._phase("kernels"):
+                out = embedding_bag(group_rows, pool.values, pool.offsets, combiner=combiner,
+                                    per_sample_weights=pool.psw, bounds="unchecked")
+            for f, c0, c1, b0, batch in pieces:
+                outputs.setdefault(f, []).append((c0, c1, out[b0:b0 + batch]))
+            pools.append(pool)
+        return pools
+
+    def _forward_exchange(self, group, inputs, outputs):
+        space = self._family(group.device)
+        xp, n, me = space.xp, self.comm.world_size, self.comm.rank
+        requests = self._requests(group, inputs, replicated=False)
+        keys, dests, starts, total = [], [], [], 0
+        for f, route in requests:
+            uniq = space.put(inputs[f].uniq)
+            dest, key = SHARDINGS[route.kind].route_ids(xp, uniq, route, n)
+            keys.append(key)
+            dests.append(dest)
+            starts.append(total)
+            total += int(uniq.shape[0])
+        keys = xp.concatenate(keys) if keys else xp.zeros(0, np.int64)
+        order = None
+        if n == 1:
+            send_counts = np.array([keys.shape[0]], np.int64)
+        else:
+            with self._phase("kernels"):
+                parted = partition(keys * n + (xp.concatenate(dests) if dests else keys), n)
+            keys, send_counts, order = parted.ids // n, host(parted.counts), parted.order
+        recv_keys, recv_counts = self._exchange(keys, send_counts)
+        table = self.arrays[group].weights if group in self.arrays else None
+        with self._phase("kernels"):
+            if recv_keys.shape[0] == 0:
+                rows = xp.empty((0, group.width), group.dtype)
+            elif self.dedup:
+                owned, again = unique(recv_keys, return_inverse=True)
+                rows = lookup(lookup(table, owned, bounds="unchecked"), again, bounds="unchecked")
+            else:
+                rows = lookup(table, recv_keys, bounds="unchecked")
+        rows, _ = self._exchange(rows, recv_counts, wire=True)
+        if order is not None:
+            with self._phase("kernels"):
+                rows = lookup(rows, self._inverse_permutation(xp, order), bounds="unchecked")
+        away_ids = int(send_counts.sum() - send_counts[me])
+        away_rows = int(recv_counts.sum() - recv_counts[me])
+        self.stats["ids_bytes"] += 8 * away_ids
+        self.stats["rows_bytes"] += away_rows * group.width * self._wire_itemsize(group.dtype)
+        pools = self._pool(space, rows, requests, starts, inputs,
+                           lambda k: inputs[requests[k][0]].inverse, outputs)
+        return ExchangeContext(group, pools, total, order, send_counts, recv_keys, recv_counts)
+
+    def _forward_replica(self, group, inputs, outputs):
+        space = self._family(group.device)
+        requests = self._requests(group, inputs, replicated=True)
+        starts = [int(route.bases[self.comm.rank]) for _, route in requests]
+        pools = self._pool(space, self.arrays[group].weights, requests, starts, inputs,
+                           lambda k: inputs[requests[k][0]].values, outputs)
+        return ReplicaContext(group, pools)
+
+    @staticmethod
+    def _inverse_permutation(xp, order):
+        inv = xp.empty_like(order)
+        inv[order] = xp.arange(order.shape[0], dtype=order.dtype)
+        return inv
+
+    def _wire_itemsize(self, dtype):
+        """Bytes per element of ``dtype`` data on the wire (2 with a wire dtype)."""
+        return 2 if self.wire_dtype else np.dtype(dtype).itemsize
+
+    # -- backward ------------------------------------------------------------------------------------
+    def backward(self, grads):
+        """Apply the optimizer for ``grads = {feature: d loss / d output}`` ([B, dim]
+        per feature of the last :meth:`forward`; [N, dim] for a sequence table's
+        rows) to the rows this rank owns.
+        Collective; gradients of all ranks are summed."""
+        if self._saved is None:
+            raise RuntimeError("backward needs a forward first (each forward allows one backward)")
+        inputs = self._saved.inputs
+        try:
+            grads = self._read_grads(grads, inputs)
+        except Exception as error:
+            exchanges = self.layout.exchange_groups
+            if (exchanges or self.layout.replica_groups) and self.comm.world_size > 1:
+                self.comm.fail_collectively("alltoallv" if exchanges else "allgatherv", error)
+            raise
+        updates = defaultdict(list)  # group -> [(ids, rows)]
+        for ctx in self._saved.exchanges:
+            group = ctx.group
+            space = self._family(group.device)
+            xp = space.xp
+            with self._phase("kernels"):
+                request_grads = xp.zeros((ctx.rows, group.width), np.float32)
+                for ids, rows in self._pool_backward(space, ctx.pools, grads, ctx.rows):
+                    request_grads[ids] = rows
+                if ctx.order is not None:
+                    request_grads = lookup(request_grads, ctx.order, bounds="unchecked")
+            received, counts = self._exchange(request_grads, ctx.send_counts, wire=True)
+            self.stats["grads_bytes"] += (int(ctx.send_counts.sum() - ctx.send_counts[self.comm.rank])
+                                          * group.width * self._wire_itemsize(np.float32))
+            updates[group].append((ctx.recv_keys, received))
+        for ctx in self._saved.replicas:
+            group = ctx.group
+            space = self._family(group.device)
+            num_rows = int(self.arrays[group].weights.shape[0])
+            parts = self._pool_backward(space, ctx.pools, grads, num_rows)
+            if parts:
+                ids = space.xp.concatenate([p[0].astype(np.int64) for p in parts])
+                rows = space.xp.concatenate([p[1] for p in parts])
+            else:  # none of the group's features was in the forward: nothing to add
+                ids = space.xp.zeros(0, np.int64)
+                rows = space.xp.zeros((0, group.width), np.float32)
+            if self.comm.world_size > 1:
+                with self._phase("comm"):
+                    wire = self._wire_itemsize(np.float32)
+                    self.stats["replica_grads_bytes"] += ((self.comm.world_size - 1) * int(ids.shape[0])
+                                                          * (8 + group.width * wire))
+                    ids, _ = self.comm.allgatherv(ids)
+                    rows, _ = self.comm.allgatherv(rows, wire_dtype=self.wire_dtype)
+            updates[group].append((ids, rows))
+        self._saved = None
+        for group, fused in self.arrays.items():
+            xp = self._family(group.device).xp
+            parts = updates.get(group, [])
+            ids = xp.concatenate([p[0] for p in parts]) if parts else xp.zeros(0, np.int64)
+            rows = (xp.concatenate([p[1] for p in parts]) if parts
+                    else xp.zeros((0, group.width), np.float32))
+            with self._phase("kernels"):
+                self.optimizer.step(fused.weights, fused.state, SparseGrad(ids, rows))
+
+    def _read_grads(self, grads, inputs):
+        if not isinstance(grads, dict):
+            raise TypeError(f"grads must be a dict feature -> [B, dim] array, got {type(grads).__name__}")
+        if set(grads) != set(inputs):
+            raise ValueError(f"backward needs a gradient for exactly the features of the forward "
+                             f"{sorted(inputs)}, got {sorted(grads)}")
+        space = self._family(self.device)
+        out = {}
+        for f, feature in inputs.items():
+            g = grads[f]
+            if isinstance(g, JaggedRows):
+                g = g.values
+            family, a = resolve(grad=g)
+            g = a["grad"]
+            if family != space:
+                raise TypeError(f"grad of {f!r} is a {family.name} array; the collection lives on "
+                                f"{self.device}")
+            dim = self.tables[feature.table].dim
+            if g.ndim != 2 or tuple(g.shape) != (feature.batch, dim):
+                rows = "N" if feature.sequence_offsets is not None else "B"
+                raise ValueError(f"grad of {f!r} must be [{rows}, dim] = [{feature.batch}, {dim}], "
+                                 f"got {tuple(g.shape)}")
+            check.floating(f"grad of {f!r}", g)
+            out[f] = g
+        return out
+
+    def _pool_backward(self, space, pools, grads, num_rows):
+        """[(ids, rows)] of each pool's sparse gradient w.r.t. the pooled rows."""
+        xp = space.xp
+        parts = []
+        for combiner, values, offsets, psw, pieces in pools:  # Pool
+            grad = xp.concatenate([space.put(grads[f][:, c0:c1]) for f, c0, c1, _, _ in pieces])
+            with self._phase("kernels"):
+                sg = embedding_bag_backward(grad.astype(np.float32, copy=False), values, offsets,
+                                            num_rows=num_rows, combiner=combiner,
+                                            per_sample_weights=psw, bounds="unchecked")
+            parts.append((sg.ids, sg.rows))
+        return parts
+
+    # -- whole tables ---------------------------------------------------------------------------------
+    def _gather(self, name, pick, per_column, dtype):
+        """Table ``name``'s array made of ``pick(shard)`` (this rank's rows of a shard:
+        ``[rows, cols]`` when ``per_column``, else ``[rows]``), whole, on every rank."""
+        if name not in self.tables:
+            raise KeyError(f"no table {name!r}; tables: {sorted(self.tables)}")
+        shards = sorted(self.layout.shards[name], key=lambda s: s.slice)
+        xp = self._family(shards[0].group.device).xp
+        return SHARDINGS[self.plan[name].kind].gather(self.comm, self.tables[name], shards, pick,
+                                                      per_column, dtype, xp)
+
+    def _rows_of(self, shard, array):
+        return array[shard.base:shard.base + shard.num_rows]
+
+    def full_weights(self, name):
+        """Table ``name`` gathered whole ([num_rows, dim]), the same on every rank: a
+        new array (later steps do not change it). Collective.
+
+        >>> import hbkernels as hbk
+        >>> coll = hbk.EmbeddingCollection([hbk.TableSpec("t", num_rows=5, dim=2)],
+        ...                                comm=hbk.dist.init("local"))
+        >>> coll.full_weights("t").shape
+        (5, 2)
+        """
+        return self._gather(
+            name, lambda s: self._rows_of(s, self.arrays[s.group].weights), True,
+            self.tables.get(name, self.tables[next(iter(self.tables))]).dtype)
+
+    def full_state(self, name):
+        """The optimizer state of table ``name`` gathered whole (slot -> array shaped
+        as ``init_state`` of the whole table) plus ``"step"`` (int). Collective."""
+        out = {}
+        for slot, per_row in self.optimizer.slots:
+            out[slot] = self._gather(
+                name, lambda s, slot=slot: self._rows_of(s, self.arrays[s.group].state[slot]),
+                not per_row, np.float32)
+        holder = min(self.layout.shards[name], key=lambda s: (s.slice, s.rank))
+        step = int(self.arrays[holder.group].state["step"][0]) if holder.rank == self.comm.rank else 0
+        if self.comm.world_size > 1:
+            step = int(self.comm.broadcast(np.array([step], np.int64), root=holder.rank)[0])
+        out["step"] = step
+        return out
+
+    # -- checkpoints ----------------------------------------------------------------------------------
+    def save(self, path):
+        """Write a checkpoint directory (see :mod:`hbkernels.sharding.checkpoint`):
+        arrays plus a JSON manifest, atomically; collective."""
+        checkpoint.save(self, path)
+
+    @classmethod
+    def load(cls, path, comm=None, **overrides):
+        """The collection saved at ``path``, sharded for ``comm`` (any world size);
+        ``overrides`` replace saved constructor arguments (``plan``, ``optimizer``, ...)."""
+        saved = checkpoint.Checkpoint(path)
+        coll = cls(saved.tables, comm=comm, initializer=saved.initial_weights,
+                   **saved.constructor_args(**overrides))
+        saved.restore_state(coll)
+        return coll
+
+    def __repr__(self):
+        return (f"<hbk.EmbeddingCollection: {len(self.tables)} tables on rank {self.comm.rank} of "
+                f"{self.comm.world_size}, {self.device}>\n{self.plan}")

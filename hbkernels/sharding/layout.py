@@ -1,0 +1,164 @@
+"""Who holds what: every rank's shards of every table, the route of each table
+slice, and the fused arrays they make up.
+
+A table (:class:`~hbkernels.TableSpec`) placed by the plan is cut into column
+slices; each slice is held by one or more ranks as :class:`Shard` s, rows
+``row_start + row_step * k`` (``k < num_rows``). Slices of one width, dtype and
+device (a :class:`FusedGroup`) are stacked, on each rank, into one array: a
+shard is rows ``[base, base + num_rows)`` of its group's array. Replicated
+(``data_parallel``) slices come first in every group, at the same rows on every
+rank, so their gradients travel between ranks as fused row numbers. Which rank
+holds which rows is the placement's business (:mod:`hbkernels.sharding.kinds`);
+this module only stacks what they hand out.
+"""
+import dataclasses
+import zlib
+from collections import defaultdict
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .._bits import splitmix64
+from ..types import table_spec
+from .kinds import SHARDINGS
+
+_INIT_CHUNK = 1 << 22  # elements generated at a time by initial_weights
+
+
+class FusedGroup(NamedTuple):
+    """Slices stacked into one array per rank: their width, dtype name and device."""
+
+    width: int
+    dtype: str
+    device: str
+
+
+class Shard(NamedTuple):
+    """Rows ``row_start + row_step * k`` (``k < num_rows``) and columns ``[c0, c1)``
+    of table ``table`` (column slice ``slice``), held by ``rank`` as rows
+    ``[base, base + num_rows)`` of its fused array ``group``."""
+
+    table: str
+    slice: int
+    rank: int
+    row_start: int
+    row_step: int
+    num_rows: int
+    c0: int
+    c1: int
+    group: FusedGroup
+    base: int
+
+
+class Route(NamedTuple):
+    """How the ids of one column slice of a table reach their rows."""
+
+    table: str
+    slice: int
+    kind: str  # the placement kind (a key of SHARDINGS)
+    group: FusedGroup
+    c0: int
+    c1: int
+    bases: Any  # int64 [N]: each rank's base of this slice (-1 where it holds none)
+    owner: int  # the one holding rank (table_wise, column_wise), else -1
+
+
+def _group_order(group):
+    return repr(tuple(group))
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The shards and routes of every table on ``world_size`` ranks.
+
+    ``shards``: table -> [Shard] (every rank's); ``routes``: table -> [Route] by
+    slice; ``rows``: (rank, group) -> rows of that rank's fused array."""
+
+    world_size: int
+    shards: dict
+    routes: dict
+    rows: dict
+
+    def local_shards(self, rank, group=None):
+        """The shards ``rank`` holds (of fused array ``group``, or all)."""
+        return [s for shards in self.shards.values() for s in shards
+                if s.rank == rank and (group is None or s.group == group)]
+
+    def groups(self, rank):
+        """The fused arrays ``rank`` holds, in one global order."""
+        return sorted({g for (r, g) in self.rows if r == rank}, key=_group_order)
+
+    def _route_groups(self, replicated):
+        return sorted({r.group for routes in self.routes.values() for r in routes
+                       if SHARDINGS[r.kind].replicated == replicated}, key=_group_order)
+
+    @property
+    def exchange_groups(self):
+        """Groups with sharded slices: one exchange each, every rank taking part."""
+        return self._route_groups(False)
+
+    @property
+    def replica_groups(self):
+        """Groups with replicated slices: one gradient allgather each."""
+        return self._route_groups(True)
+
+
+def make_layout(tables, plan, world_size, device_of=lambda spec: "cpu"):
+    """The :class:`Layout` of ``tables`` (name -> TableSpec) under ``plan`` on
+    ``world_size`` ranks; ``device_of(spec)`` is the device of a table's arrays."""
+    next_base = defaultdict(int)  # (rank, group) -> rows so far
+    shards, routes = {}, {}
+    # replicated tables first: the same rows of the fused arrays on every rank
+    for name, spec in sorted(tables.items(), key=lambda item: not SHARDINGS[plan[item[0]].kind].replicated):
+        place = plan[name]
+        sharding = SHARDINGS[place.kind]
+        cuts = place.columns
+        shards[name], routes[name] = [], []
+        for i in range(len(cuts) - 1):
+            c0, c1 = int(cuts[i]), int(cuts[i + 1])
+            group = FusedGroup(c1 - c0, spec.dtype, device_of(spec))
+            holders = sharding.holders(spec, place, i, world_size)
+            bases = np.full(world_size, -1, np.int64)
+            for rank, start, step, rows in holders:
+                base = next_base[rank, group]
+                next_base[rank, group] += rows
+                bases[rank] = base
+                shards[name].append(Shard(name, i, rank, start, step, rows, c0, c1, group, base))
+            owner = holders[0][0] if len(holders) == 1 else -1
+            routes[name].append(Route(name, i, place.kind, group, c0, c1, bases, owner))
+    return Layout(world_size, shards, routes, dict(next_base))
+
+
+def shard_rows(shard):
+    """The table rows ``shard`` holds, in its order (int64)."""
+    return shard.row_start + shard.row_step * np.arange(shard.num_rows, dtype=np.int64)
+
+
+def initial_weights(spec, seed, rows=None, c0=0, c1=None):
+    """Initial values of rows ``rows`` (default all) and columns ``[c0, c1)`` of
+    table ``spec``: uniform in ``±1/sqrt(num_rows)`` (TorchRec's default), from a
+    splitmix64 hash of ``(seed, crc32(name), row * dim + column)``. Any shard is
+    made alone, so every plan and world size starts from the same table.
+
+    >>> import hbkernels as hbk
+    >>> from hbkernels.sharding import initial_weights
+    >>> spec = hbk.TableSpec("t", num_rows=4, dim=3)
+    >>> bool((initial_weights(spec, 0)[2:, 1:] == initial_weights(spec, 0, [2, 3], 1, 3)).all())
+    True
+    """
+    spec = table_spec(spec)
+    c1 = spec.dim if c1 is None else c1
+    rows = np.arange(spec.num_rows, dtype=np.int64) if rows is None else np.asarray(rows, np.int64)
+    with np.errstate(over="ignore"):
+        key = splitmix64(np.uint64(((int(seed) & 0xFFFFFFFF) << 32) | zlib.crc32(spec.name.encode())))
+    scale = 1.0 / np.sqrt(spec.num_rows)
+    cols = np.arange(c0, c1, dtype=np.uint64)
+    out = np.empty((rows.shape[0], c1 - c0), spec.dtype)
+    step = max(1, _INIT_CHUNK // max(1, c1 - c0))
+    for s in range(0, rows.shape[0], step):
+        counter = rows[s:s + step].astype(np.uint64)[:, None] * np.uint64(spec.dim) + cols[None, :]
+        with np.errstate(over="ignore"):
+            bits = splitmix64(counter ^ key)
+        unit = (bits >> np.uint64(40)).astype(np.float64) * (1.0 / (1 << 24))
+        out[s:s + step] = (2.0 * unit - 1.0) * scale
+    return out

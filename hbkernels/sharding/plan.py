@@ -1,0 +1,368 @@
+"""Placement planner of sharded embedding tables, with a cost model.
+
+Per table (R rows, D columns of ``itemsize`` s bytes, hotness h, F features,
+local batch B = ``batch_size_hint`` (default 1024), N ranks, wire itemsize
+w), the distinct ids of one rank's step and of all ranks' steps are estimated
+as ``u = R·(1 - (1 - 1/R)^(B·h·F))`` and ``U = R·(1 - (1 - 1/R)^(N·B·h·F))``. A row of c columns with its optimizer
+state takes ``row(c) = c·(s + 4·e) + 4·p`` bytes (e, p: state floats per
+element and per row). Estimates per rank and step:
+
+* ``data_parallel``: wire ``(N-1)·u·(8 + 4D)`` (allgatherv of ids and fp32
+  gradient rows), lookup ``u·D·s + 2·U·row(D)``, memory ``R·row(D)``.
+* sharded (``row_wise``, ``table_wise``, ``column_wise``): shard j on rank o
+  holds ``rows_j`` rows x ``c_j`` columns and serves a fraction ``f_j`` of the
+  ids (row_wise: N shards of all columns, ``f = 1/N``, ``rows = ceil(R/N)``;
+  table_wise: one shard of everything; column_wise: ``min(N, D)`` column
+  slices sized as ``numpy.array_split``, ``f = 1``). Each other rank sends
+  ``f·u`` ids and gradient rows to o and receives ``f·u`` rows: it sends
+  ``f·u·(8 + c·w)`` and receives ``f·u·c·w``; o sends ``(N-1)·f·u·c·w`` and
+  receives ``(N-1)·f·u·(8 + c·w)``. Wire bytes are the busier direction of a
+  rank's full-duplex link, ``max(sent, received)``. o reads ``N·f·u·c·s``
+  bytes for lookups and reads and writes ``2·f·U·row(c)`` for the update,
+  and holds ``rows·row(c)``.
+
+Step cost ``= max_r (wire_r / net_bw + lookup_r / mem_bw) + latency · k``, with
+k collectives: 3 (ids, rows, gradients) per distinct width of the sharded
+tables (tables of one width are coalesced) and 1 (gradient allgatherv) per
+distinct width of the replicated ones; no collective at N = 1.
+
+``"auto"``: at N = 1 every table is ``table_wise`` on rank 0. Otherwise the
+tables, largest first, each take the sharded placement with the least
+``max_r (load_r + time_r)`` given the load of the tables placed before (ties:
+row_wise, table_wise, column_wise, the last not with per-row optimizer
+state, which needs whole rows; owners are the least loaded ranks that
+fit, ties to the lowest rank); then, smallest first, a table becomes
+``data_parallel`` when it fits on every rank and the plan's step cost does not
+increase. Explicit placements take part in the same balancing.
+
+>>> from hbkernels.types import TableSpec
+>>> plan = make_plan([TableSpec("item", 10**7, 64, hotness=10),
+...                   TableSpec("country", 200, 8)], world_size=4, batch_size_hint=4096)
+>>> plan["item"].kind, plan["country"].kind
+('row_wise', 'data_parallel')
+>>> Plan.from_json(plan.to_json()) == plan
+True
+"""
+import collections.abc
+import dataclasses
+import math
+
+import numpy as np
+
+from ..types import PLACEMENTS, TableSpec, table_spec
+
+DEFAULT_BATCH_SIZE = 1024
+DEFAULT_COST = {"network_bytes_per_s": 10e9, "memory_bytes_per_s": 50e9, "collective_latency_s": 50e-6}
+_SHARDED = PLACEMENTS[1:]  # the sharded placements, in the tie order of "auto"
+_ID_BYTES = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where a table lives: ``kind`` (one of PLACEMENTS), the ``ranks`` holding
+    it (column_wise: the rank of each column slice) and the column boundaries."""
+
+    kind: str
+    ranks: tuple
+    columns: tuple
+
+    def to_json(self):
+        return {"kind": self.kind, "ranks": list(self.ranks), "columns": list(self.columns)}
+
+    @classmethod
+    def from_json(cls, d):
+        return cls(d["kind"], tuple(d["ranks"]), tuple(d["columns"]))
+
+
+@dataclasses.dataclass(frozen=True)
+class TableEstimate:
+    """Per step, per rank: wire bytes (max of sent and received), bytes of
+    table rows read and written, bytes of weights and optimizer state held."""
+
+    wire_bytes: tuple
+    lookup_bytes: tuple
+    memory_bytes: tuple
+
+    def seconds(self, assumptions):
+        """Per rank: ``wire / net_bw + lookup / mem_bw``."""
+        return [w / assumptions["network_bytes_per_s"] + b / assumptions["memory_bytes_per_s"]
+                for w, b in zip(self.wire_bytes, self.lookup_bytes)]
+
+
+def _spec_json(spec):
+    return dict(spec._asdict(), features=list(spec.features))
+
+
+class Plan(collections.abc.Mapping):
+    """Table name -> :class:`Placement`, with the estimates it was chosen by."""
+
+    def __init__(self, placements, *, tables, world_size, request, estimates, batch_size_hint, assumptions):
+        self._placements = dict(placements)
+        self.tables = dict(tables)
+        self.world_size = world_size
+        self.request = request
+        self.estimates = dict(estimates)
+        self.batch_size_hint = batch_size_hint
+        self.assumptions = dict(assumptions)
+
+    def __getitem__(self, name):
+        return self._placements[name]
+
+    def __iter__(self):
+        return iter(self._placements)
+
+    def __len__(self):
+        return len(self._placements)
+
+    def __eq__(self, other):
+        if isinstance(other, Plan):
+            return self.to_json() == other.to_json()
+        return super().__eq__(other)
+
+    __hash__ = None
+
+    def __repr__(self):
+        return f"Plan({ {name: p.kind for name, p in self.items()} }, world_size={self.world_size})"
+
+    @property
+    def step_seconds(self):
+        """The estimated step cost (see the module docstring)."""
+        return _step_seconds(self.tables, self._placements, self.estimates, self.world_size, self.assumptions)
+
+    def __str__(self):
+        def ranks(p):
+            return "all" if p.kind in ("data_parallel", "row_wise") else ",".join(map(str, p.ranks))
+
+        rows = [("table", "rows", "dim", "hotness", "placement", "ranks", "wire MB/step", "memory MB/rank")]
+        for name, p in self.items():
+            spec, est = self.tables[name], self.estimates[name]
+            rows.append((name, str(spec.num_rows), str(spec.dim), f"{spec.hotness:g}", p.kind, ranks(p),
+                         f"{max(est.wire_bytes) / 1e6:.3f}", f"{max(est.memory_bytes) / 1e6:.3f}"))
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+        a = self.assumptions
+
+        def mb(field):   # per rank, summed over the tables
+            return " ".join(f"{sum(x) / 1e6:.3f}" for x in zip(*(getattr(e, field) for e in self.estimates.values())))
+
+        batch = f"{a['batch_size']}" + ("" if self.batch_size_hint else " (default, no batch_size_hint)")
+        limit = "unlimited" if a["memory_per_rank"] is None else f"{a['memory_per_rank'] / 1e6:.3f} MB"
+        lines += [f"per rank ({self.world_size}): wire MB/step {mb('wire_bytes')}; memory MB {mb('memory_bytes')}",
+                  f"estimated step cost: {self.step_seconds * 1e3:.4f} ms",
+                  f"assumptions: batch {batch} per rank, network {a['network_bytes_per_s'] / 1e9:g} GB/s, "
+                  f"memory {a['memory_bytes_per_s'] / 1e9:g} GB/s, latency {a['collective_latency_s'] * 1e6:g} us"
+                  f"/collective, wire itemsize {a['wire_itemsize']}, optimizer state floats "
+                  f"{a['state_floats_per_element']}/element {a['state_floats_per_row']}/row, "
+                  f"memory limit {limit}"]
+        return "\n".join(lines)
+
+    def to_json(self):
+        return {"world_size": self.world_size,
+                "request": dict(self.request) if isinstance(self.request, dict) else self.request,
+                "batch_size_hint": self.batch_size_hint, "assumptions": dict(self.assumptions),
+                "tables": [_spec_json(spec) for spec in self.tables.values()],
+                "placements": {name: p.to_json() for name, p in self.items()},
+                "estimates": {name: {field: list(values) for field, values in dataclasses.asdict(e).items()}
+                              for name, e in self.estimates.items()}}
+
+    @classmethod
+    def from_json(cls, d):
+        tables = [table_spec(TableSpec(**t)) for t in d["tables"]]
+        return cls({name: Placement.from_json(p) for name, p in d["placements"].items()},
+                   tables={t.name: t for t in tables}, world_size=d["world_size"], request=d["request"],
+                   estimates={name: TableEstimate(**{field: tuple(values) for field, values in e.items()})
+                              for name, e in d["estimates"].items()},
+                   batch_size_hint=d["batch_size_hint"], assumptions=d["assumptions"])
+
+
+def _distinct(rows, draws):
+    """Expected distinct values among ``draws`` uniform draws of ``rows``: R·(1 - (1 - 1/R)^n)."""
+    return rows * -math.expm1(draws * math.log1p(-1 / rows)) if rows > 1 else 1.0
+
+
+def estimate(spec, placement, world_size, assumptions):
+    """The :class:`TableEstimate` of ``spec`` placed as ``placement`` (formulas in the module docstring)."""
+    n, a = world_size, assumptions
+    s = np.dtype(spec.dtype).itemsize
+    draws = a["batch_size"] * spec.hotness * len(spec.features)
+    u, u_all = _distinct(spec.num_rows, draws), _distinct(spec.num_rows, n * draws)
+
+    def row_bytes(cols):
+        return cols * (s + 4 * a["state_floats_per_element"]) + 4 * a["state_floats_per_row"]
+
+    if placement.kind == "data_parallel":
+        return TableEstimate(((n - 1) * u * (_ID_BYTES + 4 * spec.dim),) * n,
+                             (u * spec.dim * s + 2 * u_all * row_bytes(spec.dim),) * n,
+                             (spec.num_rows * row_bytes(spec.dim),) * n)
+    if placement.kind == "row_wise":
+        shards = [(r, spec.dim, 1 / n, -(-spec.num_rows // n)) for r in range(n)]
+    else:
+        cols = np.diff(placement.columns)
+        shards = [(r, int(c), 1.0, spec.num_rows) for r, c in zip(placement.ranks, cols)]
+    sent, received, lookup, memory = ([0.0] * n for _ in range(4))
+    w = a["wire_itemsize"]
+    for owner, cols, fraction, rows in shards:
+        ids = fraction * u
+        for r in range(n):
+            if r != owner:
+                sent[r] += ids * (_ID_BYTES + cols * w)
+                received[r] += ids * cols * w
+        sent[owner] += (n - 1) * ids * cols * w
+        received[owner] += (n - 1) * ids * (_ID_BYTES + cols * w)
+        lookup[owner] += n * ids * cols * s + 2 * fraction * u_all * row_bytes(cols)
+        memory[owner] += rows * row_bytes(cols)
+    return TableEstimate(tuple(map(max, sent, received)), tuple(lookup), tuple(memory))
+
+
+def _step_seconds(tables, placements, estimates, world_size, assumptions):
+    per_rank = [sum(ts) for ts in zip(*(e.seconds(assumptions) for e in estimates.values()))]
+    if world_size == 1:
+        return max(per_rank)
+    dims = {kind: {tables[name].dim for name, p in placements.items() if (p.kind == "data_parallel") == kind}
+            for kind in (True, False)}
+    return max(per_rank) + assumptions["collective_latency_s"] * (3 * len(dims[False]) + len(dims[True]))
+
+
+def _place(kind, spec, world_size, order):
+    """``kind`` for ``spec``, owners taken from ``order`` (ranks, most preferred first)."""
+    if kind in ("data_parallel", "row_wise"):
+        return Placement(kind, tuple(range(world_size)), (0, spec.dim))
+    if kind == "table_wise":
+        return Placement(kind, (order[0],), (0, spec.dim))
+    sizes = [len(c) for c in np.array_split(np.arange(spec.dim), min(world_size, spec.dim))]
+    return Placement(kind, tuple(order[:len(sizes)]), tuple(int(c) for c in np.cumsum([0] + sizes)))
+
+
+def _requested_kinds(request, names):
+    expected = f"'auto', one of {PLACEMENTS}, or a dict of table name -> one of those"
+    if isinstance(request, str):
+        if request != "auto" and request not in PLACEMENTS:
+            raise ValueError(f"plan must be {expected}, got {request!r}")
+        return dict.fromkeys(names, request)
+    if not isinstance(request, collections.abc.Mapping):
+        raise ValueError(f"plan must be {expected}, got {type(request).__name__}")
+    unknown = sorted(set(request) - set(names))
+    if unknown:
+        raise ValueError(f"plan names unknown tables {unknown}; the tables are {list(names)}")
+    for name, kind in request.items():
+        if kind != "auto" and kind not in PLACEMENTS:
+            raise ValueError(f"plan[{name!r}] must be 'auto' or one of {PLACEMENTS}, got {kind!r}")
+    return {name: request.get(name, "auto") for name in names}
+
+
+def _checked_tables(tables):
+    specs = [table_spec(t) for t in tables]
+    if not specs:
+        raise ValueError("make_plan needs at least one table")
+    seen_tables, feature_owner = set(), {}
+    for spec in specs:
+        if spec.name in seen_tables:
+            raise ValueError(f"duplicate table name {spec.name!r}")
+        seen_tables.add(spec.name)
+        for feature in spec.features:
+            if feature in feature_owner:
+                raise ValueError(f"feature {feature!r} is used by tables {feature_owner[feature]!r} "
+                                 f"and {spec.name!r}; a feature belongs to one table")
+            feature_owner[feature] = spec.name
+    return {spec.name: spec for spec in specs}
+
+
+def _assumptions(world_size, batch_size_hint, memory_per_rank, state_floats_per_element,
+                 state_floats_per_row, wire_itemsize, cost):
+    if isinstance(world_size, bool) or int(world_size) != world_size or world_size < 1:
+        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    if batch_size_hint is not None and (int(batch_size_hint) != batch_size_hint or batch_size_hint < 1):
+        raise ValueError(f"batch_size_hint must be None or an integer >= 1, got {batch_size_hint!r}")
+    if memory_per_rank is not None and not memory_per_rank > 0:
+        raise ValueError(f"memory_per_rank must be None or > 0 bytes, got {memory_per_rank!r}")
+    if not (state_floats_per_element >= 0 and state_floats_per_row >= 0):
+        raise ValueError("state_floats_per_element and state_floats_per_row must be >= 0")
+    if wire_itemsize not in (2, 4):
+        raise ValueError(f"wire_itemsize must be 4 (fp32) or 2 (fp16), got {wire_itemsize!r}")
+    cost = dict(cost or {})
+    unknown = sorted(set(cost) - set(DEFAULT_COST))
+    if unknown:
+        raise ValueError(f"unknown cost parameters {unknown}; expected some of {sorted(DEFAULT_COST)}")
+    params = dict(DEFAULT_COST, **cost)
+    if not (params["network_bytes_per_s"] > 0 and params["memory_bytes_per_s"] > 0
+            and params["collective_latency_s"] >= 0):
+        raise ValueError(f"cost needs bandwidths > 0 and a latency >= 0, got {params}")
+    return dict(params, batch_size=int(batch_size_hint or DEFAULT_BATCH_SIZE), wire_itemsize=wire_itemsize,
+                state_floats_per_element=state_floats_per_element, state_floats_per_row=state_floats_per_row,
+                memory_per_rank=memory_per_rank)
+
+
+def make_plan(tables, world_size, request="auto", *, batch_size_hint=None, memory_per_rank=None,
+              state_floats_per_element=0, state_floats_per_row=0, wire_itemsize=4, cost=None):
+    """A :class:`Plan` of ``tables`` over ``world_size`` ranks (algorithm in the module docstring).
+
+    ``request``: ``"auto"``, one of PLACEMENTS for every table, or a dict of
+    table name -> one of those or ``"auto"`` (missing tables: ``"auto"``).
+    ``memory_per_rank`` (bytes) bounds what each rank holds; ``cost``
+    overrides some of :data:`DEFAULT_COST` (network 10 GB/s, memory 50 GB/s,
+    50 us per collective).
+    """
+    specs = _checked_tables(tables)
+    a = _assumptions(world_size, batch_size_hint, memory_per_rank, state_floats_per_element,
+                     state_floats_per_row, wire_itemsize, cost)
+    n, limit = int(world_size), memory_per_rank
+    kinds = _requested_kinds(request, list(specs))
+    if n == 1:
+        kinds = {name: "table_wise" if kind == "auto" else kind for name, kind in kinds.items()}
+    load, held = [0.0] * n, [0.0] * n   # seconds and bytes per rank of the tables placed so far
+    placements, estimates = {}, {}
+
+    def footprint(name):
+        spec = specs[name]
+        return spec.num_rows * spec.dim * np.dtype(spec.dtype).itemsize
+
+    def peak_memory(est, replacing=None):
+        """(bytes, rank) of the fullest rank once ``est`` is added (and ``replacing`` removed)."""
+        return max((h - (replacing.memory_bytes[r] if replacing else 0) + m, r)
+                   for r, (h, m) in enumerate(zip(held, est.memory_bytes)))
+
+    def count(est, sign):
+        for r, (t, m) in enumerate(zip(est.seconds(a), est.memory_bytes)):
+            load[r] += sign * t
+            held[r] += sign * m
+
+    names = list(specs)
+    for name in sorted(names, key=lambda x: (-footprint(x), names.index(x))):
+        spec = specs[name]
+        whole = estimate(spec, _place("table_wise", spec, n, (0,)), n, a).memory_bytes[0]
+        order = sorted(range(n), key=lambda r: (limit is not None and held[r] + whole > limit, load[r], r))
+        options = []
+        auto = tuple(k for k in _SHARDED if k != "column_wise" or not a["state_floats_per_row"])
+        for kind in (auto if kinds[name] == "auto" else (kinds[name],)):
+            placement = _place(kind, spec, n, order)
+            est = estimate(spec, placement, n, a)
+            score = max(lt + t for lt, t in zip(load, est.seconds(a)))
+            options.append((score, placement, est))
+        fitting = [o for o in options if limit is None or peak_memory(o[2])[0] <= limit]
+        if not fitting:
+            need, rank, kind = min((*peak_memory(est), p.kind) for _, p, est in options)
+            raise ValueError(f"table {name!r} does not fit memory_per_rank={limit} bytes: as {kind} rank {rank} "
+                             f"would hold {need:.0f} bytes, {held[rank]:.0f} of them for other tables")
+        _, placements[name], estimates[name] = min(fitting, key=lambda o: o[0])
+        count(estimates[name], +1)
+
+    for name in sorted(names, key=lambda x: (footprint(x), names.index(x))):
+        if n == 1 or kinds[name] != "auto":
+            continue
+        sharded = placements[name], estimates[name]
+        replica = _place("data_parallel", specs[name], n, ())
+        replica_est = estimate(specs[name], replica, n, a)
+        if limit is not None and peak_memory(replica_est, replacing=sharded[1])[0] > limit:
+            continue
+        before = _step_seconds(specs, placements, estimates, n, a)
+        placements[name], estimates[name] = replica, replica_est
+        if _step_seconds(specs, placements, estimates, n, a) > before:
+            placements[name], estimates[name] = sharded
+        else:
+            count(sharded[1], -1)
+            count(replica_est, +1)
+
+    return Plan({name: placements[name] for name in names}, tables=specs, world_size=n,
+                request=dict(request) if isinstance(request, collections.abc.Mapping) else request,
+                estimates={name: estimates[name] for name in names}, batch_size_hint=batch_size_hint,
+                assumptions=a)

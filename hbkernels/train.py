@@ -1,0 +1,389 @@
+"""The training loop of ``hbkernels train`` (:mod:`hbkernels.cli.train` parses its
+arguments): :class:`Trainer` builds the DLRM (:class:`hbkernels.models.DLRM` over an
+:class:`hbkernels.EmbeddingCollection`), feeds it synthetic or Parquet clicks,
+evaluates, checkpoints and resumes, on one or N ranks (the scheme is in the
+command's module docstring)."""
+import json
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .cli._errors import CLIError, error_line
+from .cli.progress import Progress
+
+CONFIG_KEYS = ("data", "tables", "dense_features", "alpha", "label", "dense_columns",
+               "sparse_columns", "num_rows", "dim", "bottom", "top", "batch_size", "seed",
+               "sparse_lr", "dense_lr", "shuffle_buffer")
+LATEST = "latest"
+
+
+def parquet_clicks(args, path, rank, world_size, shuffle_buffer):
+    """This rank's :class:`hbkernels.data.ParquetClicks` of ``path`` (per-rank batch B // W)."""
+    from .data.ctr import ParquetClicks
+
+    if args.batch_size < world_size:
+        raise CLIError(f"--batch-size {args.batch_size} is smaller than the {world_size} ranks")
+    return ParquetClicks(path, args.batch_size // world_size, num_rows=args.num_rows,
+                         label=args.label, dense=args.dense_columns, sparse=args.sparse_columns,
+                         rank=rank, world_size=world_size, shuffle_buffer=shuffle_buffer,
+                         seed=args.seed)
+
+
+# -- the training loop --------------------------------------------------------------------------
+class Trainer:
+    def __init__(self, args, comm, device):
+        import torch
+
+        self.torch = torch
+        self.args, self.comm, self.device = args, comm, device
+        self.rank, self.world = comm.rank, comm.world_size
+        self.root = self.rank == 0
+        if device == "cuda":
+            import cupy
+
+            torch.cuda.set_device(cupy.cuda.Device().id)
+        if self.world > 1:  # share the cores of a node between its ranks
+            threads = max(1, (os.cpu_count() or 1) // self.world)
+            torch.set_num_threads(threads)
+            import numba
+
+            numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+        self.synthetic = args.data == "synthetic"
+        self.config = self.make_config()
+        self.train_data, self.eval_data = self.make_data()
+        if self.synthetic:
+            self.features = [t.name for t in args.tables]
+            self.num_dense = args.dense_features
+            self.steps = args.steps
+        else:
+            self.features = self.train_data.features
+            self.num_dense = len(self.train_data.dense)
+            self.steps = args.epochs * len(self.train_data) if args.epochs else args.steps
+        if self.synthetic:
+            self.eval_split = "held-out synthetic samples"
+        else:
+            self.eval_split = f"--eval-data {args.eval_data}" if args.eval_data else "training data"
+        self.step = 0
+        self.history, self.evals = [], []
+        self.train_seconds = 0.0      # of every run that led to this step (resumes included)
+        self.timed_seconds, self.timed_samples = 0.0, 0   # this run's, for samples/s
+        self.build()
+
+    def make_config(self):
+        a = self.args
+        config = {k: getattr(a, k) for k in CONFIG_KEYS}
+        config["tables"] = [list(t) for t in a.tables] if self.synthetic else None
+        config["bottom"], config["top"] = list(a.bottom), list(a.top)
+        if self.synthetic:
+            for k in ("label", "dense_columns", "sparse_columns", "num_rows", "shuffle_buffer"):
+                config[k] = None
+        else:
+            config["dense_features"] = config["alpha"] = None
+            config["data"] = os.path.abspath(a.data)
+        return config
+
+    def make_data(self):
+        a = self.args
+        if self.synthetic:
+            from .data.ctr import SyntheticClicks
+
+            return SyntheticClicks(a.tables, a.dense_features, alpha=a.alpha, seed=a.seed), None
+        return (parquet_clicks(a, a.data, self.rank, self.world, a.shuffle_buffer),
+                parquet_clicks(a, a.eval_data or a.data, self.rank, self.world, 0))
+
+    def table_specs(self):
+        from .types import TableSpec
+
+        a = self.args
+        shape = {t.name: (t.num_rows, t.hotness) for t in a.tables} if self.synthetic else {}
+        return [TableSpec(f, num_rows=shape.get(f, (a.num_rows, 1))[0], dim=a.dim, combiner="sum",
+                          hotness=shape.get(f, (a.num_rows, 1))[1])
+                for f in self.features]
+
+    def build(self):
+        from . import optim
+        from .adapters.torch import EmbeddingCollectionModule
+        from .sharding.collection import EmbeddingCollection
+        from .models import DLRM
+
+        torch, a = self.torch, self.args
+        state = self.read_checkpoint() if a.resume else None
+        hint = max(1, a.batch_size // self.world)
+        if state is None:
+            coll = EmbeddingCollection(self.table_specs(), self.comm, optim.Adagrad(lr=a.sparse_lr),
+                                       plan=a.plan, batch_size_hint=hint, seed=a.seed,
+                                       device=self.device)
+        else:
+            coll = EmbeddingCollection.load(state["dir"] / "embeddings", self.comm, plan=a.plan,
+                                            batch_size_hint=hint, device=self.device)
+        torch.manual_seed(a.seed)
+        self.model = DLRM(EmbeddingCollectionModule(coll), self.features, self.num_dense, a.dim,
+                          bottom=a.bottom, top=a.top).to(self.device)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=a.dense_lr)
+        self.dense_params = [p for p in self.model.parameters() if p.requires_grad]
+        self.collection = coll
+        if state is not None:
+            dense = torch.load(state["dir"] / "dense.pt", map_location=self.device, weights_only=True)
+            missing, unexpected = self.model.load_state_dict(dense["model"], strict=False)
+            if unexpected or any(not k.startswith("embeddings.") for k in missing):
+                raise CLIError(f"checkpoint {state['dir']}: dense.pt does not fit the model "
+                               f"(missing {missing}, unexpected {unexpected})")
+            self.optimizer.load_state_dict(dense["optimizer"])
+            self.step = state["step"]
+            self.history, self.evals = state["history"], state["evals"]
+            self.train_seconds = state["train_seconds"]
+
+    # -- batches ------------------------------------------------------------------------------
+    def tensors(self, batch):
+        from .types import Ragged
+
+        torch = self.torch
+
+        def t(a):
+            a = np.ascontiguousarray(a)
+            return torch.from_numpy(a if a.flags.writeable else a.copy()).to(self.device)
+
+        sparse = {f: (t(x.values), t(x.offsets)) if isinstance(x, Ragged) else t(x)
+                  for f, x in batch.sparse.items()}
+        return t(batch.dense), sparse, t(batch.label)
+
+    def local_slice(self, size):
+        return size * self.rank // self.world, size * (self.rank + 1) // self.world
+
+    def train_batches(self):
+        """(step, this rank's batch, global batch size) from ``self.step`` on."""
+        a = self.args
+        if self.synthetic:
+            lo, hi = self.local_slice(a.batch_size)
+            for step in range(self.step, self.steps):
+                yield step, self.train_data.batch(step, a.batch_size).rows(lo, hi), a.batch_size
+            return
+        per_epoch = len(self.train_data)
+        if per_epoch == 0 and self.step < self.steps:
+            raise CLIError(f"no rows to train on in {a.data}")
+        step = self.step
+        while step < self.steps:
+            epoch, skip = divmod(step, per_epoch)
+            self.train_data.set_epoch(epoch)
+            for k, batch in enumerate(self.train_data):
+                if k < skip:
+                    continue
+                if step >= self.steps:
+                    break
+                n = len(batch)
+                if self.world > 1:
+                    n = int(self.comm.allreduce(np.array([n], np.int64))[0])
+                yield step, batch, n
+                step += 1
+
+    def eval_batches(self):
+        a = self.args
+        if not self.synthetic:
+            self.eval_data.set_epoch(0)
+            yield from self.eval_data
+            return
+        from .data.ctr import EVAL
+
+        for index in range(math.ceil(a.eval_samples / a.batch_size)):
+            size = min(a.batch_size, a.eval_samples - index * a.batch_size)
+            yield self.train_data.batch(index, size, stream=EVAL).rows(*self.local_slice(size))
+
+    # -- steps --------------------------------------------------------------------------------
+    def train_step(self, batch, global_count):
+        torch = self.torch
+        dense, sparse, label = self.tensors(batch)
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=False)
+        logits = self.model(dense, sparse)
+        loss_sum = torch.nn.functional.binary_cross_entropy_with_logits(logits, label, reduction="sum")
+        (loss_sum / global_count).backward()   # the collection applies its sparse update here
+        grads = [p.grad.reshape(-1) for p in self.dense_params]
+        flat = torch.cat(grads + [loss_sum.detach().reshape(1)])
+        if self.world > 1:
+            flat = self.allreduce(flat)
+        offset = 0
+        for p, g in zip(self.dense_params, grads):
+            p.grad.copy_(flat[offset:offset + g.numel()].view_as(p.grad))
+            offset += g.numel()
+        self.optimizer.step()
+        return float(flat[-1]) / global_count
+
+    def allreduce(self, tensor):
+        torch = self.torch
+        if self.device == "cuda":
+            import cupy
+
+            return torch.from_dlpack(self.comm.allreduce(cupy.from_dlpack(tensor.contiguous())))
+        return torch.from_numpy(self.comm.allreduce(tensor.detach().numpy()))
+
+    def evaluate(self):
+        """(logloss, AUC, samples) over the whole evaluation set, every rank's predictions gathered."""
+        torch = self.torch
+        probs, labels = [], []
+        self.model.eval()
+        with torch.no_grad():
+            for batch in self.eval_batches():
+                dense, sparse, _ = self.tensors(batch)
+                probs.append(torch.sigmoid(self.model(dense, sparse)).double().cpu().numpy())
+                labels.append(np.asarray(batch.label, np.float64))
+        both = np.stack([np.concatenate(probs), np.concatenate(labels)], axis=1)
+        if self.world > 1:
+            both, _ = self.comm.allgatherv(both)
+        from .metrics import logloss, roc_auc
+
+        return logloss(both[:, 1], both[:, 0]), roc_auc(both[:, 1], both[:, 0]), int(both.shape[0])
+
+    def record_eval(self):
+        loss, auc, n = self.evaluate()
+        self.evals.append({"step": self.step, "logloss": loss, "auc": auc, "samples": n})
+        if self.root:
+            print(f"step {self.step}: eval ({self.eval_split}) logloss {loss:.5f}, AUC {auc:.5f} "
+                  f"over {n} samples", flush=True)
+
+    def fit(self):
+        a = self.args
+        if self.root:
+            print(f"hbkernels train: {self.world} rank(s), backend {self.comm.backend}, device "
+                  f"{self.device}, global batch {a.batch_size}, {self.steps} steps"
+                  + (f" (resuming at step {self.step})" if self.step else ""), flush=True)
+            print(self.collection.plan, flush=True)
+        bar = Progress(self.steps, "train", initial=self.step, enabled=self.root)
+        mark = time.perf_counter()
+        for i, (step, batch, count) in enumerate(self.train_batches()):
+            loss = self.train_step(batch, count)
+            now = time.perf_counter()
+            self.train_seconds += now - mark   # data and step; not evaluations, not checkpoints
+            if i:  # the first step compiles kernels: samples/s leaves it out
+                self.timed_seconds += now - mark
+                self.timed_samples += count
+            self.step = step + 1
+            self.history.append({"step": self.step, "loss": loss, "samples": count})
+            bar.update(loss=f"{loss:.4f}")
+            if a.eval_every and self.step % a.eval_every == 0 and self.step < self.steps:
+                self.record_eval()
+            if (a.checkpoint and a.checkpoint_every and self.step % a.checkpoint_every == 0
+                    and self.step < self.steps):
+                self.save_checkpoint()
+            mark = time.perf_counter()
+        bar.close()
+        if not self.evals or self.evals[-1]["step"] != self.step:
+            self.record_eval()
+        if a.checkpoint:
+            self.save_checkpoint()
+        if self.root:
+            self.report()
+        return 0
+
+    # -- output ---------------------------------------------------------------------------------
+    def report(self):
+        a = self.args
+        rate = self.timed_samples / self.timed_seconds if self.timed_seconds > 0 else float("nan")
+        last = self.evals[-1]
+        metrics = {
+            "world_size": self.world, "backend": self.comm.backend, "device": self.device,
+            "steps": self.step, "batch_size": a.batch_size, "samples_per_s": rate,
+            "train_seconds": self.train_seconds, "plan": self.collection.plan.to_json(),
+            "final": {"train_loss": self.history[-1]["loss"] if self.history else None,
+                      "eval_logloss": last["logloss"], "eval_auc": last["auc"],
+                      "eval_samples": last["samples"], "eval_split": self.eval_split},
+            "train": self.history, "eval": self.evals, "config": self.config,
+        }
+        write_json(a.metrics, metrics)
+        chart = Path(a.metrics).with_suffix(".png")
+        drawn = draw_curve(chart, self.history, self.evals, self.eval_split)
+        print(f"{self.step} steps x {a.batch_size} samples on {self.world} rank(s): "
+              f"{rate:,.0f} samples/s; eval ({self.eval_split}) logloss {last['logloss']:.5f}, "
+              f"AUC {last['auc']:.5f}; metrics -> {a.metrics}"
+              + (f", curve -> {chart}" if drawn is None else f" ({drawn})"), flush=True)
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def save_checkpoint(self):
+        from ._files import fsync_dir
+
+        root = Path(self.args.checkpoint)
+        step_dir = root / f"step-{self.step:08d}"
+        self.collection.save(step_dir / "embeddings")          # collective, atomic on its own
+        if self.root:
+            def write_dense(f):
+                self.torch.save({"model": self.dense_state_dict(),
+                                 "optimizer": self.optimizer.state_dict()}, f)
+            from ._files import write_atomic
+
+            write_atomic(step_dir / "dense.pt", write_dense)
+            write_json(step_dir / "trainer.json", {
+                "step": self.step, "config": self.config, "history": self.history,
+                "evals": self.evals, "train_seconds": self.train_seconds})
+            fsync_dir(step_dir)
+        self.comm.barrier()
+        if self.root:
+            write_atomic(root / LATEST, lambda f: f.write(step_dir.name.encode()))
+            fsync_dir(root)
+            for old in root.glob("step-*"):
+                if old.name != step_dir.name:
+                    shutil.rmtree(old, ignore_errors=True)
+        self.comm.barrier()
+
+    def dense_state_dict(self):
+        """The model's state without the tables (they are in the collection's checkpoint;
+        the module's own ``state_dict()`` would gather them, a collective)."""
+        return {k: v for name, child in self.model.named_children() if name != "embeddings"
+                for k, v in child.state_dict(prefix=f"{name}.").items()}
+
+    def read_checkpoint(self):
+        root = Path(self.args.checkpoint)
+        try:
+            name = (root / LATEST).read_text().strip()
+        except FileNotFoundError:
+            raise CLIError(f"no checkpoint to resume in {root} (no {root / LATEST})") from None
+        step_dir = root / name
+        try:
+            state = json.loads((step_dir / "trainer.json").read_text())
+        except (OSError, ValueError) as e:
+            raise CLIError(f"checkpoint {step_dir} is unreadable: {error_line(e)}") from None
+        changed = [k for k in CONFIG_KEYS if state["config"].get(k) != self.config.get(k)]
+        if changed:
+            detail = ", ".join(f"{k}: {state['config'].get(k)!r} -> {self.config.get(k)!r}"
+                               for k in changed)
+            raise CLIError(f"--resume with another configuration than {step_dir} ({detail})")
+        state["dir"] = step_dir
+        return state
+
+
+def write_json(path, obj):
+    from ._files import write_json_atomic
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, obj)
+
+
+def draw_curve(path, history, evals, eval_split):
+    """Write ``path``, a PNG of the training loss per step (and the evaluation logloss at
+    each evaluation) above the evaluation AUC; returns None, or why no chart was drawn."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        return "matplotlib is not installed: no curve (pip install 'hbkernels[train]')"
+    fig = Figure(figsize=(7, 5.5))
+    FigureCanvasAgg(fig)
+    loss_ax, auc_ax = fig.subplots(2, 1, sharex=True)
+    loss_ax.plot([h["step"] for h in history], [h["loss"] for h in history], lw=0.8,
+                 label="training loss (batch)")
+    loss_ax.plot([e["step"] for e in evals], [e["logloss"] for e in evals], "o-",
+                 label=f"eval logloss ({eval_split})")
+    loss_ax.set_ylabel("logloss")
+    loss_ax.legend()
+    loss_ax.grid(alpha=0.3)
+    auc_ax.plot([e["step"] for e in evals], [e["auc"] for e in evals], "o-", color="C2")
+    auc_ax.set_ylabel(f"AUC ({eval_split})")
+    auc_ax.set_xlabel("step")
+    auc_ax.grid(alpha=0.3)
+    fig.suptitle("hbkernels train")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    return None
