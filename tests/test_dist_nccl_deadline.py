@@ -2,7 +2,7 @@
 
 On this CPU-only machine: fake ``cupy`` / ``cupy.cuda.nccl`` objects (host
 memory standing in for the GPU, a simulated peer of rank 0 in a world of 2)
-and a fake MPI control channel, injected through the module-level ``_cupy()``
+and a fake MPI control channel, injected through the modules' ``cupy()`` / ``_cupy()``
 / ``_nccl()`` helpers of :mod:`hbkernels.dist._nccl`. A fake NCCL call that
 blocks waits on a gate (releasing the GIL, as CuPy's calls do) that the test
 opens when it ends, so no thread outlives the test. Every test carries a
@@ -23,7 +23,7 @@ import pytest
 from mpirun import HAVE_MPI4PY, MPIEXEC, _env, _gpu_count, _hydra, mpirun
 
 import hbkernels as hbk
-from hbkernels import _dispatch
+from hbkernels import _dispatch, _machine
 from hbkernels.dist import _common, _nccl
 
 TIMEOUT = 0.5
@@ -213,7 +213,8 @@ def fake(monkeypatch):
     nccl = FakeNccl(cp.cuda)
     monkeypatch.setattr(_nccl, "_cupy", lambda: cp)
     monkeypatch.setattr(_nccl, "_nccl", lambda: nccl)
-    monkeypatch.setattr(_dispatch, "_cupy", lambda: cp)
+    monkeypatch.setattr(_dispatch, "cupy", lambda: cp)
+    monkeypatch.setattr(_machine, "cupy", lambda: cp)
     yield SimpleNamespace(cp=cp, nccl=nccl)
     nccl.gate.set()  # lets the blocked fake calls return: their threads end
 
