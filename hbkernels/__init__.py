@@ -8,13 +8,13 @@ CUDA); results come back in the caller's array family.
 >>> hbk.embedding_bag(np.eye(3, dtype=np.float32), np.array([0, 2]), np.array([0, 2])).tolist()
 [[1.0, 0.0, 1.0]]
 """
-from . import data, dist, optim
+from . import data, dist, optim, reference
 from .sharding import EmbeddingCollection
 from .errors import BoundsError, CheckpointError
 from .memory import aligned_empty, aligned_full
 from .ops import (
-    embedding_bag, embedding_bag_backward, lookup, lookup_backward, partition, segment_reduce,
-    segment_sum, unique,
+    embedding_bag, embedding_bag_backward, lookup, lookup_backward, partition,
+    per_sample_weights_backward, segment_reduce, segment_sum, unique,
 )
 from .types import JaggedRows, Partitioned, Ragged, SparseGrad, TableSpec
 from ._version import __version__
@@ -38,6 +38,8 @@ __all__ = [
     "lookup_backward",
     "optim",
     "partition",
+    "per_sample_weights_backward",
+    "reference",
     "segment_reduce",
     "segment_sum",
     "unique",

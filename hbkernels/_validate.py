@@ -77,6 +77,18 @@ def grad_out(g, num_bags):
         )
 
 
+def bag_gradient(w, g, bag_values, bag_offsets, psw):
+    """The inputs of a gradient of ``embedding_bag``: a table ``w``, CSR bags, optional
+    per-sample weights and one row ``g`` of the table's D per bag."""
+    table("weights", w)
+    ids("values", bag_values, ndim=1)
+    offsets(bag_offsets)
+    per_sample_weights(psw, bag_values)
+    grad_out(g, bag_offsets.shape[0] - 1)
+    if g.shape[1] != w.shape[1]:
+        raise ValueError(f"grad_out has D = {g.shape[1]} columns but the table has {w.shape[1]}")
+
+
 def choice(name, value, allowed):
     if value not in allowed:
         raise ValueError(f"{name} must be one of {sorted(allowed)}, got {value!r}")

@@ -303,3 +303,41 @@ def embedding_bag_backward(
     )
     check.raise_ragged(family, values, offsets, bad_offset, bad_id, num_rows)
     return SparseGrad(ids, rows)
+
+
+def per_sample_weights_backward(
+    grad_out, weights, values, offsets, per_sample_weights, *, combiner="sum", bounds="raise",
+):
+    """Gradient of :func:`embedding_bag` w.r.t. ``per_sample_weights``, ``[N]`` in
+    their dtype (what every front end's autograd calls).
+
+    For position ``j`` in bag ``b``, with ``dot_j = grad_out[b] · weights[values[j]]``
+    and ``S_b = Σ_k w_k·dot_k`` over the bag: sum gives ``dot_j``; mean
+    (``c = 1/Σw``) ``c·(dot_j - c·S_b)``; sqrtn (``c = 1/sqrt(Σw²)``)
+    ``c·dot_j - c³·w_j·S_b``; ``c = 0`` where the denominator is 0, as the
+    forward's zeros there. An id outside ``[0, num_rows)`` (``bounds="zero"``,
+    or ``"unchecked"``, where it is still never read) gets 0 and counts in no
+    denominator. Sums are in float64 on the CPU, in the accumulator dtype on
+    the GPU (fp64 if any input is fp64, else fp32). ``bounds`` checks as
+    :func:`embedding_bag` does.
+
+    >>> import numpy as np, hbkernels as hbk
+    >>> w = np.arange(6, dtype=np.float32).reshape(3, 2)
+    >>> hbk.per_sample_weights_backward(
+    ...     np.ones((1, 2), np.float32), w, np.array([0, 2]), np.array([0, 2]),
+    ...     np.ones(2, np.float32)).tolist()
+    [1.0, 9.0]
+    """
+    family, a = resolve(grad_out=grad_out, weights=weights, values=values, offsets=offsets,
+                        per_sample_weights=per_sample_weights)
+    grad_out, weights, values, offsets, psw = (
+        a["grad_out"], a["weights"], a["values"], a["offsets"], a["per_sample_weights"]
+    )
+    check.bag_gradient(weights, grad_out, values, offsets, psw)
+    mode = check.choice("bounds", bounds, check.BOUNDS)
+    comb = check.choice("combiner", combiner, check.COMBINERS)
+    bad_offset, bad_id = kernels(family, "ragged").check_ragged(
+        family, values, offsets, weights.shape[0], mode)
+    check.raise_ragged(family, values, offsets, bad_offset, bad_id, weights.shape[0])
+    return kernels(family, "per_sample_weights_backward").per_sample_weights_backward(
+        family, grad_out, weights, values, offsets, psw, comb)

@@ -178,15 +178,7 @@ class SparseOptimizer:
         weights, grad_out, values, offsets, psw = (
             a["weights"], a["grad_out"], a["values"], a["offsets"], a["per_sample_weights"]
         )
-        check.table("weights", weights)
-        check.ids("values", values, ndim=1)
-        check.offsets(offsets)
-        check.per_sample_weights(psw, values)
-        check.grad_out(grad_out, offsets.shape[0] - 1)
-        if grad_out.shape[1] != weights.shape[1]:
-            raise ValueError(
-                f"grad_out has D = {grad_out.shape[1]} columns but the table has {weights.shape[1]}"
-            )
+        check.bag_gradient(weights, grad_out, values, offsets, psw)
         mode = check.choice("bounds", bounds, check.BOUNDS)
         comb = check.choice("combiner", combiner, check.COMBINERS)
         s1, s2 = self._state_arrays(family, weights, state)

@@ -257,6 +257,10 @@ def test_opcheck(rng, combiner, weighted):
     result = torch.library.opcheck(torch.ops.hbkernels.embedding_bag_backward.default,
                                    (grad, values, offsets, 12, combiner, psw, "raise"))
     assert all(v == "SUCCESS" for v in result.values()), result
+    if weighted:
+        result = torch.library.opcheck(torch.ops.hbkernels.per_sample_weights_backward.default,
+                                       (grad, weight, values, offsets, psw, combiner, "zero"))
+        assert all(v == "SUCCESS" for v in result.values()), result
 
 
 @pytest.mark.parametrize("combiner", COMBINERS)

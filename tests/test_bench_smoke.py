@@ -17,7 +17,8 @@ if str(ROOT) not in sys.path:  # the bench package lives at the repository root
 
 from hbkernels.bench import common  # noqa: E402
 
-SCRIPTS = ["embedding_bag", "embedding_bag_backward", "unique", "lookup", "segment_sum", "segment_reduce", "partition"]
+SCRIPTS = ["embedding_bag", "embedding_bag_backward", "unique", "lookup", "segment_sum",
+           "segment_reduce", "partition", "per_sample_weights_backward"]
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 
 

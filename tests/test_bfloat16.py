@@ -7,18 +7,14 @@ import math
 
 import numpy as np
 import pytest
-from conftest import Backend, assert_close, random_offsets
-from test_embedding_bag import reference_embedding_bag
-from test_embedding_bag_backward import reference_backward
-from test_optim import (RULES, Table, bags, make_opt, spec_stochastic_round, state_names,
-                        within_one_ulp)
+from conftest import assert_close, random_offsets
+from helpers import RULES, Table, bags, dense_backward, make_opt, state_names, within_one_ulp
 
 import hbkernels as hbk
-from hbkernels import optim
+from hbkernels import optim, reference
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 BF16 = np.dtype(ml_dtypes.bfloat16)
-BF16_MAX = float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)
 
 
 def bf16_table(rng, num_rows, dim):
@@ -62,7 +58,7 @@ def test_embedding_bag(backend, rng, combiner, dim, weighted):
     out = backend.get(hbk.embedding_bag(put(w), put(values), put(offsets), combiner=combiner,
                                         per_sample_weights=put(psw)))
     # fp32 accumulation, one rounding to bf16 at the end
-    assert_close(out, reference_embedding_bag(w, values, offsets, combiner, psw), BF16)
+    assert_close(out, reference.embedding_bag(w, values, offsets, combiner, psw), BF16)
     if backend.is_cuda and not weighted and combiner == "sum":
         # each bag summed in fp32 in input order, then rounded to nearest even: the
         # CPU's bits exactly
@@ -191,7 +187,7 @@ def test_stochastic_rounding_follows_the_spec_hash(backend, rng, fused):
     else:
         opt.step(w, state, hbk.SparseGrad(put(ids), put(g)))
     key = optim._mix64((99 << 32) ^ 1)
-    expected = np.array([[spec_stochastic_round(x[r, d], key, r, d, np.float64, -126, 7, BF16_MAX)
+    expected = np.array([[reference.stochastic_round(x[r, d], key, r, d, "bf16")
                           for d in range(dim)]
                          for r in range(num_rows)])
     got = as64(backend.get(w))
@@ -251,7 +247,7 @@ def test_jax_adapter_bf16_under_jit(rng):
     out = jax.jit(lambda w: hbj.embedding_bag(w, jnp.asarray(values), jnp.asarray(offsets),
                                               combiner="sum"))(w)
     assert out.dtype == jnp.bfloat16
-    assert_close(np.asarray(out), reference_embedding_bag(np.asarray(w), values, offsets, "sum"),
+    assert_close(np.asarray(out), reference.embedding_bag(np.asarray(w), values, offsets, "sum"),
                  BF16)
 
 
@@ -279,8 +275,8 @@ def test_tf_adapter_bf16_cpu_tensors(rng, mode):
 
     out, g = tf.function(step)() if mode == "graph" else step()
     assert out.dtype == tf.bfloat16 and g.values.dtype == tf.bfloat16
-    assert_close(out.numpy(), reference_embedding_bag(w, values, offsets, "mean", psw), BF16)
-    expected, touched = reference_backward(grad, values, offsets, 20, "mean", psw)
+    assert_close(out.numpy(), reference.embedding_bag(w, values, offsets, "mean", psw), BF16)
+    expected, touched = dense_backward(grad, values, offsets, 20, "mean", psw)
     np.testing.assert_array_equal(np.sort(g.indices.numpy()), touched)
     got = np.zeros((20, 5))
     got[g.indices.numpy()] = as64(g.values.numpy())

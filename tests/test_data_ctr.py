@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import write_parquet_files
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -16,7 +17,6 @@ import hbkernels as hbk  # noqa: E402
 from hbkernels.data import ClickBatch, ParquetClicks, SyntheticClicks, convert_criteo, hash_strings  # noqa: E402
 from hbkernels.data.ctr import EVAL, TRAIN  # noqa: E402
 from hbkernels.data.synthetic import SyntheticTable  # noqa: E402
-from test_data_parquet import write_files as write_parquet_parts  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "data"
 
@@ -248,7 +248,7 @@ def make_table(rng, first, n):
 
 
 def write_files(tmp_path, rng, sizes, row_group_size=4):
-    return write_parquet_parts(tmp_path, rng, sizes, row_group_size, make=make_table)
+    return write_parquet_files(tmp_path, rng, sizes, row_group_size, make_table)
 
 
 def expected_rows(table, dense, sparse, num_rows):

@@ -3,6 +3,7 @@ import threading
 
 import numpy as np
 import pytest
+from helpers import write_parquet_files
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
@@ -29,18 +30,8 @@ def make_table(rng, first_row, n):
     })
 
 
-def write_files(tmp_path, rng, sizes, row_group_size, make=None):
-    """Files of ``sizes`` rows (0 = an empty file) in row groups of ``row_group_size``;
-    ``make(rng, first_row, n)`` builds each table (default: :func:`make_table`)."""
-    paths, tables, first = [], [], 0
-    for i, n in enumerate(sizes):
-        t = (make or make_table)(rng, first, n)
-        path = tmp_path / f"part-{i:02d}.parquet"
-        pq.write_table(t, path, row_group_size=row_group_size)
-        paths.append(str(path))
-        tables.append(t)
-        first += n
-    return paths, pa.concat_tables(tables).combine_chunks()
+def write_files(tmp_path, rng, sizes, row_group_size, make=make_table):
+    return write_parquet_files(tmp_path, rng, sizes, row_group_size, make)
 
 
 def expected_columns(table):

@@ -16,12 +16,13 @@ import hbkernels.memory
 import hbkernels.metrics
 import hbkernels.ops
 import hbkernels.optim
+import hbkernels.reference
 import hbkernels.sharding.collection
 import hbkernels.sharding.layout
 import hbkernels.sharding.plan
 import hbkernels.types
 
-MODULES = [hbkernels, hbkernels.ops, hbkernels.optim, hbkernels.types, hbkernels.dist,
+MODULES = [hbkernels, hbkernels.ops, hbkernels.reference, hbkernels.optim, hbkernels.types, hbkernels.dist,
            hbkernels.sharding.plan, hbkernels.sharding.layout, hbkernels.sharding.collection,
            hbkernels.memory, hbkernels.data.parquet,
            hbkernels.data.hashing, hbkernels.data.convert, hbkernels.data.synthetic,

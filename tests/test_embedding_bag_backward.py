@@ -1,31 +1,13 @@
 import numpy as np
 import pytest
 from conftest import assert_close, random_offsets
+from helpers import dense_backward
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hbkernels as hbk
 
 torch = pytest.importorskip("torch")
-
-
-def reference_backward(grad_out, values, offsets, num_rows, combiner, psw=None, skip_bad=False):
-    """Dense float64 gradient of the table ``[num_rows, D]`` and the sorted in-range ids
-    looked up, by scattering each bag's scaled gradient row by row."""
-    g64 = grad_out.astype(np.float64)
-    dense = np.zeros((num_rows, grad_out.shape[1]))
-    touched = set()
-    for b in range(len(offsets) - 1):
-        js = [j for j in range(offsets[b], offsets[b + 1])
-              if not skip_bad or 0 <= values[j] < num_rows]
-        w = {j: 1.0 if psw is None else float(psw[j]) for j in js}
-        denom = {"sum": 1.0, "mean": sum(w.values()),
-                 "sqrtn": np.sqrt(sum(x * x for x in w.values()))}[combiner]
-        scale = 1.0 / denom if denom != 0 else 0.0
-        for j in js:
-            dense[values[j]] += scale * w[j] * g64[b]
-            touched.add(int(values[j]))
-    return dense, np.array(sorted(touched), np.int64)
 
 
 def check_against_dense(ids, rows, dense, touched, grad_dtype, values_dtype):
@@ -74,7 +56,7 @@ def test_matches_dense_reference(backend, rng, combiner, weighted, dim):
     psw = rng.uniform(0.1, 2.0, size=values.shape).astype(np.float32) if weighted else None
     ids, rows = run_backward(backend, grad_out, values, offsets, num_rows, combiner=combiner,
                              per_sample_weights=psw)
-    dense, touched = reference_backward(grad_out, values, offsets, num_rows, combiner, psw)
+    dense, touched = dense_backward(grad_out, values, offsets, num_rows, combiner, psw)
     check_against_dense(ids, rows, dense, touched, np.float32, np.int64)
 
 
@@ -86,7 +68,7 @@ def test_grad_dtypes(backend, rng, dtype, combiner):
     psw = rng.uniform(0.1, 2.0, size=values.shape).astype(dtype)
     ids, rows = run_backward(backend, grad_out, values, offsets, num_rows, combiner=combiner,
                              per_sample_weights=psw)
-    dense, touched = reference_backward(grad_out, values, offsets, num_rows, combiner, psw)
+    dense, touched = dense_backward(grad_out, values, offsets, num_rows, combiner, psw)
     check_against_dense(ids, rows, dense, touched, dtype, np.int64)
 
 
@@ -97,7 +79,7 @@ def test_int_dtypes(backend, rng, id_dtype, off_dtype):
     grad_out, values, offsets = make_case(rng, num_rows, 5, batch, max_len, np.float32,
                                           id_dtype, off_dtype)
     ids, rows = run_backward(backend, grad_out, values, offsets, num_rows, combiner="mean")
-    dense, touched = reference_backward(grad_out, values, offsets, num_rows, "mean")
+    dense, touched = dense_backward(grad_out, values, offsets, num_rows, "mean")
     check_against_dense(ids, rows, dense, touched, np.float32, id_dtype)
 
 
@@ -176,7 +158,7 @@ def test_bounds_zero_drops_bad_ids(backend, rng, combiner):
     psw = rng.uniform(0.5, 1.5, size=values.shape).astype(np.float32)
     ids, rows = run_backward(backend, grad_out, values, offsets, 6, combiner=combiner,
                              per_sample_weights=psw, bounds="zero")
-    dense, touched = reference_backward(grad_out, values, offsets, 6, combiner, psw, skip_bad=True)
+    dense, touched = dense_backward(grad_out, values, offsets, 6, combiner, psw, bounds="zero")
     np.testing.assert_array_equal(touched, [0, 2, 5])
     check_against_dense(ids, rows, dense, touched, np.float32, np.int64)
 
@@ -187,7 +169,7 @@ def test_bounds_unchecked_on_valid_input(backend, rng):
                                           np.int32, np.int32)
     ids, rows = run_backward(backend, grad_out, values, offsets, num_rows, combiner="sqrtn",
                              bounds="unchecked")
-    dense, touched = reference_backward(grad_out, values, offsets, num_rows, "sqrtn")
+    dense, touched = dense_backward(grad_out, values, offsets, num_rows, "sqrtn")
     check_against_dense(ids, rows, dense, touched, np.float32, np.int32)
 
 
@@ -256,7 +238,7 @@ def test_deterministic_and_atomic_agree(backend, rng, combiner):
     ids3, rows3 = sorted_by_id(*run_backward(backend, grad_out, values, offsets, num_rows,
                                              deterministic=False, **kw))
     np.testing.assert_array_equal(ids1, ids3)
-    dense, _ = reference_backward(grad_out, values, offsets, num_rows, combiner, psw)
+    dense, _ = dense_backward(grad_out, values, offsets, num_rows, combiner, psw)
     assert_close(rows3, dense[ids3], np.float32)
 
 
@@ -304,7 +286,7 @@ def test_property_random_shapes_cpu(num_rows, dim, batch, max_len, combiner, wei
     psw = rng.uniform(0.1, 2.0, size=values.shape).astype(np.float32) if weighted else None
     g = hbk.embedding_bag_backward(grad_out, values, offsets, num_rows=num_rows,
                                    combiner=combiner, per_sample_weights=psw)
-    dense, touched = reference_backward(grad_out, values, offsets, num_rows, combiner, psw)
+    dense, touched = dense_backward(grad_out, values, offsets, num_rows, combiner, psw)
     check_against_dense(g.ids, g.rows, dense, touched, np.float32, np.int64)
 
 
@@ -337,7 +319,7 @@ def test_extremely_repeated_id(backend, rng, small_chunks, combiner, dim):
     psw = rng.uniform(0.1, 2.0, size=values.shape)
     kw = dict(combiner=combiner, per_sample_weights=psw)
     ids, rows = run_backward(backend, grad_out, values, offsets, num_rows, **kw)
-    dense, touched = reference_backward(grad_out, values, offsets, num_rows, combiner, psw)
+    dense, touched = dense_backward(grad_out, values, offsets, num_rows, combiner, psw)
     check_against_dense(ids, rows, dense, touched, np.float64, values.dtype)
     again = run_backward(backend, grad_out, values, offsets, num_rows, **kw)
     np.testing.assert_array_equal(ids, again[0])
@@ -347,7 +329,7 @@ def test_extremely_repeated_id(backend, rng, small_chunks, combiner, dim):
 def test_extremely_repeated_id_fp32_matches_float64(backend, rng, small_chunks):
     grad_out, values, offsets, num_rows = skewed_case(rng, backend, 4, np.float32)
     ids, rows = run_backward(backend, grad_out, values, offsets, num_rows, combiner="sum")
-    dense, touched = reference_backward(grad_out, values, offsets, num_rows, "sum")
+    dense, touched = dense_backward(grad_out, values, offsets, num_rows, "sum")
     np.testing.assert_array_equal(np.sort(ids), touched)
     # the hot row is a sum of thousands of fp32 terms (in input order on the CPU)
     np.testing.assert_allclose(rows, dense[ids], rtol=2e-4, atol=2e-4)
@@ -362,8 +344,7 @@ def test_padded(backend, rng, small_chunks, bounds):
                              padded=True)
     assert ids.shape == (values.shape[0],) and rows.shape == (values.shape[0], 3)
     real = ids != -1
-    dense, touched = reference_backward(grad_out, values, offsets, num_rows, "sum",
-                                        skip_bad=bounds == "zero")
+    dense, touched = dense_backward(grad_out, values, offsets, num_rows, "sum", bounds=bounds)
     check_against_dense(ids[real], rows[real], dense, touched, np.float64, values.dtype)
     assert np.all(rows[~real] == 0)
     pad = 1 + np.flatnonzero(ids[1:] == -1)  # ids[0] may be the -1 of the bad ids on the GPU

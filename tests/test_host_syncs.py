@@ -99,6 +99,16 @@ def test_segment_sum(cuda, rng, bounds, expected):
     assert cuda.syncs(lambda: hbk.segment_sum(data, segs, 5, bounds=bounds)) == expected
 
 
+@pytest.mark.parametrize("bounds, expected", [("raise", 1), ("zero", 1), ("unchecked", 0)])
+def test_per_sample_weights_backward(cuda, rng, bounds, expected):
+    weights = cuda.put(rng.standard_normal((10, 3)).astype(np.float32))
+    grad = cuda.put(rng.standard_normal((2, 3)).astype(np.float32))
+    values, offsets = cuda.put(rng.integers(0, 10, 6)), cuda.put(np.array([0, 4, 6]))
+    psw = cuda.put(rng.random(6).astype(np.float32))
+    assert cuda.syncs(lambda: hbk.per_sample_weights_backward(
+        grad, weights, values, offsets, psw, bounds=bounds)) == expected
+
+
 def test_segment_reduce_and_partition_read_once(cuda, rng):
     data = cuda.put(rng.standard_normal((12, 3)).astype(np.float32))
     assert cuda.syncs(lambda: hbk.segment_reduce(data, cuda.put(np.array([0, 5, 12])))) == 1

@@ -1,6 +1,7 @@
 """The structure of hbkernels/, read from its source (nothing is imported): the import
 graph has no cycles, no module imports another module's private names, and no
-backend compares a mode against a bare number.
+backend compares a mode against a bare number; no test module imports another
+(shared fixtures are ``tests/helpers.py``, references ``hbkernels/reference.py``).
 
 Every import counts, also those inside functions. Modules whose names start with
 ``_`` are internal to the package and may be imported anywhere in it; a name with a
@@ -105,6 +106,17 @@ def bare_mode_numbers(root=ROOT):
             for k, line in enumerate(path.read_text().splitlines(), 1) if BARE_MODE.search(line)]
 
 
+def cross_test_imports(tests_dir=ROOT.parent / "tests"):
+    """``[(test module, line)]`` where a ``tests/test_*.py`` imports another test module."""
+    found = []
+    for path in sorted(tests_dir.glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [(path.name, node.lineno) for n in names if n.startswith("test_")]
+    return found
+
+
 def test_the_import_graph_has_no_cycles():
     assert cycles(graph(module_files())) == []
 
@@ -115,6 +127,10 @@ def test_no_module_imports_another_modules_private_names():
 
 def test_no_backend_compares_a_mode_against_a_bare_number():
     assert bare_mode_numbers() == []
+
+
+def test_no_cross_test_imports_another():
+    assert cross_test_imports() == []
 
 
 @pytest.fixture
@@ -143,3 +159,5 @@ def test_the_checks_find_what_they_look_for(package, tmp_path):
     (tmp_path / "pkg" / "cpu" / "k.py").write_text("if bounds == Bounds.RAISE:\n    pass\n"
                                                    "if combiner != 0:\n    pass\n")
     assert bare_mode_numbers(tmp_path / "pkg") == ["pkg/cpu/k.py:3: if combiner != 0:"]
+    (tmp_path / "test_x.py").write_text("import numpy\nfrom test_y import helper\n")
+    assert cross_test_imports(tmp_path) == [("test_x.py", 2)]

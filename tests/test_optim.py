@@ -2,116 +2,16 @@ import math
 
 import numpy as np
 import pytest
-from conftest import assert_close, random_offsets
+from conftest import assert_close
+from helpers import RULES, Table, bags, make_opt, state_names, within_one_ulp
 
 import hbkernels as hbk
-from hbkernels import optim
+from hbkernels import optim, reference
 
 torch = pytest.importorskip("torch")
 
 # torch's sparse Adagrad warns that it skips the sparse invariant checks
 pytestmark = pytest.mark.filterwarnings("ignore:Sparse invariant checks")
-
-RULES = ["SGD", "Adagrad", "RowWiseAdagrad", "Adam", "Ftrl"]
-
-
-def make_opt(name, **options):
-    """Each optimizer with non-default hyper-parameters (so a mix-up shows)."""
-    if name == "SGD":
-        return optim.SGD(lr=0.3, **options)
-    if name == "Adagrad":
-        return optim.Adagrad(lr=0.2, eps=1e-3, initial_accumulator_value=0.1, **options)
-    if name == "RowWiseAdagrad":
-        return optim.RowWiseAdagrad(lr=0.2, eps=1e-4, **options)
-    if name == "Adam":
-        return optim.Adam(lr=0.05, betas=(0.8, 0.95), eps=1e-6, **options)
-    if name == "Ftrl":
-        return optim.Ftrl(lr=0.4, l1=0.05, l2=0.1, **options)
-    if name == "Ftrl-p0.7":
-        return optim.Ftrl(lr=0.4, l1=0.05, l2=0.1, lr_power=-0.7, initial_accumulator_value=0.3,
-                          **options)
-    if name == "Ftrl-p0":
-        return optim.Ftrl(lr=0.4, l1=0.02, l2=0.0, lr_power=0.0, **options)
-    raise AssertionError(name)
-
-
-# -- helpers ----------------------------------------------------------------------
-class Table:
-    """A table and its optimizer state on the backend under test."""
-
-    def __init__(self, backend, opt, weights):
-        self.backend, self.opt = backend, opt
-        self.w = backend.put(weights.copy())
-        self.state = opt.init_state(self.w)
-
-    def step(self, ids, rows):
-        put = self.backend.put
-        self.opt.step(self.w, self.state, hbk.SparseGrad(put(ids), put(rows)))
-
-    def bag_step(self, grad_out, values, offsets, fused, psw=None, **kw):
-        put = self.backend.put
-        if fused:
-            self.opt.fused_step(self.w, self.state, put(grad_out), put(values), put(offsets),
-                                per_sample_weights=put(psw), **kw)
-        else:
-            g = hbk.embedding_bag_backward(put(grad_out), put(values), put(offsets),
-                                           num_rows=self.w.shape[0], per_sample_weights=put(psw),
-                                           **kw)
-            self.opt.step(self.w, self.state, g)
-
-    def weights(self):
-        return np.array(self.backend.get(self.w), copy=True)
-
-    def states(self):
-        """Host copies (the step counter included) of the state arrays."""
-        return {k: np.array(v if k == "step" else self.backend.get(v), copy=True)
-                for k, v in self.state.items()}
-
-
-def reference_init(name, opt, weights):
-    w = weights.astype(np.float64)
-    shape = w.shape
-    if name == "Ftrl":
-        return w, {"accum": np.full(shape, opt.initial_accumulator_value),
-                   "linear": np.zeros(shape)}
-    if name == "Adagrad":
-        return w, {"sum": np.full(shape, opt.initial_accumulator_value)}
-    if name == "RowWiseAdagrad":
-        return w, {"momentum": np.zeros(shape[0])}
-    if name == "Adam":
-        return w, {"exp_avg": np.zeros(shape), "exp_avg_sq": np.zeros(shape)}
-    return w, {}
-
-
-def reference_step(name, opt, w, s, ids, rows, t):
-    """One float64 step on the dense copies ``w`` and ``s``: duplicates summed, then the
-    formulas of the docs row by row."""
-    uniq, inverse = np.unique(ids, return_inverse=True)
-    grads = np.zeros((len(uniq), w.shape[1]))
-    np.add.at(grads, inverse.reshape(-1), rows.astype(np.float64))
-    for i, g in zip(uniq, grads):
-        if name == "SGD":
-            w[i] = w[i] - opt.lr * g
-        elif name == "Adagrad":
-            s["sum"][i] += g * g
-            w[i] = w[i] - opt.lr * g / (np.sqrt(s["sum"][i]) + opt.eps)
-        elif name == "RowWiseAdagrad":
-            s["momentum"][i] += np.mean(g * g)
-            w[i] = w[i] - opt.lr * g / (np.sqrt(s["momentum"][i]) + opt.eps)
-        elif name == "Adam":
-            b1, b2 = opt.betas
-            s["exp_avg"][i] = b1 * s["exp_avg"][i] + (1 - b1) * g
-            s["exp_avg_sq"][i] = b2 * s["exp_avg_sq"][i] + (1 - b2) * g * g
-            bias = np.sqrt(1 - b2**t) / (1 - b1**t)
-            w[i] = w[i] - opt.lr * bias * s["exp_avg"][i] / (np.sqrt(s["exp_avg_sq"][i]) + opt.eps)
-        else:  # TF ApplyFtrl
-            p, lr = opt.lr_power, opt.lr
-            n, n_new = s["accum"][i], s["accum"][i] + g * g
-            z = s["linear"][i] + g - (n_new ** -p - n ** -p) / lr * w[i]
-            quadratic = n_new ** -p / lr + 2 * opt.l2
-            w[i] = np.where(np.abs(z) > opt.l1, (np.sign(z) * opt.l1 - z) / quadratic, 0.0)
-            s["linear"][i] = z
-            s["accum"][i] = n_new
 
 
 def sparse_grads(rng, num_rows, dim, count, steps, scale=1.0):
@@ -122,21 +22,6 @@ def sparse_grads(rng, num_rows, dim, count, steps, scale=1.0):
         ids[: count // 3] = ids[0]
         out.append((ids, (scale * rng.standard_normal((count, dim))).astype(np.float32)))
     return out
-
-
-def bags(rng, num_rows, dim, batch, max_len, touch_below=None):
-    """CSR bags whose ids repeat within and across bags (ids < ``touch_below``)."""
-    offsets = random_offsets(rng, batch, max_len)
-    n = int(offsets[-1])
-    values = rng.integers(0, touch_below or num_rows, size=n)
-    if n:
-        values[rng.integers(0, n, size=max(1, n // 5))] = values[0]
-    grad_out = rng.standard_normal((batch, dim)).astype(np.float32)
-    return grad_out, values, offsets
-
-
-def state_names(opt):
-    return [name for name, _ in opt.slots]
 
 
 def assert_rows_equal(a, b, rows):
@@ -201,11 +86,11 @@ def test_against_formula(backend, rng, name, dtype, dim):
     w0 = rng.standard_normal((num_rows, dim)).astype(dtype)
     opt = make_opt(name)
     table = Table(backend, opt, w0)
-    ref_w, ref_s = reference_init(name.split("-")[0], opt, w0)
+    ref_w, ref_s = reference.optimizer_state(opt, w0)
     init_states = {k: v.copy() for k, v in table.states().items()}
     for t, (ids, rows) in enumerate(sparse_grads(rng, num_rows, dim, count, steps), start=1):
         table.step(ids, rows.astype(dtype))
-        reference_step(name.split("-")[0], opt, ref_w, ref_s, ids, rows.astype(dtype), t)
+        reference.optimizer_step(opt, ref_w, ref_s, ids, rows.astype(dtype), t)
     w, states = table.weights(), table.states()
     rtol, atol = {np.float32: (1e-4, 1e-5), np.float64: (1e-11, 1e-12)}[dtype]
     assert w.dtype == np.dtype(dtype)
@@ -314,13 +199,6 @@ def test_fused_and_plain_with_bounds_zero(backend, rng, fused):
 
 
 # -- fp16 tables ------------------------------------------------------------------------
-def within_one_ulp(actual, expected, dtype):
-    """|actual - expected| <= one ulp of ``dtype`` (fp16, or bf16 of ml_dtypes) at expected."""
-    assert actual.dtype == expected.dtype == np.dtype(dtype)
-    gap = np.abs(actual.astype(np.float64) - expected.astype(np.float64))
-    assert np.all(gap <= np.spacing(np.abs(expected)).astype(np.float64)), np.max(gap)
-
-
 @pytest.mark.parametrize("name", RULES)
 @pytest.mark.parametrize("fused", [False, True])
 def test_fp16_nearest_is_the_fp32_update_rounded(backend, rng, name, fused):
@@ -339,32 +217,6 @@ def test_fp16_nearest_is_the_fp32_update_rounded(backend, rng, name, fused):
         s16, s32 = half.states()[key], single.states()[key]
         assert s16.dtype == np.float32
         assert_close(s16, s32.astype(np.float64), np.float32)
-
-
-def fmix32(h):
-    h ^= h >> 16
-    h = (h * 0x85EBCA6B) & 0xFFFFFFFF
-    h ^= h >> 13
-    h = (h * 0xC2B2AE35) & 0xFFFFFFFF
-    h ^= h >> 16
-    return h
-
-
-def spec_stochastic_round(x, key, row, d, dtype=np.float16, min_exp=-14, bits=10, max_value=65504):
-    """The rounding of the spec, in Python: the same bits on every backend. Defaults:
-    fp16; bf16 is ``min_exp=-126, bits=7`` (float32's exponents, 8-bit significand)."""
-    x = float(x)
-    if not math.isfinite(x) or abs(x) >= max_value:
-        return dtype(x)
-    a = abs(x)
-    if a == 0:
-        return dtype(x)
-    ex = math.frexp(a)[1]
-    ulp = 2.0 ** (max(ex - 1, min_exp) - bits)
-    lo = math.floor(a / ulp) * ulp
-    m = 0xFFFFFFFF
-    u = fmix32(fmix32(fmix32((key & m) ^ (row & m)) ^ (row >> 32) ^ (key >> 32)) ^ d) * 2.0**-32
-    return dtype(math.copysign(lo + ulp if u < (a - lo) / ulp else lo, x))
 
 
 def exact_sgd_case(rng, num_rows, dim):
@@ -386,8 +238,8 @@ def test_stochastic_rounding_follows_the_spec_hash(backend, rng):
     table.step(ids, g[ids])
     table.step(np.zeros(0, np.int64), np.zeros((0, dim), np.float32))  # step 2: no rows
     key = optim._mix64((1234 << 32) ^ 1)
-    expected = np.array([[spec_stochastic_round(x[r, d], key, r, d) for d in range(dim)]
-                         for r in range(num_rows)])
+    expected = np.array([[reference.stochastic_round(x[r, d], key, r, d) for d in range(dim)]
+                         for r in range(num_rows)]).astype(np.float16)
     np.testing.assert_array_equal(table.weights().view(np.uint16), expected.view(np.uint16))
 
 
@@ -670,7 +522,7 @@ def test_fused_with_an_extremely_repeated_id(backend, rng, monkeypatch, name, di
     np.testing.assert_array_equal(first.weights(), second.weights())
     g = hbk.embedding_bag_backward(grad_out.astype(np.float64), values, offsets,
                                    num_rows=num_rows, combiner="mean")
-    w, s = reference_init(name, opt, w0)
-    reference_step(name, opt, w, s, g.ids, g.rows, 1)
+    w, s = reference.optimizer_state(opt, w0)
+    reference.optimizer_step(opt, w, s, g.ids, g.rows, 1)
     # the hot row's gradient is a sum of thousands of fp32 terms: a wider tolerance
     np.testing.assert_allclose(first.weights(), w, rtol=3e-4, atol=3e-4)

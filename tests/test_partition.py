@@ -2,15 +2,7 @@ import numpy as np
 import pytest
 
 import hbkernels as hbk
-
-
-def reference_partition(ids, num_shards, mode, num_rows):
-    if mode == "mod":
-        shard = ids % num_shards
-    else:
-        shard = ids // max(1, -(-num_rows // num_shards))
-    order = np.argsort(shard, kind="stable")
-    return ids[order], np.bincount(shard, minlength=num_shards), order
+from hbkernels import reference
 
 
 @pytest.mark.parametrize("num_shards", [1, 2, 3, 7])
@@ -23,7 +15,7 @@ def test_matches_stable_argsort(backend, rng, num_shards, mode, dtype):
     p = hbk.partition(backend.put(ids), num_shards, mode=mode, num_rows=num_rows)
     assert isinstance(p, hbk.Partitioned)
     parted, counts, order = backend.get(p.ids), backend.get(p.counts), backend.get(p.order)
-    ref_ids, ref_counts, ref_order = reference_partition(ids, num_shards, mode, num_rows)
+    ref_ids, ref_counts, ref_order = reference.partition(ids, num_shards, mode, num_rows)
     assert parted.dtype == dtype and counts.dtype == np.int64 and order.dtype == np.int64
     np.testing.assert_array_equal(parted, ids[order])
     np.testing.assert_array_equal(parted, ref_ids)

@@ -23,12 +23,9 @@ Gradients (``jax.custom_vjp``, ``combiner`` static):
   zeros, then ``dense[ids] = rows`` (``ids`` are distinct).
 * ``values``, ``offsets``: integer inputs, zero cotangents of dtype
   ``jax.dtypes.float0``.
-* ``per_sample_weights``: the exact gradient, computed in plain JAX (a gather
-  of the looked-up rows, ``O(N·D)``): ``<g_b, W[i_j]> / Z_b`` for ``sum``
-  (``Z_b = 1``), and ``(<g_b, W[i_j]> - <g_b, out_b>·∂Z_b/∂w_j) / Z_b`` for
-  ``mean`` (``Z_b = Σw``, ``∂Z_b/∂w_j = 1``) and ``sqrtn`` (``Z_b =
-  sqrt(Σw²)``, ``∂Z_b/∂w_j = w_j / Z_b``); zero where ``Z_b == 0``. Under
-  ``jax.jit`` XLA drops this work when nothing asks for that gradient.
+* ``per_sample_weights``: :func:`hbkernels.per_sample_weights_backward`
+  (the exact gradient, zero where a bag's denominator is zero), through the
+  same callback path as the other kernels.
 
 Execution paths (chosen per lowering platform with ``jax.lax.platform_dependent``;
 :func:`paths` says which ones this installation takes):
@@ -54,8 +51,8 @@ Execution paths (chosen per lowering platform with ``jax.lax.platform_dependent`
   ``weight`` (the whole table), ``values``, ``offsets`` and
   ``per_sample_weights`` device-to-host, the CPU kernel runs, and ``[B, D]``
   goes back host-to-device; the backward copies ``g``, ``values``,
-  ``offsets`` (and weights) to the host and the dense ``[num_rows, D]``
-  cotangent back. Correct, but far from zero-copy.
+  ``offsets`` (and weights, and for their gradient the table) to the host and
+  the dense ``[num_rows, D]`` cotangent back. Correct, but far from zero-copy.
 
 Errors: shape, dtype and ``combiner`` problems are found while tracing and
 raise ``ValueError`` at the call. Data errors (an id outside
@@ -132,13 +129,13 @@ def _bag(combiner, weight, values, offsets, psw):
 def _bag_fwd(combiner, weight, values, offsets, psw):
     out = _forward(combiner, weight, values, offsets, psw)
     # weight is kept for its shape (and, with weights, for their gradient)
-    return out, (weight, values, offsets, psw, None if psw is None else out)
+    return out, (weight, values, offsets, psw)
 
 
 def _bag_bwd(combiner, residuals, g):
-    weight, values, offsets, psw, out = residuals
+    weight, values, offsets, psw = residuals
     d_weight = _backward(combiner, weight.shape[0], g, values, offsets, psw)
-    d_psw = None if psw is None else _psw_grad(combiner, weight, values, offsets, psw, out, g)
+    d_psw = None if psw is None else _weights_grad(combiner, g, weight, values, offsets, psw)
     return (
         d_weight,
         np.zeros(values.shape, jax.dtypes.float0),
@@ -148,29 +145,6 @@ def _bag_bwd(combiner, residuals, g):
 
 
 _bag.defvjp(_bag_fwd, _bag_bwd)
-
-
-def _psw_grad(combiner, weight, values, offsets, psw, out, g):
-    """d loss / d per_sample_weights in plain JAX (formulas in the module docstring)."""
-    n, num_bags = values.shape[0], offsets.shape[0] - 1
-    if n == 0 or num_bags == 0:
-        return jnp.zeros_like(psw)
-    acc = jnp.promote_types(jnp.promote_types(weight.dtype, psw.dtype), jnp.float32)
-    bag = jnp.searchsorted(offsets[1:], jnp.arange(n, dtype=offsets.dtype), side="right")
-    g_j = jnp.take(g, bag, axis=0).astype(acc)
-    dot_row = jnp.sum(g_j * jnp.take(weight, values, axis=0).astype(acc), axis=1)
-    if combiner == "sum":
-        return dot_row.astype(psw.dtype)
-    w = psw.astype(acc)
-    dot_out = jnp.sum(g_j * jnp.take(out, bag, axis=0).astype(acc), axis=1)
-    if combiner == "mean":
-        z = jax.ops.segment_sum(w, bag, num_bags)[bag]
-        dz = jnp.ones_like(w)
-    else:
-        z = jnp.sqrt(jax.ops.segment_sum(w * w, bag, num_bags))[bag]
-        dz = w / jnp.where(z != 0, z, 1)
-    grad = jnp.where(z != 0, (dot_row - dot_out * dz) / jnp.where(z != 0, z, 1), 0)
-    return grad.astype(psw.dtype)
 
 
 # -- kernel calls (NumPy or CuPy arrays in, NumPy or CuPy arrays out) ----------
@@ -195,6 +169,14 @@ def _grad_into(combiner, num_rows, out, g, values, offsets, psw=None):
     return out
 
 
+def _weights_grad_into(combiner, out, g, weight, values, offsets, psw):
+    result = ops.per_sample_weights_backward(g, weight, values, offsets, psw, combiner=combiner)
+    if out is None:
+        return result
+    out[...] = result
+    return out
+
+
 def _forward(combiner, weight, values, offsets, psw):
     out_type = jax.ShapeDtypeStruct((offsets.shape[0] - 1, weight.shape[1]), weight.dtype)
     return _call(functools.partial(_pool_into, combiner), out_type, weight, values, offsets, psw)
@@ -204,6 +186,12 @@ def _backward(combiner, num_rows, g, values, offsets, psw):
     out_type = jax.ShapeDtypeStruct((num_rows, g.shape[1]), g.dtype)
     kernel_into = functools.partial(_grad_into, combiner, num_rows)
     return _call(kernel_into, out_type, g, values, offsets, psw)
+
+
+def _weights_grad(combiner, g, weight, values, offsets, psw):
+    out_type = jax.ShapeDtypeStruct(psw.shape, psw.dtype)
+    return _call(functools.partial(_weights_grad_into, combiner), out_type, g, weight, values,
+                 offsets, psw)
 
 
 # -- the two callback paths ---------------------------------------------------

@@ -10,10 +10,9 @@ Gradients
     hands it to the optimizer unchanged, so TF/Keras optimizers apply sparse
     (``scatter``) updates and untouched rows get a zero gradient without a
     dense ``[num_rows, D]`` tensor ever being made. The gradient w.r.t.
-    ``per_sample_weights`` (dense, shape of ``values``) is computed with TF ops
-    when they are watched: ``sum``: ``W[id_j]·g_b``; ``mean``:
-    ``(W[id_j] - out_b)·g_b / Σw``; ``sqrtn``: ``(W[id_j] - out_b·w_j/n)·g_b / n``
-    with ``n = sqrt(Σw²)``, zero where the denominator is zero. The op is
+    ``per_sample_weights`` (dense, shape of ``values``) is
+    :func:`hbkernels.per_sample_weights_backward`, computed only when they are
+    watched (zero where a bag's denominator is zero). The op is
     differentiable once (no gradient of the gradient).
 
 Eager mode
@@ -272,33 +271,25 @@ def _backward(dy, w, values, offsets, psw, combiner, bounds):
     return ids, rows
 
 
-def _psw_grad(dy, out, w, values, offsets, psw, combiner, bounds):
-    """d loss / d per_sample_weights, with TF ops (see the module docstring)."""
-    f32 = tf.float64 if w.dtype == tf.float64 else tf.float32
-    num_bags = tf.shape(offsets)[0] - 1
-    lengths = offsets[1:] - offsets[:-1]
-    bag = tf.repeat(tf.range(num_bags, dtype=offsets.dtype), lengths)
-    if bounds == "unchecked":
-        valid = tf.ones_like(values, tf.bool)
-    else:
-        valid = (values >= 0) & (values < tf.shape(w, out_type=values.dtype)[0])
-    rows = tf.gather(w, tf.where(valid, values, tf.zeros_like(values)))
-    g = tf.cast(tf.gather(dy, bag), f32)
-    e_g = tf.reduce_sum(tf.cast(rows, f32) * g, axis=-1)
-    zero = tf.zeros_like(e_g)
-    if combiner == "sum":
-        grad = tf.where(valid, e_g, zero)
-    else:
-        p = tf.where(valid, tf.cast(psw, f32), zero)
-        o_g = tf.gather(tf.reduce_sum(tf.cast(out, f32) * tf.cast(dy, f32), axis=-1), bag)
-        if combiner == "mean":
-            denom = tf.gather(tf.math.unsorted_segment_sum(p, bag, num_bags), bag)
-            grad = tf.math.divide_no_nan(e_g - o_g, denom)
-        else:
-            norm = tf.gather(tf.sqrt(tf.math.unsorted_segment_sum(p * p, bag, num_bags)), bag)
-            grad = tf.math.divide_no_nan(e_g - tf.math.divide_no_nan(o_g * p, norm), norm)
-        grad = tf.where(valid, grad, zero)
-    return tf.cast(grad, psw.dtype)
+def _psw_grad(dy, w, values, offsets, psw, combiner, bounds):
+    """d loss / d per_sample_weights (:func:`hbkernels.per_sample_weights_backward`)."""
+
+    def run(g, w_, v_, o_, p_):
+        return _ops.per_sample_weights_backward(g, w_, v_, o_, p_, combiner=combiner,
+                                                bounds=bounds)
+
+    args = [dy, w, values, offsets, psw]
+    if tf.executing_eagerly():
+        return from_kernel_array(_eager_call(run, args, w))
+
+    def host(*arrays):
+        return _as_tf_error(run, *arrays)
+
+    with tf.device("/CPU:0"):
+        grad = tf.numpy_function(host, args, Tout=psw.dtype, stateful=True,
+                                 name="hbk_per_sample_weights_backward")
+    grad.set_shape(psw.shape)
+    return grad
 
 
 def embedding_bag(weight, values, offsets=None, *, combiner="sum", per_sample_weights=None,
@@ -358,7 +349,7 @@ def _differentiable_op(combiner, bounds, psw_differentiable):
             dw = tf.IndexedSlices(rows, ids, _dense_shape(w))
             if psw is None:
                 return dw, None, None
-            dp = (_psw_grad(dy, out, w, values, offsets, psw, combiner, bounds)
+            dp = (_psw_grad(dy, w, values, offsets, psw, combiner, bounds)
                   if psw_differentiable else None)
             return dw, None, None, dp
 

@@ -23,7 +23,8 @@ give the same forward and gradients as eager mode (see :func:`embedding_bag`
 for the one limit with ``sparse=True``). Its backward is the custom op
 ``torch.ops.hbkernels.embedding_bag_backward``: the kernel's
 :class:`hbkernels.SparseGrad` scattered into a dense ``[num_rows, D]`` tensor
-with one scatter (NumPy's on the CPU, ``index_copy_`` on the GPU).
+with one scatter (NumPy's on the CPU, ``index_copy_`` on the GPU); that of
+``per_sample_weights`` is ``torch.ops.hbkernels.per_sample_weights_backward``.
 ``torch.func`` transforms (``grad``, ``vmap``) are not supported.
 
 Performance: eager calls skip the custom-op dispatch (:data:`EAGER_FAST_PATH`).
@@ -187,6 +188,19 @@ def _dense_grad_impl(grad, values, offsets, num_rows, combiner, per_sample_weigh
                       per_sample_weights, bounds)
 
 
+def _psw_grad_kernel(grad, weight, values, offsets, per_sample_weights, combiner, bounds):
+    out = _ops.per_sample_weights_backward(
+        kernel_array(grad), kernel_array(weight), kernel_array(values), kernel_array(offsets),
+        kernel_array(per_sample_weights), combiner=combiner, bounds=bounds)
+    return from_kernel_array(out)
+
+
+def _psw_grad_impl(grad, weight, values, offsets, per_sample_weights, combiner, bounds):
+    """d loss / d per_sample_weights (:func:`hbkernels.per_sample_weights_backward`)."""
+    return _on_stream(grad, _psw_grad_kernel, grad, weight, values, offsets, per_sample_weights,
+                      combiner, bounds)
+
+
 # -- the custom ops (what torch.compile / export / opcheck see) ------------------------------------
 @torch.library.custom_op(f"{_NAMESPACE}::embedding_bag", mutates_args=())
 def _embedding_bag_op(weight: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor,
@@ -232,42 +246,20 @@ def _(grad, values, offsets, num_rows, combiner, per_sample_weights, bounds):
     return values.new_empty((n,), dtype=torch.int64), grad.new_empty((n, grad.shape[1]))
 
 
+@torch.library.custom_op(f"{_NAMESPACE}::per_sample_weights_backward", mutates_args=())
+def _psw_grad_op(grad: torch.Tensor, weight: torch.Tensor, values: torch.Tensor,
+                 offsets: torch.Tensor, per_sample_weights: torch.Tensor, combiner: str,
+                 bounds: str) -> torch.Tensor:
+    """Gradient w.r.t. ``per_sample_weights`` (see ``_psw_grad_impl``)."""
+    return _psw_grad_impl(grad, weight, values, offsets, per_sample_weights, combiner, bounds)
+
+
+@_psw_grad_op.register_fake
+def _(grad, weight, values, offsets, per_sample_weights, combiner, bounds):
+    return per_sample_weights.new_empty(per_sample_weights.shape)
+
+
 # -- autograd ----------------------------------------------------------------------------------------
-def _psw_grad(grad, weight, values, offsets, psw, out, combiner, bounds):
-    """d loss / d per_sample_weights with torch ops (traceable). With ``e_j`` the row of
-    value ``j`` in bag ``b``, ``g_b`` the output gradient, ``c_b`` the bag scale:
-    sum: ``g·e_j``; mean (``c = 1/Σw``): ``c·(g·e_j - g·out_b)``;
-    sqrtn (``c = 1/sqrt(Σw²)``): ``c·g·e_j - c²·w_j·(g·out_b)`` (0 where ``Σw`` or
-    ``Σw²`` is 0, as the forward's zeros there)."""
-    n = values.shape[0]
-    positions = torch.arange(n, device=values.device, dtype=offsets.dtype)
-    bag = torch.searchsorted(offsets[1:], positions, right=True)
-    ids = values.to(torch.int64)
-    dtype = torch.promote_types(torch.promote_types(weight.dtype, psw.dtype), torch.float32)
-    w = psw.to(dtype)
-    valid = None
-    if bounds == "zero":
-        valid = (ids >= 0) & (ids < weight.shape[0])
-        ids = torch.where(valid, ids, torch.zeros_like(ids))
-        w = torch.where(valid, w, torch.zeros_like(w))
-    g = grad.to(dtype).index_select(0, bag)
-    ge = (g * weight.to(dtype).index_select(0, ids)).sum(1)
-    if combiner == "sum":
-        result = ge
-    else:
-        num_bags = offsets.shape[0] - 1
-        gout = (g * out.to(dtype).index_select(0, bag)).sum(1)
-        denom = torch.zeros(num_bags, dtype=dtype, device=w.device).index_add(
-            0, bag, w if combiner == "mean" else w * w)
-        safe = torch.where(denom > 0, denom, torch.ones_like(denom))
-        scale = torch.where(denom > 0, 1.0 / (safe if combiner == "mean" else safe.sqrt()),
-                            torch.zeros_like(denom)).index_select(0, bag)
-        result = scale * (ge - gout) if combiner == "mean" else scale * ge - scale * scale * w * gout
-    if valid is not None:
-        result = torch.where(valid, result, torch.zeros_like(result))
-    return result.to(psw.dtype)
-
-
 def _setup_context(ctx, inputs, output):
     weight, values, offsets, combiner, psw, bounds, sparse = inputs
     ctx.combiner, ctx.bounds, ctx.sparse = combiner, bounds, sparse
@@ -275,12 +267,11 @@ def _setup_context(ctx, inputs, output):
     ctx.dim = weight.shape[1]
     psw_grad = psw is not None and psw.requires_grad
     ctx.psw_grad = psw_grad
-    ctx.save_for_backward(values, offsets, psw, weight if psw_grad else None,
-                          output if psw_grad else None)
+    ctx.save_for_backward(values, offsets, psw, weight if psw_grad else None)
 
 
-def _backward_with(ctx, grad, dense_grad, sparse_grad):
-    values, offsets, psw, weight, output = ctx.saved_tensors
+def _backward_with(ctx, grad, dense_grad, sparse_grad, psw_grad):
+    values, offsets, psw, weight = ctx.saved_tensors
     grad_weight = grad_psw = None
     if ctx.needs_input_grad[0]:
         detached = None if psw is None else psw.detach()
@@ -292,13 +283,14 @@ def _backward_with(ctx, grad, dense_grad, sparse_grad):
         else:
             grad_weight = dense_grad(*args)
     if ctx.psw_grad and ctx.needs_input_grad[4]:
-        grad_psw = _psw_grad(grad, weight, values, offsets, psw, output, ctx.combiner, ctx.bounds)
+        grad_psw = psw_grad(grad, weight, values, offsets, psw.detach(), ctx.combiner, ctx.bounds)
     return grad_weight, None, None, None, grad_psw, None, None
 
 
 def _backward(ctx, grad):  # the custom op's: traceable, through the backward custom ops
     return _backward_with(ctx, grad, torch.ops.hbkernels.embedding_bag_backward,
-                          torch.ops.hbkernels.embedding_bag_backward_sparse)
+                          torch.ops.hbkernels.embedding_bag_backward_sparse,
+                          torch.ops.hbkernels.per_sample_weights_backward)
 
 
 torch.library.register_autograd(f"{_NAMESPACE}::embedding_bag", _backward,
@@ -321,7 +313,8 @@ class _EagerEmbeddingBag(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        return _backward_with(ctx, grad.contiguous(), _dense_grad_impl, _sparse_grad_impl)
+        return _backward_with(ctx, grad.contiguous(), _dense_grad_impl, _sparse_grad_impl,
+                              _psw_grad_impl)
 
 
 #: Eager calls of :func:`embedding_bag` skip the custom-op dispatch (set False to route
@@ -340,8 +333,9 @@ def embedding_bag(weight, values, offsets, *, combiner="sum", per_sample_weights
     not differentiable. ``combiner``: ``"sum"``, ``"mean"`` or ``"sqrtn"``
     (TF semantics: ``Σw·e / sqrt(Σw²)``); ``per_sample_weights`` may be used with
     every combiner (torch allows them only with sum) and is differentiable for
-    all three (computed with torch ops from the saved table and output). ``bounds``
-    as in :func:`hbkernels.embedding_bag`.
+    all three (by :func:`hbkernels.per_sample_weights_backward`, the custom op
+    ``torch.ops.hbkernels.per_sample_weights_backward``). ``bounds`` as in
+    :func:`hbkernels.embedding_bag`.
 
     Gradient of ``weight``: dense ``[num_rows, D]`` (default), or with
     ``sparse=True`` a ``torch.sparse_coo_tensor`` (not coalesced) whose indices

@@ -16,6 +16,7 @@ from . import (
     bench_embedding_bag_backward,
     bench_lookup,
     bench_partition,
+    bench_per_sample_weights_backward,
     bench_segment_reduce,
     bench_segment_sum,
     bench_unique,
@@ -30,6 +31,7 @@ BENCHMARKS = {
     "segment_sum": bench_segment_sum,
     "segment_reduce": bench_segment_reduce,
     "partition": bench_partition,
+    "per_sample_weights_backward": bench_per_sample_weights_backward,
 }
 
 

@@ -47,7 +47,7 @@ NO_IDS = np.zeros(1, np.int64)
 def pool_kernel(dim, weighted, check_ids, identity):
     """Kernel ``(table, values, offsets, weights, combiner, out, first_bad)``:
     out[b] = combine_j w_j * table[row_j] over j in [offsets[b], offsets[b+1]),
-    row_j = values[j] (or j when ``identity``); combiner 0 sum, 1 mean, 2 sqrtn."""
+    row_j = values[j] (or j when ``identity``); ``combiner`` a :class:`~hbkernels._modes.Combiner`."""
 
     @cached_njit(parallel=True, fastmath=True)
     def pool(table, values, offsets, weights, combiner, out, first_bad):

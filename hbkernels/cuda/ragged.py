@@ -19,8 +19,9 @@ def _ragged_kernel(values, offsets, n_values, num_rows, record_ids, slots):
 
 
 def check_ragged(family, values, offsets, num_rows, bounds):
-    """``(first bad offset, first bad id)`` of CSR input, as the forward reports them.
-    bounds 0: offsets and ids; 1: offsets only; 2: nothing (no launch, no sync)."""
+    """``(first bad offset, first bad id)`` of CSR input (-1: none), as the forward
+    reports them: ``Bounds.RAISE`` checks offsets and ids, ``Bounds.ZERO`` offsets
+    only, ``Bounds.UNCHECKED`` nothing (no launch, no sync)."""
     num_bags = offsets.shape[0] - 1
     n = values.shape[0]
     if bounds == Bounds.UNCHECKED:

@@ -1,0 +1,113 @@
+"""Fixtures shared by several test modules: optimizer tables, CSR bags with repeated
+ids, dense views of the reference gradients, Parquet files. Test modules import
+from here (and from ``conftest``), never from each other; the references
+themselves are :mod:`hbkernels.reference`."""
+import numpy as np
+from conftest import random_offsets
+
+import hbkernels as hbk
+from hbkernels import optim, reference
+
+RULES = ["SGD", "Adagrad", "RowWiseAdagrad", "Adam", "Ftrl"]
+
+
+def make_opt(name, **options):
+    """Each optimizer with non-default hyper-parameters (so a mix-up shows)."""
+    if name == "SGD":
+        return optim.SGD(lr=0.3, **options)
+    if name == "Adagrad":
+        return optim.Adagrad(lr=0.2, eps=1e-3, initial_accumulator_value=0.1, **options)
+    if name == "RowWiseAdagrad":
+        return optim.RowWiseAdagrad(lr=0.2, eps=1e-4, **options)
+    if name == "Adam":
+        return optim.Adam(lr=0.05, betas=(0.8, 0.95), eps=1e-6, **options)
+    if name == "Ftrl":
+        return optim.Ftrl(lr=0.4, l1=0.05, l2=0.1, **options)
+    if name == "Ftrl-p0.7":
+        return optim.Ftrl(lr=0.4, l1=0.05, l2=0.1, lr_power=-0.7, initial_accumulator_value=0.3,
+                          **options)
+    if name == "Ftrl-p0":
+        return optim.Ftrl(lr=0.4, l1=0.02, l2=0.0, lr_power=0.0, **options)
+    raise AssertionError(name)
+
+
+class Table:
+    """A table and its optimizer state on the backend under test."""
+
+    def __init__(self, backend, opt, weights):
+        self.backend, self.opt = backend, opt
+        self.w = backend.put(weights.copy())
+        self.state = opt.init_state(self.w)
+
+    def step(self, ids, rows):
+        put = self.backend.put
+        self.opt.step(self.w, self.state, hbk.SparseGrad(put(ids), put(rows)))
+
+    def bag_step(self, grad_out, values, offsets, fused, psw=None, **kw):
+        put = self.backend.put
+        if fused:
+            self.opt.fused_step(self.w, self.state, put(grad_out), put(values), put(offsets),
+                                per_sample_weights=put(psw), **kw)
+        else:
+            g = hbk.embedding_bag_backward(put(grad_out), put(values), put(offsets),
+                                           num_rows=self.w.shape[0], per_sample_weights=put(psw),
+                                           **kw)
+            self.opt.step(self.w, self.state, g)
+
+    def weights(self):
+        return np.array(self.backend.get(self.w), copy=True)
+
+    def states(self):
+        """Host copies (the step counter included) of the state arrays."""
+        return {k: np.array(v if k == "step" else self.backend.get(v), copy=True)
+                for k, v in self.state.items()}
+
+
+def bags(rng, num_rows, dim, batch, max_len, touch_below=None):
+    """CSR bags whose ids repeat within and across bags (ids < ``touch_below``)."""
+    offsets = random_offsets(rng, batch, max_len)
+    n = int(offsets[-1])
+    values = rng.integers(0, touch_below or num_rows, size=n)
+    if n:
+        values[rng.integers(0, n, size=max(1, n // 5))] = values[0]
+    grad_out = rng.standard_normal((batch, dim)).astype(np.float32)
+    return grad_out, values, offsets
+
+
+def state_names(opt):
+    return [name for name, _ in opt.slots]
+
+
+def within_one_ulp(actual, expected, dtype):
+    """|actual - expected| <= one ulp of ``dtype`` (fp16, or bf16 of ml_dtypes) at expected."""
+    assert actual.dtype == expected.dtype == np.dtype(dtype)
+    gap = np.abs(actual.astype(np.float64) - expected.astype(np.float64))
+    assert np.all(gap <= np.spacing(np.abs(expected)).astype(np.float64)), np.max(gap)
+
+
+def dense_backward(grad_out, values, offsets, num_rows, combiner, psw=None, bounds="raise"):
+    """:func:`hbkernels.reference.embedding_bag_backward` as ``(dense float64 table
+    gradient [num_rows, D], sorted ids looked up)``."""
+    grad = reference.embedding_bag_backward(grad_out, values, offsets, num_rows, combiner, psw,
+                                            bounds)
+    dense = np.zeros((num_rows, np.shape(grad_out)[1]))
+    dense[grad.ids] = grad.rows
+    return dense, grad.ids
+
+
+def write_parquet_files(tmp_path, rng, sizes, row_group_size, make):
+    """Files of ``sizes`` rows (0 = an empty file) in row groups of ``row_group_size``,
+    each table built by ``make(rng, first_row, n)``; returns ``(paths, all rows as
+    one table)``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    paths, tables, first = [], [], 0
+    for i, n in enumerate(sizes):
+        t = make(rng, first, n)
+        path = tmp_path / f"part-{i:02d}.parquet"
+        pq.write_table(t, path, row_group_size=row_group_size)
+        paths.append(str(path))
+        tables.append(t)
+        first += n
+    return paths, pa.concat_tables(tables).combine_chunks()
