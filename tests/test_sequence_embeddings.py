@@ -86,7 +86,8 @@ def test_gradient_shape_is_checked(rng):
     values, offsets = history(rng, 4)
     coll.forward({"hist": hbk.Ragged(values, offsets), "user": np.arange(4)})
     with pytest.raises(ValueError, match=r"grad of 'hist' must be \[N, dim\]"):
-        coll.backward({"hist": np.zeros((4, DIM), np.float32), "user": np.zeros((4, 3), np.float32)})
+        coll.backward({"hist": np.zeros((values.size + 1, DIM), np.float32),  # one row too many
+                       "user": np.zeros((4, 3), np.float32)})
 
 
 def test_save_and_load_keep_the_sequence_table(rng, tmp_path):
