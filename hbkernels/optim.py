@@ -43,6 +43,8 @@ Update rules (g is a row's summed gradient; all element-wise unless noted):
 >>> w[:, 0].tolist()
 [1.0, 1.0, 0.5, 1.0]
 """
+import math
+
 import numpy as np
 
 from . import _bits
@@ -63,6 +65,19 @@ def _mix64(x):
         return int(_bits.splitmix64(np.uint64(x & _MASK64)))
 
 
+def _number(name, value, *, positive=False):
+    """``value`` as a finite float, ``> 0`` (``positive``) or ``>= 0``; else a ValueError
+    saying what was expected and what came."""
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        x = math.nan
+    if not math.isfinite(x) or x < 0 or (positive and x == 0):
+        raise ValueError(f"{name} must be a finite number {'> 0' if positive else '>= 0'}, "
+                         f"got {value!r}")
+    return x
+
+
 class SparseOptimizer:
     """Base of the sparse optimizers: state handling, checks, dispatch."""
 
@@ -71,9 +86,7 @@ class SparseOptimizer:
     slots = ()
 
     def __init__(self, lr, *, rounding="nearest", seed=0, nonfinite="raise"):
-        self.lr = float(lr)
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {lr!r}")
+        self.lr = _number("lr", lr, positive=True)
         check.choice("rounding", rounding, ROUNDING)
         check.choice("nonfinite", nonfinite, NONFINITE)
         self.rounding = rounding
@@ -219,8 +232,9 @@ class Adagrad(SparseOptimizer):
 
     def __init__(self, lr, eps=1e-10, initial_accumulator_value=0.0, **options):
         super().__init__(lr, **options)
-        self.eps = float(eps)
-        self.initial_accumulator_value = float(initial_accumulator_value)
+        self.eps = _number("eps", eps)
+        self.initial_accumulator_value = _number("initial_accumulator_value",
+                                                 initial_accumulator_value)
 
     def _initial_value(self, name):
         return self.initial_accumulator_value
@@ -254,7 +268,7 @@ class Adam(SparseOptimizer):
         if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
             raise ValueError(f"betas must be in [0, 1), got {betas!r}")
         self.betas = (b1, b2)
-        self.eps = float(eps)
+        self.eps = _number("eps", eps)
 
     def hyper(self, step):
         hp = super().hyper(step)
@@ -273,14 +287,16 @@ class Ftrl(SparseOptimizer):
     def __init__(self, lr, l1=0.0, l2=0.0, lr_power=-0.5, initial_accumulator_value=0.1,
                  **options):
         super().__init__(lr, **options)
-        if lr_power > 0:
-            raise ValueError(f"lr_power must be <= 0, got {lr_power}")
-        if initial_accumulator_value <= 0 and lr_power != 0:
-            raise ValueError("initial_accumulator_value must be > 0")
-        if l1 < 0 or l2 < 0:
-            raise ValueError(f"l1 and l2 must be >= 0, got {l1}, {l2}")
-        self.l1, self.l2, self.lr_power = float(l1), float(l2), float(lr_power)
-        self.initial_accumulator_value = float(initial_accumulator_value)
+        try:
+            self.lr_power = float(lr_power)
+        except (TypeError, ValueError):
+            self.lr_power = math.nan
+        if not (math.isfinite(self.lr_power) and self.lr_power <= 0):
+            raise ValueError(f"lr_power must be a finite number <= 0, got {lr_power!r}")
+        self.initial_accumulator_value = _number("initial_accumulator_value",
+                                                 initial_accumulator_value,
+                                                 positive=self.lr_power != 0)
+        self.l1, self.l2 = _number("l1", l1), _number("l2", l2)
 
     def _initial_value(self, name):
         return self.initial_accumulator_value if name == "accum" else 0.0

@@ -461,20 +461,29 @@ def test_bad_arguments(backend):
 
 
 def test_constructor_checks():
-    with pytest.raises(ValueError, match="lr must be > 0"):
-        optim.SGD(lr=0.0)
+    for lr in (0.0, -5, float("nan"), float("inf"), "fast", None):
+        with pytest.raises(ValueError, match=r"lr must be a finite number > 0, got"):
+            optim.SGD(lr=lr)
     with pytest.raises(ValueError, match="rounding must be one of"):
         optim.SGD(lr=0.1, rounding="up")
     with pytest.raises(ValueError, match="nonfinite must be one of"):
         optim.SGD(lr=0.1, nonfinite="ignore")
     with pytest.raises(ValueError, match="betas"):
         optim.Adam(lr=0.1, betas=(1.0, 0.9))
-    with pytest.raises(ValueError, match="lr_power must be <= 0"):
+    for opt in (optim.Adam, optim.Adagrad, optim.RowWiseAdagrad):
+        with pytest.raises(ValueError, match="eps must be a finite number >= 0, got -1"):
+            opt(lr=0.1, eps=-1)
+    with pytest.raises(ValueError, match="initial_accumulator_value must be a finite number >= 0"):
+        optim.Adagrad(lr=0.1, initial_accumulator_value=-0.5)
+    with pytest.raises(ValueError, match="lr_power must be a finite number <= 0"):
         optim.Ftrl(lr=0.1, lr_power=0.5)
-    with pytest.raises(ValueError, match="l1 and l2 must be >= 0"):
+    with pytest.raises(ValueError, match="l1 must be a finite number >= 0"):
         optim.Ftrl(lr=0.1, l1=-1.0)
-    with pytest.raises(ValueError, match="initial_accumulator_value must be > 0"):
+    with pytest.raises(ValueError, match="l2 must be a finite number >= 0"):
+        optim.Ftrl(lr=0.1, l2=float("inf"))
+    with pytest.raises(ValueError, match="initial_accumulator_value must be a finite number > 0"):
         optim.Ftrl(lr=0.1, initial_accumulator_value=0.0)
+    optim.Ftrl(lr=0.1, lr_power=0.0, initial_accumulator_value=0.0)  # fixed rate: 0 allowed
 
 
 @pytest.mark.parametrize("dtype, state_dtype", [(np.float16, np.float32), (np.float32, np.float32),

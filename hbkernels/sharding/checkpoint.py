@@ -10,25 +10,38 @@ saved weights of any shard and the saved optimizer state.
 
 Layout of a checkpoint directory::
 
-    manifest.json              # format, tables, optimizer, plan, files (+ crc32 each)
-    <save id>/<table>.<slice>.<rows>.<array>.npy
+    manifest.json              # format, tables, optimizer, plan, files (+ crc32 each), crc32
+    save-<ns>-<8 hex>/t<table index>.<slice>.<row_start>-<row_step>.<array>.npy
 
 Each ``.npy`` holds one shard of one array (``weights`` or an optimizer slot):
 rows ``row_start + row_step * k`` (``k < num_rows``), columns ``[c0, c1)`` of
-the table. A replicated table is written once, by rank 0.
+the table. A replicated table is written once, by rank 0. File names never
+contain a table's name, so no name can form a path.
 
-Saving (collective): every rank writes its shards into a fresh ``<save id>``
-directory (each file through a temp name, fsync, rename), the ranks agree,
-then rank 0 writes ``manifest.json`` the same way and only then removes older
-save directories. A crash at any point leaves the previous manifest, and the
-files it names, intact. Loading reads, on every rank, only the rows its new
-shards need (memory-mapped), after checking the crc32 of each file it opens:
-a missing, truncated or corrupt file raises :class:`CheckpointError` naming it.
+Saving (collective): every rank writes its shards into a fresh save directory
+(each file through a temp name, fsync, rename), the ranks agree, then rank 0
+writes ``manifest.json`` the same way and the ranks agree again; only then does
+rank 0 remove what earlier or crashed saves left: save directories named as
+above holding only such files, and temporary manifests (a user's other files
+and directories are never touched). A failure anywhere, a full disk included,
+is a :class:`CheckpointError` on every rank, the new save directory is
+removed, and the previous manifest and the files it names stay intact.
+
+Loading trusts nothing in the directory: the manifest is checked field by field
+(:mod:`._manifest`: its own crc32, every file inside the save directory under a
+name hbkernels generates, rows and columns inside the table, shape, dtype and
+size consistent, the optimizer rebuilt through its constructor, the tables
+through :func:`~hbkernels.types.table_spec`); files are opened only as regular
+files (never through a symbolic link, never a device), their size and crc32
+checked before they are memory-mapped, and every element of every shard must
+come from a file. Anything else is a :class:`CheckpointError` naming the file.
 """
+import errno
 import inspect
 import json
 import os
 import shutil
+import stat
 import time
 import uuid
 import zlib
@@ -40,12 +53,14 @@ from .._dispatch import classify, host
 from .._files import fsync_dir, write_atomic, write_json_atomic
 from .._version import __version__
 from ..errors import CheckpointError
-from ..types import TableSpec
+from ..types import TableSpec, table_spec
+from . import _manifest
 from .layout import shard_rows
 
 FORMAT = "hbkernels-embedding-collection"
 VERSION = 1
 MANIFEST = "manifest.json"
+MAX_MANIFEST_BYTES = 1 << 28
 _CHUNK = 1 << 22
 
 
@@ -124,7 +139,8 @@ def save(coll, path):
     save_id = np.array([time.time_ns(), int(uuid.uuid4().int & 0x7FFFFFFF)], np.int64)
     if comm.world_size > 1:
         save_id = comm.broadcast(save_id, root=0)
-    save_dir = f"save-{int(save_id[0])}-{int(save_id[1]):08x}"
+    save_dir = _manifest.save_dir_name(save_id[0], save_id[1])
+    index = {name: k for k, name in enumerate(coll.tables)}
     error = None
     files = []
     steps = {s.table: int(coll.arrays[s.group].state["step"][0]) for s in coll.local_shards()}
@@ -135,8 +151,7 @@ def save(coll, path):
                 continue  # replicas are identical: rank 0 writes the table
             for name, part in coll.shard_arrays(shard).items():
                 part = host(part)
-                rel = (f"{save_dir}/{shard.table}.{shard.slice}.{shard.row_start}-{shard.row_step}"
-                       f".{name}.npy")
+                rel = f"{save_dir}/{_manifest.file_name(index[shard.table], shard, name)}"
                 crc, size = _save_array(os.path.join(path, rel), part)
                 files.append({"file": rel, "table": shard.table, "array": name,
                               "slice": shard.slice, "row_start": shard.row_start,
@@ -148,12 +163,7 @@ def save(coll, path):
         error = f"rank {me}: {type(e).__name__}: {e}"
     everyone = _bytes_json(comm, {"error": error, "files": files, "steps": steps})
     errors = [r["error"] for r in everyone if r["error"]]
-    if errors:
-        if me == 0:
-            shutil.rmtree(os.path.join(path, save_dir), ignore_errors=True)
-        raise CheckpointError(f"saving {path} failed, the previous checkpoint is kept: "
-                              + "; ".join(errors))
-    if me == 0:
+    if not errors and me == 0:
         steps = {t: s for r in everyone for t, s in r["steps"].items()}
         manifest = {
             "format": FORMAT, "version": VERSION, "hbkernels": __version__, "save": save_dir,
@@ -166,23 +176,87 @@ def save(coll, path):
                        for name, spec in coll.tables.items()],
             "files": [f for r in everyone for f in r["files"]],
         }
-        write_json_atomic(os.path.join(path, MANIFEST), manifest)
-        fsync_dir(path)
-        for entry in os.listdir(path):  # older saves and leftovers of crashed ones
-            if entry.startswith("save-") and entry != save_dir:
-                shutil.rmtree(os.path.join(path, entry), ignore_errors=True)
+        try:
+            write_json_atomic(os.path.join(path, MANIFEST),
+                              _manifest.seal(json.loads(json.dumps(manifest, default=float))))
+            fsync_dir(path)
+        except Exception as e:  # noqa: BLE001 - every rank learns of it below
+            errors.append(f"rank 0 writing {MANIFEST}: {type(e).__name__}: {e}")
+    if comm.world_size > 1:
+        errors = [e for r in _bytes_json(comm, {"errors": errors if me == 0 else []})
+                  for e in r["errors"]]
+    if errors:
+        if me == 0:
+            shutil.rmtree(os.path.join(path, save_dir), ignore_errors=True)
+        raise CheckpointError(f"saving {path} failed, the previous checkpoint is kept: "
+                              + "; ".join(errors))
+    if me == 0:
+        _remove_old_saves(path, save_dir)
     if comm.world_size > 1:
         comm.barrier()
 
 
+def _remove_old_saves(path, keep):
+    """Remove what earlier and crashed saves left in ``path``: save directories named as
+    hbkernels names them and holding only files it names, and temporary manifests.
+    Anything else (a user's ``save-notes/``, a symlink) is left alone."""
+    for entry in os.listdir(path):
+        full = os.path.join(path, entry)
+        if entry.startswith(MANIFEST + ".tmp-") and _is_plain_file(full):
+            os.remove(full)
+        elif entry != keep and _manifest.is_save_dir(entry) and _holds_only_saved_files(full):
+            shutil.rmtree(full, ignore_errors=True)
+
+
+def _is_plain_file(name):
+    try:
+        return stat.S_ISREG(os.lstat(name).st_mode)
+    except OSError:
+        return False
+
+
+def _holds_only_saved_files(directory):
+    try:
+        if not stat.S_ISDIR(os.lstat(directory).st_mode):
+            return False
+        names = os.listdir(directory)
+    except OSError:
+        return False
+    return all(_is_plain_file(os.path.join(directory, n)) and
+               (_manifest.FILE_NAME.fullmatch(n) or ".npy.tmp-" in n) for n in names)
+
+
+def _open_plain(name):
+    """A read-only file descriptor of ``name``, a regular file (never a symlink, a
+    device or a pipe)."""
+    try:
+        fd = os.open(name, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CheckpointError(f"{name}: is a symbolic link; a checkpoint reads only its "
+                                  f"own regular files") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointError(f"{name}: not a regular file; a checkpoint reads only its own "
+                              f"regular files")
+    return fd
+
+
 def read_manifest(path):
-    """The manifest of checkpoint ``path`` (dict), checked."""
+    """The manifest of checkpoint ``path`` (dict), checked (see :mod:`._manifest`)."""
     name = os.path.join(os.fspath(path), MANIFEST)
     try:
-        with open(name, "rb") as f:
-            manifest = json.loads(f.read().decode())
+        fd = _open_plain(name)
     except FileNotFoundError:
         raise CheckpointError(f"{name}: no checkpoint manifest here") from None
+    except OSError as e:
+        raise CheckpointError(f"{name}: unreadable manifest ({e.strerror or e})") from None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            if os.fstat(f.fileno()).st_size > MAX_MANIFEST_BYTES:
+                raise CheckpointError(f"{name}: larger than {MAX_MANIFEST_BYTES} bytes, not a manifest")
+            manifest = json.loads(f.read(MAX_MANIFEST_BYTES + 1).decode())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{name}: unreadable manifest ({e})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
@@ -207,18 +281,19 @@ class _Reader:
         name = os.path.join(self.path, entry["file"])
         if name in self._open:
             return self._open[name]
-        crc = 0
         try:
-            with open(name, "rb") as f:
-                size = 0
-                while chunk := f.read(_CHUNK):
-                    crc = zlib.crc32(chunk, crc)
-                    size += len(chunk)
+            fd = _open_plain(name)
+            with os.fdopen(fd, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                crc = 0
+                if size == entry["bytes"]:
+                    while chunk := f.read(_CHUNK):
+                        crc = zlib.crc32(chunk, crc)
         except OSError as e:
             raise CheckpointError(f"{name}: cannot read checkpoint file ({e.strerror or e})") from None
         if size != entry["bytes"] or crc != entry["crc32"]:
-            raise CheckpointError(f"{name}: checkpoint file is corrupt (crc32 {crc:08x}, {size} bytes; "
-                                  f"the manifest says {entry['crc32']:08x}, {entry['bytes']} bytes)")
+            raise CheckpointError(f"{name}: checkpoint file is corrupt ({size} bytes, crc32 {crc:08x}; "
+                                  f"the manifest says {entry['bytes']} bytes, {entry['crc32']:08x})")
         try:
             arr = np.load(name, mmap_mode="r", allow_pickle=False)
         except ValueError as e:
@@ -230,8 +305,9 @@ class _Reader:
         return arr
 
     def rows(self, table, array, rows, c0, c1, out):
-        """Fill ``out`` ([len(rows), c1 - c0], or [len(rows)] per-row) with saved rows."""
-        filled = np.zeros(rows.shape[0], bool)
+        """Fill ``out`` ([len(rows), c1 - c0], or [len(rows)] per-row) with saved rows;
+        every element must come from a file."""
+        filled = np.zeros(out.shape, bool)
         for entry in self.files.get((table, array), []):
             lo, hi = max(c0, entry["c0"]), min(c1, entry["c1"])
             per_row = len(entry["shape"]) == 1
@@ -244,12 +320,16 @@ class _Reader:
             data = self._array(entry)
             if per_row:
                 out[hit] = data[k[hit]]
+                filled[hit] = True
             else:
-                out[np.flatnonzero(hit), lo - c0:hi - c0] = data[k[hit], lo - entry["c0"]:hi - entry["c0"]]
-            filled |= hit
+                at = np.flatnonzero(hit)
+                out[at, lo - c0:hi - c0] = data[k[hit], lo - entry["c0"]:hi - entry["c0"]]
+                filled[at, lo - c0:hi - c0] = True
         if not filled.all():
-            missing = int(rows[np.flatnonzero(~filled)[0]])
-            raise CheckpointError(f"{self.path}: no saved {array} for row {missing} of table {table!r}")
+            where = np.argwhere(~filled)[0]
+            column = f", column {c0 + int(where[1])}" if len(where) > 1 else ""
+            raise CheckpointError(f"{os.path.join(self.path, MANIFEST)}: no saved {array} for row "
+                                  f"{int(rows[where[0]])}{column} of table {table!r}")
 
 
 class Checkpoint:
@@ -259,10 +339,25 @@ class Checkpoint:
     def __init__(self, path):
         self.path = os.fspath(path)
         self.manifest = read_manifest(path)
+        where = os.path.join(self.path, MANIFEST)
+        entries = _manifest.check(self.manifest, where,
+                                  lambda d: dict(_optimizer_from_json(d, where).slots))
+        save = os.path.join(self.path, self.manifest["save"])
+        try:
+            is_dir = stat.S_ISDIR(os.lstat(save).st_mode)
+        except OSError as e:
+            raise CheckpointError(f"{save}: cannot read the save directory ({e.strerror or e})") from None
+        if not is_dir:
+            raise CheckpointError(f"{save}: not a directory (a symbolic link?); a checkpoint "
+                                  f"reads only its own files")
         self._reader = _Reader(path, self.manifest)
-        self.tables = [TableSpec(**{k: v for k, v in t.items() if k != "step"})
-                       for t in self.manifest["tables"]]
-        self.steps = {t["name"]: int(t["step"]) for t in self.manifest["tables"]}
+        self.tables = []
+        for name, t in entries.items():
+            try:
+                self.tables.append(table_spec(TableSpec(**{k: v for k, v in t.items() if k != "step"})))
+            except (TypeError, ValueError) as e:
+                raise CheckpointError(f"{where}: table {name!r}: {e}") from None
+        self.steps = {name: t["step"] for name, t in entries.items()}
 
     def constructor_args(self, **overrides):
         """The saved constructor arguments of the collection (``plan``,

@@ -1,0 +1,142 @@
+"""What a checkpoint's ``manifest.json`` may say, checked field by field.
+
+A checkpoint only touches files it named itself inside its own directory: a save
+directory ``save-<ns>-<8 hex>`` (:func:`is_save_dir`) holding ``.npy`` files whose
+names are made of the characters :data:`FILE_NAME` allows (:func:`file_name`
+generates them from the table's position, never from its name). Every field a
+reader uses is checked here before a file is opened: types, ranges, the table
+and optimizer slot each file belongs to, its rows and columns inside the table,
+its shape from its rows and columns, its dtype, size and crc32. The manifest
+carries the crc32 of its own canonical JSON (:func:`seal`). Any violation is a
+:class:`~hbkernels.CheckpointError` naming the manifest.
+"""
+import json
+import re
+import zlib
+
+import numpy as np
+
+from ..errors import CheckpointError
+
+SAVE_DIR = re.compile(r"save-[0-9]{1,20}-[0-9a-f]{8}")
+FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,240}\.npy")
+STATE_DTYPES = ("float32", "float64")
+TABLE_DTYPES = ("float32", "float16")
+_U32 = 1 << 32
+
+
+def is_save_dir(name):
+    """Whether ``name`` is a save directory's name as :func:`save_dir_name` makes them."""
+    return SAVE_DIR.fullmatch(name) is not None
+
+
+def save_dir_name(time_ns, tag):
+    return f"save-{int(time_ns)}-{int(tag) & 0xFFFFFFFF:08x}"
+
+
+def file_name(table_index, shard, array):
+    """The name of one shard's ``array`` file (no table name in it, so no name can
+    form a path)."""
+    return f"t{table_index}.{shard.slice}.{shard.row_start}-{shard.row_step}.{array}.npy"
+
+
+def _canonical(manifest):
+    body = {k: v for k, v in manifest.items() if k != "crc32"}
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def seal(manifest):
+    """``manifest`` (JSON-able: as parsed back from its text) with its crc32 added."""
+    return dict(manifest, crc32=zlib.crc32(_canonical(manifest)))
+
+
+def _fail(where, message):
+    raise CheckpointError(f"{where}: {message}")
+
+
+def _int(where, d, key, lo=None, hi=None):
+    v = d.get(key) if isinstance(d, dict) else None
+    if not isinstance(v, int) or isinstance(v, bool) or (lo is not None and v < lo) or \
+            (hi is not None and v > hi):
+        bounds = f" in [{lo}, {hi}]" if hi is not None else (f" >= {lo}" if lo is not None else "")
+        _fail(where, f"{key} must be an integer{bounds}, got {v!r}")
+    return v
+
+
+def _field(where, d, key, types):
+    if not isinstance(d, dict) or key not in d:
+        _fail(where, f"the manifest lacks {key!r}")
+    if not isinstance(d[key], types):
+        _fail(where, f"{key} has the wrong type ({type(d[key]).__name__})")
+    return d[key]
+
+
+def check(manifest, where, slots):
+    """Check the manifest ``manifest`` (parsed JSON) of checkpoint file ``where``;
+    ``slots(optimizer entry)`` gives ``{slot name: per_row}`` of the saved optimizer.
+    Returns ``{table name: table entry}``."""
+    if "crc32" in manifest:
+        if _int(where, manifest, "crc32", 0, _U32 - 1) != zlib.crc32(_canonical(manifest)):
+            _fail(where, "the manifest's crc32 does not match its content (edited or corrupt)")
+    save = _field(where, manifest, "save", str)
+    if not is_save_dir(save):
+        _fail(where, f"save directory {save!r} is not one hbkernels names")
+    _int(where, manifest, "world_size", 1)
+    _int(where, manifest, "seed")
+    _field(where, manifest, "dedup", bool)
+    _field(where, manifest, "wire_dtype", (str, type(None)))
+    _field(where, manifest, "batch_size_hint", (int, type(None)))
+    _field(where, manifest, "plan_request", (str, dict, type(None)))
+    optimizer = _field(where, manifest, "optimizer", dict)
+    _field(where, optimizer, "type", str)
+    _field(where, optimizer, "options", dict)
+    tables = {}
+    for t in _field(where, manifest, "tables", list):
+        name = _field(where, t, "name", str)
+        if name in tables:
+            _fail(where, f"table {name!r} is listed twice")
+        _int(where, t, "num_rows", 1)
+        _int(where, t, "dim", 1)
+        _int(where, t, "step", 0)
+        if t.get("dtype") not in TABLE_DTYPES:
+            _fail(where, f"table {name!r}: dtype must be one of {TABLE_DTYPES}, got {t.get('dtype')!r}")
+        tables[name] = t
+    arrays = dict(slots(optimizer), weights=False)
+    for f in _field(where, manifest, "files", list):
+        _check_file(where, f, save, tables, arrays)
+    return tables
+
+
+def _check_file(where, f, save, tables, arrays):
+    rel = _field(where, f, "file", str)
+    parts = rel.split("/")
+    if len(parts) != 2 or parts[0] != save or not FILE_NAME.fullmatch(parts[1]):
+        _fail(where, f"file {rel!r} is not a file of save directory {save!r}")
+    table = tables.get(_field(where, f, "table", str))
+    if table is None:
+        _fail(where, f"file {rel!r} belongs to no table of the manifest ({f['table']!r})")
+    array = _field(where, f, "array", str)
+    if array not in arrays:
+        _fail(where, f"file {rel!r}: no array {array!r} in a table (expected one of "
+                     f"{sorted(arrays)})")
+    _int(where, f, "slice", 0)
+    start = _int(where, f, "row_start", 0, table["num_rows"] - 1)
+    step = _int(where, f, "row_step", 1, table["num_rows"])
+    rows = _int(where, f, "num_rows", 0)
+    if rows and start + step * (rows - 1) >= table["num_rows"]:
+        _fail(where, f"file {rel!r}: rows {start} + {step} * k for k < {rows} run past the "
+                     f"table's {table['num_rows']} rows")
+    c0 = _int(where, f, "c0", 0, table["dim"] - 1)
+    c1 = _int(where, f, "c1", c0 + 1, table["dim"])
+    dtype = _field(where, f, "dtype", str)
+    allowed = (table["dtype"],) if array == "weights" else STATE_DTYPES
+    if dtype not in allowed:
+        _fail(where, f"file {rel!r}: dtype {dtype!r}, expected one of {allowed}")
+    expected = [rows] if arrays[array] else [rows, c1 - c0]
+    if f.get("shape") != expected:
+        _fail(where, f"file {rel!r}: shape {f.get('shape')!r}, its rows and columns make "
+                     f"{expected}")
+    header_max = 1 << 16
+    payload = int(np.prod(expected)) * np.dtype(dtype).itemsize
+    _int(where, f, "bytes", payload, payload + header_max)
+    _int(where, f, "crc32", 0, _U32 - 1)
