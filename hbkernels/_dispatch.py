@@ -209,6 +209,8 @@ def classify(x):
     """(family, array to use) for one argument, or raise TypeError."""
     if isinstance(x, np.ndarray):
         return NUMPY, x
+    if isinstance(x, np.generic):  # a NumPy scalar: a 0-d array
+        return NUMPY, np.asarray(x)
     mod = type(x).__module__ or ""
     if mod.startswith("cupy"):
         return CudaFamily("cupy", int(x.device.id)), x
@@ -254,13 +256,17 @@ def _numba_device_id():
     return int(numba_cuda().get_current_device().id)
 
 
-def resolve(optional=(), **arrays):
+def resolve(optional=(), inplace=(), **arrays):
     """Check that all ``arrays`` (those named in ``optional`` may be None) share
     one family and device.
 
     Returns ``(family, dict of the same names -> arrays ready for that family)``.
     Mixing NumPy with CUDA arrays, CuPy with Numba arrays, or two devices is a
-    ``TypeError``, never a silent copy.
+    ``TypeError``, never a silent copy. Arrays the kernels only read are handed
+    over C-contiguous and in native byte order (a strided view, a Fortran-order
+    or big-endian array is copied once, :func:`kernel_ready`); the arrays named in
+    ``inplace`` are updated in place, so they must already be so (and writable):
+    a ``ValueError`` says which.
     """
     family = None
     first = None
@@ -279,8 +285,40 @@ def resolve(optional=(), **arrays):
                 f"{name} is a {_describe(fam)} array but {first} is a "
                 f"{_describe(family)} array; move them to one device and library first"
             )
-        out[name] = arr
+        out[name] = _in_place_ready(name, arr) if name in inplace else kernel_ready(arr)
     return (family or NUMPY), out
+
+
+def _needs_copy(a):
+    flags = getattr(a, "flags", None)
+    if flags is None:
+        contiguous = True
+    elif isinstance(flags, dict):  # Numba device arrays
+        contiguous = flags.get("C_CONTIGUOUS", True)
+    else:
+        contiguous = bool(flags.c_contiguous)
+    return not contiguous or not np.dtype(a.dtype).isnative
+
+
+def kernel_ready(a):
+    """``a`` C-contiguous in native byte order: itself, or a copy (NumPy or CuPy)."""
+    if not _needs_copy(a):
+        return a
+    native = np.dtype(a.dtype).newbyteorder("=")
+    if isinstance(a, np.ndarray):
+        return np.ascontiguousarray(a, dtype=native)
+    if (type(a).__module__ or "").startswith("cupy"):
+        return cupy().ascontiguousarray(a, dtype=native)
+    return a  # Numba device arrays: the kernels take their strides
+
+
+def _in_place_ready(name, a):
+    if _needs_copy(a):
+        raise ValueError(f"{name} is updated in place, so it must be C-contiguous in native "
+                         f"byte order (got strides {getattr(a, 'strides', None)}, dtype "
+                         f"{np.dtype(a.dtype).str}); pass np.ascontiguousarray of it and use "
+                         f"that array from then on")
+    return a
 
 
 def _describe(fam):

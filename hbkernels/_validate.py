@@ -77,6 +77,13 @@ def grad_out(g, num_bags):
         )
 
 
+def writable(name, a):
+    """``a`` must be writable (an op updates it in place); CUDA arrays always are."""
+    if isinstance(a, np.ndarray) and not a.flags.writeable:
+        raise ValueError(f"{name} is read-only; it is updated in place (pass a writable array, "
+                         f"e.g. a copy)")
+
+
 def bag_gradient(w, g, bag_values, bag_offsets, psw):
     """The inputs of a gradient of ``embedding_bag``: a table ``w``, CSR bags, optional
     per-sample weights and one row ``g`` of the table's D per bag."""
@@ -90,9 +97,16 @@ def bag_gradient(w, g, bag_values, bag_offsets, psw):
 
 
 def choice(name, value, allowed):
-    if value not in allowed:
+    try:
+        known = value in allowed
+    except TypeError:  # unhashable, e.g. a list
+        known = False
+    if not known:
         raise ValueError(f"{name} must be one of {sorted(allowed)}, got {value!r}")
     return allowed[value]
+
+
+INT64_MAX = int(np.iinfo(np.int64).max)
 
 
 def count(name, value, minimum=0):
@@ -100,6 +114,8 @@ def count(name, value, minimum=0):
         raise ValueError(f"{name} must be an integer, got {value!r}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if value > INT64_MAX:
+        raise ValueError(f"{name} must be <= 2**63 - 1, got {value}")
     return int(value)
 
 

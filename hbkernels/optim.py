@@ -113,14 +113,23 @@ class SparseOptimizer:
         return state
 
     def _state_arrays(self, family, weights, state):
+        """The slot arrays of ``state`` for ``weights``, checked (and the step counter),
+        before anything is updated: a step that fails changes nothing."""
         if not isinstance(state, dict) or "step" not in state:
             raise ValueError(f"state must be the dict made by {type(self).__name__}.init_state")
+        counter = state["step"]
+        if not (isinstance(counter, np.ndarray) and counter.shape == (1,)
+                and counter.dtype == np.int64):
+            raise ValueError(f"state['step'] must be the 1-element int64 NumPy array made by "
+                             f"init_state, got {counter!r}")
+        check.writable("weights", weights)
+        check.writable("state['step']", counter)
         arrays = []
         dtype = check.accumulator_dtype(weights.dtype)
         for name, per_row in self.slots:
             if name not in state:
                 raise ValueError(f"state lacks {name!r}; make it with init_state")
-            fam, s = resolve(weights=weights, **{name: state[name]})
+            fam, s = resolve(inplace=("weights", name), weights=weights, **{name: state[name]})
             s = s[name]
             shape = (weights.shape[0],) if per_row else tuple(weights.shape)
             if tuple(s.shape) != shape or np.dtype(s.dtype) != dtype:
@@ -128,6 +137,7 @@ class SparseOptimizer:
                     f"state[{name!r}] must be {shape} {dtype.name}, "
                     f"got {tuple(s.shape)} {np.dtype(s.dtype).name}"
                 )
+            check.writable(f"state[{name!r}]", s)
             arrays.append(s)
         return arrays + [None] * (2 - len(arrays))
 
@@ -143,16 +153,12 @@ class SparseOptimizer:
         key = _mix64((self.seed << 32) ^ step) if self.rounding == "stochastic" else 0
         return self.hyper(step), key
 
-    def _begin_step(self, state):
-        state["step"][0] += 1
-        return self._step_constants(int(state["step"][0]))
-
     # -- updates ------------------------------------------------------------
     def step(self, weights, state, grad):
         """Apply ``grad`` (a :class:`hbkernels.SparseGrad`) to the rows it names."""
         if not isinstance(grad, SparseGrad):
             raise TypeError(f"grad must be hbk.SparseGrad(ids, rows), got {type(grad).__name__}")
-        family, a = resolve(weights=weights, ids=grad.ids, rows=grad.rows)
+        family, a = resolve(inplace=("weights",), weights=weights, ids=grad.ids, rows=grad.rows)
         weights, ids, rows = a["weights"], a["ids"], a["rows"]
         check.table("weights", weights)
         check.ids("grad.ids", ids, ndim=1)
@@ -172,11 +178,13 @@ class SparseOptimizer:
         uniq, inverse = unique(ids, return_inverse=True)
         if uniq.shape[0] != ids.shape[0]:  # sum duplicate ids first, as torch coalesces
             ids, rows = uniq, segment_sum(rows, inverse, uniq.shape[0])
-        hp, key = self._begin_step(state)
+        step = int(state["step"][0]) + 1
+        hp, key = self._step_constants(step)
         backend.sparse_update(
             family, self.rule, weights, s1, s2, hp, ids, rows,
             self.nonfinite == "skip", self.rounding == "stochastic", key,
         )
+        state["step"][0] = step
 
     def fused_step(self, weights, state, grad_out, values, offsets, *, combiner="sum",
                    per_sample_weights=None, bounds="raise"):
@@ -185,8 +193,8 @@ class SparseOptimizer:
         GPU the input checks read back once; with ``bounds="unchecked"`` and
         ``nonfinite="skip"`` the step never waits for the device."""
         family, a = resolve(
-            ("per_sample_weights",), weights=weights, grad_out=grad_out, values=values,
-            offsets=offsets, per_sample_weights=per_sample_weights,
+            ("per_sample_weights",), ("weights",), weights=weights, grad_out=grad_out,
+            values=values, offsets=offsets, per_sample_weights=per_sample_weights,
         )
         weights, grad_out, values, offsets, psw = (
             a["weights"], a["grad_out"], a["values"], a["offsets"], a["per_sample_weights"]

@@ -183,6 +183,39 @@ def test_user_errors_are_one_line(tmp_path, criteo_parquet, case):
     assert expected in lines[0] and "Traceback" not in res.stderr
 
 
+MISUSE = {
+    "steps text": (["train", "--steps", "text"], "argument --steps: expected a number, got 'text'"),
+    "bad device": (["train", "--device", "tpu"], "invalid choice: 'tpu'"),
+    "bad bottom": (["train", "--bottom", "x"], "expected comma-separated integers"),
+    "zero bottom": (["train", "--bottom", "0"], "--bottom and --top sizes must be >= 1"),
+    "empty table": (["train", "--table", "c0:0:1"], "ROWS, HOTNESS >= 1"),
+    "negative lr": (["train", "--sparse-lr", "-1"], "must be a finite number > 0, got -1"),
+    "nan lr": (["train", "--dense-lr", "nan"], "must be a finite number > 0, got nan"),
+    "zero batch": (["train", "--batch-size", "0"], "must be a finite number >= 1, got 0"),
+    "corrupt data": (["train", "--data", "garbage.parquet"], "garbage.parquet"),
+    "unwritable metrics": (["train", "--metrics", "no/such/dir/m.json"], "cannot write"),
+    "checkpoint under a file": (["train", "--checkpoint", "garbage.parquet/ck"], "is a file"),
+    "unknown format": (["data", "convert", "nosuch", "a", "b"], "invalid choice: 'nosuch'"),
+    "negative rows": (["data", "synthetic", "out", "--rows", "-5"], "got -5"),
+    "no command": ([], "the following arguments are required: command"),
+}
+
+
+@pytest.mark.parametrize("case", MISUSE)
+def test_misuse_is_one_line_and_exit_1(tmp_path, case):
+    """Every documented misuse: one line naming the problem, exit status 1, found
+    before any work is done (no step runs, no file is written)."""
+    (tmp_path / "garbage.parquet").write_bytes(b"not parquet at all")
+    argv, expected = MISUSE[case]
+    res = run_cli(*argv, cwd=tmp_path)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert len(lines) == 1 and ": error: " in lines[0], res.stderr
+    assert expected in lines[0] and "Traceback" not in res.stderr
+    assert "step" not in res.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["garbage.parquet"]
+
+
 def test_resume_with_another_configuration_is_refused(tmp_path):
     ckpt = tmp_path / "ckpt"
     train(tmp_path, "first", "--steps", 2, "--checkpoint", ckpt)

@@ -458,3 +458,48 @@ def test_cuda_batches(files):
             for b in batches]
     got = concat(host)
     assert_same(got, take_rows(expected_columns(table), got["row"]))
+
+
+def _flip_value_byte(path, value):
+    data = bytearray(path.read_bytes())
+    at = data.find(int(value).to_bytes(8, "little"))
+    assert at > 0
+    data[at] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_page_checksums_are_verified_and_damage_names_the_file(tmp_path):
+    values = np.arange(1000, dtype=np.int64) * 7919
+    for checksum in (True, False):
+        path = tmp_path / f"checksum-{checksum}.parquet"
+        pq.write_table(pa.table({"x": values}), path, compression="none", use_dictionary=False,
+                       write_page_checksum=checksum)
+        _flip_value_byte(path, values[500])
+        ds = ParquetDataset(str(path), 100)
+        if checksum:  # the page's CRC catches it
+            with pytest.raises(hbk.errors.DataError, match=f"row group 0 of Parquet file {path}.*CRC"):
+                list(ds)
+        else:  # no checksum in the file: nothing can tell
+            got = np.concatenate([b["x"] for b in ds])
+            assert (got != values).sum() == 1
+
+
+def test_a_damaged_page_or_a_rewritten_file_names_the_file(tmp_path, rng):
+    paths, _ = write_files(tmp_path, rng, [40, 30], row_group_size=10)
+    ds = ParquetDataset(paths, 8, columns=["row", "ids64"])
+    pq.write_table(pa.table({"row": pa.array(["a"] * 5)}), paths[1])  # rewritten since
+    with pytest.raises(hbk.errors.DataError, match=paths[1]):
+        list(ds)
+    data = bytearray(open(paths[0], "rb").read())
+    footer = int.from_bytes(data[-8:-4], "little")
+    end = len(data) - 8 - footer
+    data[4:end] = b"\xff" * (end - 4)  # every page garbage, the footer intact
+    open(paths[0], "wb").write(bytes(data))
+    with pytest.raises(hbk.errors.DataError, match=paths[0]):
+        list(ParquetDataset(paths[:1], 8, columns=["row", "ids64"]))
+
+
+@pytest.mark.parametrize("paths", [None, 3, object()])
+def test_paths_of_the_wrong_type(paths):
+    with pytest.raises(TypeError, match="paths must be a Parquet file, a directory or a list"):
+        ParquetDataset(paths, 8)

@@ -460,6 +460,54 @@ def test_bad_arguments(backend):
     assert state["step"][0] == 0
 
 
+@pytest.mark.parametrize("name", RULES)
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_failed_step_changes_nothing(backend, name, fused):
+    """Bad ids, NaN gradients, a read-only table or state, a bad step counter: a clear
+    error, and the weights, the state and its step counter are as before."""
+    put = backend.put
+    opt = make_opt(name)
+    table = Table(backend, opt, np.linspace(-1, 1, 10, dtype=np.float32).reshape(5, 2))
+    table.step(np.array([1]), np.ones((1, 2), np.float32))
+    before_w, before_s = table.weights(), table.states()
+
+    def attempt(ids, rows, state=None):
+        state = table.state if state is None else state
+        if fused:
+            opt.fused_step(table.w, state, put(rows), put(ids), put(np.array([0, len(ids)])))
+        else:
+            opt.step(table.w, state, hbk.SparseGrad(put(ids), put(rows)))
+
+    good_ids, good_rows = np.array([0, 4]), np.ones((2, 2), np.float32)
+    with pytest.raises(hbk.BoundsError):
+        attempt(np.array([0, 5]), good_rows if not fused else good_rows[:1])
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        attempt(good_ids, np.full((2 if not fused else 1, 2), np.nan, np.float32))
+    for bad_step in (3, np.zeros(1, np.int32), np.zeros(2, np.int64), np.zeros((), np.int64)):
+        with pytest.raises(ValueError, match=r"state\['step'\] must be the 1-element int64"):
+            attempt(good_ids, good_rows if not fused else good_rows[:1],
+                    dict(table.state, step=bad_step))
+    if not backend.is_cuda:  # read-only NumPy arrays (CUDA arrays are always writable)
+        frozen = table.state["step"].copy()
+        frozen.flags.writeable = False
+        with pytest.raises(ValueError, match=r"state\['step'\] is read-only"):
+            attempt(good_ids, good_rows if not fused else good_rows[:1],
+                    dict(table.state, step=frozen))
+        table.w.flags.writeable = False
+        with pytest.raises(ValueError, match="weights is read-only"):
+            attempt(good_ids, good_rows if not fused else good_rows[:1])
+        table.w.flags.writeable = True
+        for slot in state_names(opt):
+            ro = table.state[slot].copy()
+            ro.flags.writeable = False
+            with pytest.raises(ValueError, match=f"state\\['{slot}'\\] is read-only"):
+                attempt(good_ids, good_rows if not fused else good_rows[:1],
+                        dict(table.state, **{slot: ro}))
+    np.testing.assert_array_equal(table.weights(), before_w)
+    for key, value in table.states().items():
+        np.testing.assert_array_equal(value, before_s[key], err_msg=key)
+
+
 def test_constructor_checks():
     for lr in (0.0, -5, float("nan"), float("inf"), "fast", None):
         with pytest.raises(ValueError, match=r"lr must be a finite number > 0, got"):

@@ -10,23 +10,23 @@ Each subcommand lives in its own module (``info.py``, ``bench.py``,
 ``train.py``) with ``add_command(subparsers)``, which sets ``run(args) -> int``
 as the parser's default. Errors a user can cause (a missing file, a bad column,
 an unknown plan, no GPU for ``--device cuda``, a missing optional dependency)
-print one line ``hbkernels <command>: error: <why>`` and exit 1;
+(a malformed option included) print one line ``hbkernels <command>: error: <why>``
+and exit 1;
 ``HBK_DEBUG=1`` shows the traceback instead. Any other exception is a bug and
 shows its traceback. Output cut short by its reader (``hbkernels info | head``)
 ends the command quietly.
 """
-import argparse
 import os
 import sys
 
-from ._errors import USER_ERRORS, CLIError, error_line  # noqa: F401 - their public home
+from ._errors import USER_ERRORS, ArgumentParser, CLIError, error_line  # noqa: F401 - their home
 
 
 def build_parser():
     from . import bench, info, train
     from ..data.__main__ import add_commands as add_data_commands
 
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="hbkernels",
         description="Embedding kernels for recommender systems: info, benchmarks, training.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="command")

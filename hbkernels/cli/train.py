@@ -35,7 +35,7 @@ import time
 
 from ..types import PLACEMENTS
 from ..train import Trainer, parquet_clicks
-from ._errors import USER_ERRORS, CLIError, error_line
+from ._errors import USER_ERRORS, CLIError, error_line, writable_dir, writable_file
 from ._help import HelpFormatter, plain
 
 PLANS = ("auto",) + PLACEMENTS
@@ -56,7 +56,7 @@ def name_list(text):
 
 
 def add_command(subparsers):
-    from ..data.__main__ import parse_table
+    from ..data.__main__ import at_least, parse_table
 
     p = subparsers.add_parser(
         "train", help="train a DLRM-style CTR model (synthetic data or Parquet; mpiexec for N ranks)",
@@ -69,35 +69,35 @@ def add_command(subparsers):
     data.add_argument("--table", dest="tables", type=parse_table, action="append", default=None,
                       metavar="NAME:ROWS:HOTNESS[:var]",
                       help=f"synthetic: a categorical feature (repeat; default {' '.join(DEFAULT_TABLES)})")
-    data.add_argument("--dense-features", type=int, default=13, help="synthetic: dense features")
-    data.add_argument("--alpha", type=float, default=1.05, help="synthetic: Zipf exponent of the ids")
-    data.add_argument("--eval-samples", type=int, default=16384, help="synthetic: held-out samples")
+    data.add_argument("--dense-features", type=at_least(0), default=13, help="synthetic: dense features")
+    data.add_argument("--alpha", type=at_least(0.0, float), default=1.05, help="synthetic: Zipf exponent of the ids")
+    data.add_argument("--eval-samples", type=at_least(1), default=16384, help="synthetic: held-out samples")
     data.add_argument("--label", default="label", help="Parquet: label column")
     data.add_argument("--dense-columns", type=name_list, default=None,
                       help="Parquet: dense columns (default: every float column)")
     data.add_argument("--sparse-columns", type=name_list, default=None,
                       help="Parquet: categorical columns (default: every integer/string/list column)")
-    data.add_argument("--num-rows", type=int, default=100_000,
+    data.add_argument("--num-rows", type=at_least(1), default=100_000,
                       help="Parquet: rows per table; ids are taken modulo this (hashing trick)")
-    data.add_argument("--shuffle-buffer", type=int, default=0, help="Parquet: shuffle window in rows")
+    data.add_argument("--shuffle-buffer", type=at_least(0), default=0, help="Parquet: shuffle window in rows")
     model = p.add_argument_group("model and training")
-    model.add_argument("--steps", type=int, default=300, help="training steps (global batches)")
-    model.add_argument("--epochs", type=int, default=None,
+    model.add_argument("--steps", type=at_least(1), default=300, help="training steps (global batches)")
+    model.add_argument("--epochs", type=at_least(1), default=None,
                        help="Parquet: train this many epochs (sets --steps)")
-    model.add_argument("--batch-size", type=int, default=1024, help="global batch size (all ranks)")
-    model.add_argument("--dim", type=int, default=16, help="embedding and bottom-MLP output width")
+    model.add_argument("--batch-size", type=at_least(1), default=1024, help="global batch size (all ranks)")
+    model.add_argument("--dim", type=at_least(1), default=16, help="embedding and bottom-MLP output width")
     model.add_argument("--bottom", type=int_list, default="64", help="bottom MLP hidden sizes")
     model.add_argument("--top", type=int_list, default="64,32", help="top MLP hidden sizes")
     model.add_argument("--plan", default="auto", help=f"table placement: {', '.join(PLANS)}")
     model.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                        help="auto: the GPU where CUDA and CuPy work, else the CPU")
-    model.add_argument("--sparse-lr", type=float, default=0.05, help="Adagrad rate of the tables")
-    model.add_argument("--dense-lr", type=float, default=1e-3, help="Adam rate of the MLPs")
+    model.add_argument("--sparse-lr", type=at_least(0.0, float, strictly=True), default=0.05, help="Adagrad rate of the tables")
+    model.add_argument("--dense-lr", type=at_least(0.0, float, strictly=True), default=1e-3, help="Adam rate of the MLPs")
     model.add_argument("--seed", type=int, default=0, help="of the data, the tables and the MLPs")
     out = p.add_argument_group("evaluation, checkpoints, output")
-    out.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0: at the end)")
+    out.add_argument("--eval-every", type=at_least(0), default=0, help="evaluate every N steps (0: at the end)")
     out.add_argument("--checkpoint", default=None, metavar="DIR", help="checkpoint directory")
-    out.add_argument("--checkpoint-every", type=int, default=0,
+    out.add_argument("--checkpoint-every", type=at_least(0), default=0,
                      help="checkpoint every N steps (0: at the end only)")
     out.add_argument("--resume", action="store_true", help="continue from DIR/latest")
     out.add_argument("--metrics", default="hbkernels-train-metrics.json",
@@ -110,12 +110,11 @@ def add_command(subparsers):
 def check_args(args):
     if args.plan not in PLANS:
         raise CLIError(f"unknown plan {args.plan!r}; choose from {', '.join(PLANS)}")
-    for name in ("steps", "batch_size", "dim", "eval_samples", "num_rows"):
-        if getattr(args, name) < 1:
-            raise CLIError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    for name in ("eval_every", "checkpoint_every", "shuffle_buffer", "dense_features"):
-        if getattr(args, name) < 0:
-            raise CLIError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if any(size < 1 for size in args.bottom + args.top):
+        raise CLIError(f"--bottom and --top sizes must be >= 1, got {args.bottom} and {args.top}")
+    writable_file(args.metrics)  # before any step: a bad path is found now, not at the end
+    if args.checkpoint:
+        writable_dir(args.checkpoint)
     if args.resume and not args.checkpoint:
         raise CLIError("--resume needs --checkpoint DIR")
     synthetic = args.data == "synthetic"

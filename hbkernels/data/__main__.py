@@ -17,15 +17,17 @@ from ._io import ROW_GROUP_SIZE
 CONVERTERS = ("criteo", "avazu", "movielens")
 
 
-def at_least(minimum, kind=int):
-    """An argparse type: a ``kind`` number >= ``minimum``."""
+def at_least(minimum, kind=int, *, strictly=False):
+    """An argparse type: a finite ``kind`` number >= ``minimum`` (> with ``strictly``)."""
     def parse(text):
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not value >= minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {text}")
+        if not (value > minimum if strictly else value >= minimum) or value != value \
+                or value in (float("inf"), float("-inf")):
+            raise argparse.ArgumentTypeError(
+                f"must be a finite number {'>' if strictly else '>='} {minimum:g}, got {text}")
         return value
     return parse
 
@@ -88,7 +90,9 @@ def run_synthetic(args):
 
 def main(argv=None):
     """Run the command line; prints the summary, returns the exit status."""
-    parser = argparse.ArgumentParser(
+    from ..cli._errors import ArgumentParser
+
+    parser = ArgumentParser(
         prog="python -m hbkernels.data",
         description="Convert CTR datasets to Parquet, or write synthetic data.")
     add_commands(parser.add_subparsers(required=True, metavar="command"))

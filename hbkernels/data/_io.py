@@ -91,7 +91,11 @@ def parquet_files(paths):
     if isinstance(paths, (str, bytes, os.PathLike)):
         paths = [paths]
     else:
-        paths = list(paths)
+        try:
+            paths = list(paths)
+        except TypeError:
+            raise TypeError(f"paths must be a Parquet file, a directory or a list of them, "
+                            f"got {paths!r}") from None
     if not paths:
         raise ValueError("ParquetDataset needs at least one path")
     files = []
@@ -113,9 +117,10 @@ def parquet_files(paths):
 
 
 def open_parquet(pq, path):
-    """``pq.ParquetFile(path)``; a file that is not Parquet is a DataError naming it."""
+    """``pq.ParquetFile(path)``, verifying the page checksums of files written with
+    them; a file that is not Parquet is a DataError naming it."""
     try:
-        return pq.ParquetFile(path)
+        return pq.ParquetFile(path, page_checksum_verification=True)
     except FileNotFoundError:
         raise FileNotFoundError(f"Parquet file not found: {path}") from None
     except Exception as e:  # ArrowInvalid, OSError, ...: a file that is not Parquet
@@ -127,3 +132,12 @@ def close_parquet(pf):
     close = getattr(pf, "close", None)
     if close is not None:
         close()
+
+
+def read_row_group(pf, path, index, columns):
+    """Row group ``index`` of open file ``pf``; a damaged page (a failed checksum, a bad
+    encoding) or a file changed since it was opened is a DataError naming ``path``."""
+    try:
+        return pf.read_row_group(index, columns=columns)
+    except Exception as e:  # ArrowInvalid, OSError, ...
+        raise DataError(f"cannot read row group {index} of Parquet file {path}: {e}") from e

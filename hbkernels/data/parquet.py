@@ -8,7 +8,7 @@ import numpy as np
 
 from ..errors import DataError
 from ..types import Ragged
-from ._io import close_parquet, open_parquet, parquet_files, require_pyarrow
+from ._io import close_parquet, open_parquet, parquet_files, read_row_group, require_pyarrow
 
 class _Column(NamedTuple):
     name: str
@@ -474,7 +474,7 @@ class ParquetDataset:
                 handles[p.file] = pf
                 while len(handles) > 8:
                     close_parquet(handles.popitem(last=False)[1])
-                table = pf.read_row_group(p.row_group, columns=names)
+                table = read_row_group(pf, path, p.row_group, names)
                 expected = self._row_groups[p.file][p.row_group]
                 if table.num_rows != expected:
                     raise DataError(f"{path} changed since the dataset was built: row group "

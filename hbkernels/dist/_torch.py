@@ -36,6 +36,7 @@ hangs raises :class:`CommError` within the timeout. The communicator is then
 unusable, and the abandoned call's buffers are kept alive (the group may still
 write into them).
 """
+import atexit
 import datetime
 import os
 
@@ -100,10 +101,23 @@ def open_world(timeout):
     if tdist.is_initialized():
         return join(tdist.group.WORLD, timeout)
     _init_default_group(timeout)
+    atexit.register(_destroy_own_world)
     comm = TorchCommunicator(timeout, tdist.group.WORLD)
     comm._plan_gpus()
     _OWN_WORLD.update(pg=tdist.group.WORLD, cuda_pg=comm._cuda_pg, device_id=comm.device_id)
     return comm
+
+
+def _destroy_own_world():
+    """At exit, end the default group made here (gloo's threads otherwise meet the
+    interpreter's teardown and abort the process now and then)."""
+    if _OWN_WORLD["pg"] is not None and tdist.is_initialized() and \
+            tdist.group.WORLD is _OWN_WORLD["pg"]:
+        try:
+            tdist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - leaving anyway
+            pass
+        _OWN_WORLD.update(pg=None, cuda_pg=None, device_id=None)
 
 
 def join(pg, timeout):

@@ -1,0 +1,167 @@
+"""Every op fed what users actually pass: strided views, Fortran order, column slices,
+read-only and big-endian arrays, 0-d arrays, and options of the wrong type or out of
+range. Each gives the result of the plain C-contiguous input bit for bit, or a
+ValueError / TypeError that says what was expected; never a crash or garbage."""
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import hbkernels as hbk
+
+E, D = 12, 5
+
+
+def case(rng):
+    offsets = np.array([0, 3, 3, 7, 9])
+    values = rng.integers(0, E, 9)
+    values[[0, -1]] = [E - 1, 0]
+    return {
+        "weights": rng.standard_normal((E, D)).astype(np.float32),
+        "values": values,
+        "offsets": offsets,
+        "psw": rng.uniform(0.5, 1.5, 9).astype(np.float32),
+        "grad": rng.standard_normal((4, D)).astype(np.float32),
+        "rows": rng.standard_normal((9, D)).astype(np.float32),
+        "segments": rng.integers(0, 4, 9),
+    }
+
+
+OPS = {
+    "lookup": (lambda a: hbk.lookup(a["weights"], a["values"]), ("weights", "values")),
+    "lookup_backward": (lambda a: hbk.lookup_backward(a["rows"], a["values"], num_rows=E),
+                        ("rows", "values")),
+    "embedding_bag": (lambda a: hbk.embedding_bag(a["weights"], a["values"], a["offsets"],
+                                                  combiner="mean", per_sample_weights=a["psw"]),
+                      ("weights", "values", "offsets", "psw")),
+    "embedding_bag_backward": (lambda a: hbk.embedding_bag_backward(
+        a["grad"], a["values"], a["offsets"], num_rows=E, combiner="sqrtn",
+        per_sample_weights=a["psw"]), ("grad", "values", "offsets", "psw")),
+    "per_sample_weights_backward": (lambda a: hbk.per_sample_weights_backward(
+        a["grad"], a["weights"], a["values"], a["offsets"], a["psw"], combiner="mean"),
+        ("grad", "weights", "values", "offsets", "psw")),
+    "segment_sum": (lambda a: hbk.segment_sum(a["rows"], a["segments"], 4), ("rows", "segments")),
+    "segment_reduce": (lambda a: hbk.segment_reduce(a["rows"], a["offsets"], combiner="sqrtn"),
+                       ("rows", "offsets")),
+    "unique": (lambda a: hbk.unique(a["values"], return_inverse=True, return_counts=True),
+               ("values",)),
+    "partition": (lambda a: hbk.partition(a["values"], 3, mode="div", num_rows=E), ("values",)),
+}
+
+
+def strided(x):
+    return np.repeat(x, 2, axis=0)[::2]
+
+
+def column_slice(x):
+    return np.concatenate([x, x[:, :1]], axis=1)[:, :-1] if x.ndim == 2 else strided(x)
+
+
+def read_only(x):
+    y = x.copy()
+    y.flags.writeable = False
+    return y
+
+
+def big_endian(x):
+    return x.astype(x.dtype.newbyteorder(">"))
+
+
+def reversed_twice(x):
+    return x[::-1].copy()[::-1]
+
+
+VARIANTS = {"strided": strided, "column_slice": column_slice, "fortran": np.asfortranarray,
+            "read_only": read_only, "big_endian": big_endian, "negative_stride": reversed_twice}
+
+
+def flat(result):
+    if isinstance(result, tuple):  # SparseGrad, Partitioned, unique's tuple
+        return [np.asarray(r) for r in result]
+    return [np.asarray(result)]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("op", OPS)
+def test_every_layout_gives_the_plain_result(rng, op, variant):
+    run, names = OPS[op]
+    inputs = case(rng)
+    expected = flat(run(inputs))
+    for name in names:
+        odd = VARIANTS[variant](inputs[name])
+        np.testing.assert_array_equal(odd, inputs[name])
+        got = flat(run(dict(inputs, **{name: odd})))
+        for g, e in zip(got, expected):
+            assert g.dtype == e.dtype.newbyteorder("=") and g.shape == e.shape, (name, g.dtype)
+            np.testing.assert_array_equal(g, e, err_msg=f"{op}: {name} {variant}")
+
+
+def test_zero_d_ids_and_tables(rng):
+    inputs = case(rng)
+    w = inputs["weights"]
+    np.testing.assert_array_equal(hbk.lookup(w, np.array(3)), w[3])
+    with pytest.raises(ValueError, match="2-D table"):
+        hbk.lookup(np.ones((), np.float32), np.array([0]))
+    with pytest.raises(ValueError, match="2-D table"):
+        hbk.lookup(np.float32(1.0), np.array([0]))  # a NumPy scalar is a 0-d array
+    with pytest.raises(ValueError, match="values must be 1-D"):
+        hbk.embedding_bag(w, np.array(3), np.array([0, 1]))
+    with pytest.raises(ValueError, match="offsets must be 1-D"):
+        hbk.embedding_bag(w, np.array([3]), np.array(1))
+    with pytest.raises(ValueError, match="ids must be 1-D"):
+        hbk.partition(np.array(3), 2)
+
+
+BAD_CHOICES = [["sum"], {"sum": 1}, 1, 1.5, None, b"sum", "SUM"]
+
+
+@pytest.mark.parametrize("value", BAD_CHOICES, ids=repr)
+def test_options_of_the_wrong_type(rng, value):
+    a = case(rng)
+    w, v, o = a["weights"], a["values"], a["offsets"]
+    calls = [
+        lambda: hbk.embedding_bag(w, v, o, bounds=value),
+        lambda: hbk.embedding_bag(w, v, o, combiner=value),
+        lambda: hbk.lookup(w, v, bounds=value),
+        lambda: hbk.segment_reduce(a["rows"], o, combiner=value),
+        lambda: hbk.segment_sum(a["rows"], a["segments"], 4, bounds=value),
+        lambda: hbk.partition(v, 2, mode=value),
+        lambda: hbk.embedding_bag_backward(a["grad"], v, o, num_rows=E, combiner=value),
+        lambda: hbk.optim.SGD(lr=0.1, rounding=value),
+        lambda: hbk.optim.Adagrad(lr=0.1, nonfinite=value),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match=r"must be one of \[.*\], got"):
+            call()
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, "12", None, True, 2**63, 2**64, np.float64(3)],
+                         ids=repr)
+def test_counts_out_of_range_or_of_the_wrong_type(rng, value):
+    a = case(rng)
+    calls = [
+        lambda: hbk.lookup_backward(a["rows"], a["values"], num_rows=value),
+        lambda: hbk.embedding_bag_backward(a["grad"], a["values"], a["offsets"], num_rows=value),
+        lambda: hbk.segment_sum(a["rows"], a["segments"], value),
+        lambda: hbk.partition(a["values"], value),
+        lambda: hbk.partition(a["values"], 2, mode="div", num_rows=value),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match="must be (an integer|>= |<= )|needs num_rows"):
+            call()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 5), st.sampled_from(list(VARIANTS)), st.integers(0, 2**32 - 1))
+def test_property_embedding_bag_any_layout(dim_extra, variant, seed):
+    rng = np.random.default_rng(seed)
+    dim = 1 + dim_extra
+    n = int(rng.integers(0, 12))
+    w = rng.standard_normal((7, dim)).astype(rng.choice([np.float32, np.float64, np.float16]))
+    values = rng.integers(0, 7, n).astype(rng.choice([np.int32, np.int64]))
+    cuts = np.sort(rng.integers(0, n + 1, int(rng.integers(0, 4))))
+    offsets = np.concatenate([[0], cuts, [n]]).astype(np.int64)
+    plain = hbk.embedding_bag(w, values, offsets, combiner="mean")
+    odd = VARIANTS[variant]
+    np.testing.assert_array_equal(hbk.embedding_bag(odd(w), odd(values), odd(offsets),
+                                                    combiner="mean"), plain)
