@@ -245,3 +245,62 @@ def test_an_error_on_one_rank_ends_every_rank(tmp_path):
     assert rc != 0, out[-3000:]
     assert "hbkernels train: error on rank 1: column 'label' has a null at row 50" in out, out[-3000:]
     assert "Traceback" not in out and not (tmp_path / "m.json").exists()
+
+
+def _rank_pid(rank, marker):
+    """The pid of the rank-``rank`` process whose command line holds ``marker``."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+        except OSError:
+            continue
+        if marker.encode() in cmdline and b"hbkernels" in cmdline and \
+                f"PMI_RANK={rank}".encode() in environ:
+            return int(entry)
+    return None
+
+
+@needs_mpi
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the rank's process in /proc")
+def test_a_frozen_peer_is_one_line_on_the_other_rank(tmp_path):
+    """Rank 1 stops (SIGSTOP) mid-training: rank 0's collective gives up after
+    HBK_COMM_TIMEOUT and the job ends with one line naming the CommError, no traceback."""
+    import signal
+    import threading
+    import time
+
+    ckpt = tmp_path / "ck"
+    result = {}
+
+    def job():
+        result["run"] = mpirun(2, "-m hbkernels", "train", *SMALL, "--steps", 10**6,
+                               "--checkpoint", ckpt, "--checkpoint-every", 10,
+                               "--metrics", tmp_path / "m.json", timeout=300, cwd=tmp_path,
+                               env=_env(HBK_COMM_TIMEOUT="10"))
+
+    runner = threading.Thread(target=job)
+    runner.start()
+    deadline = time.monotonic() + 200
+    while not (ckpt / "latest").exists():  # both ranks are past start-up and training
+        assert runner.is_alive() and time.monotonic() < deadline, result.get("run")
+        time.sleep(0.2)
+    pid = _rank_pid(1, str(ckpt))
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        runner.join(timeout=280)
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    rc, out, _ = result["run"]
+    assert rc != 0
+    errors = [line for line in out.splitlines() if "error" in line]
+    assert errors and errors[0].startswith("hbkernels train: error on rank 0: CommError"), out[-3000:]
+    assert "Traceback" not in out, out[-3000:]

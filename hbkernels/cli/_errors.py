@@ -2,6 +2,7 @@
 import argparse
 import os
 
+from ..dist import CommError
 from ..errors import BoundsError, CheckpointError, DataError, MissingDependencyError
 
 
@@ -10,7 +11,8 @@ class CLIError(Exception):
 
 
 #: exceptions shown as one line (anything else is a bug: full traceback)
-USER_ERRORS = (CLIError, OSError, BoundsError, CheckpointError, DataError, MissingDependencyError)
+USER_ERRORS = (CLIError, OSError, BoundsError, CheckpointError, CommError, DataError,
+               MissingDependencyError)
 
 
 def error_line(exc):
