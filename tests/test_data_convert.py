@@ -189,4 +189,4 @@ def test_cli_convert(tmp_path):
     missing = run_cli("convert", "criteo", tmp_path / "missing.txt", dst)
     assert missing.returncode == 1 and "missing.txt" in missing.stderr
     unknown = run_cli("convert", "kdd", src, dst)
-    assert unknown.returncode == 2 and "invalid choice" in unknown.stderr
+    assert unknown.returncode == 1 and "invalid choice" in unknown.stderr

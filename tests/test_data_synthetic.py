@@ -133,4 +133,4 @@ def test_cli_synthetic(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "hbkernels.data", "synthetic", str(dst),
                           "--rows", "5", "--table", "user:100"],
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert bad.returncode == 2 and "NAME:ROWS:HOTNESS[:var]" in bad.stderr
+    assert bad.returncode == 1 and "NAME:ROWS:HOTNESS[:var]" in bad.stderr

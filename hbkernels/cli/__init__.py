@@ -49,7 +49,8 @@ def launcher_rank():
 
 
 def main(argv=None):
-    """Run one subcommand; returns the exit status (0 ok, 1 error, 2 usage)."""
+    """Run one subcommand; returns the exit status (0 ok, 1 error; a usage error exits 1
+    from the parser)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     prog = f"hbkernels {args.command}"
