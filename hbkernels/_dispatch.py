@@ -265,8 +265,8 @@ def resolve(optional=(), inplace=(), **arrays):
     ``TypeError``, never a silent copy. Arrays the kernels only read are handed
     over C-contiguous and in native byte order (a strided view, a Fortran-order
     or big-endian array is copied once, :func:`kernel_ready`); the arrays named in
-    ``inplace`` are updated in place, so they must already be so (and writable):
-    a ``ValueError`` says which.
+    ``inplace`` are updated in place, so they must already be so and writable
+    (:func:`in_place_ready`).
     """
     family = None
     first = None
@@ -285,7 +285,7 @@ def resolve(optional=(), inplace=(), **arrays):
                 f"{name} is a {_describe(fam)} array but {first} is a "
                 f"{_describe(family)} array; move them to one device and library first"
             )
-        out[name] = _in_place_ready(name, arr) if name in inplace else kernel_ready(arr)
+        out[name] = in_place_ready(name, arr) if name in inplace else kernel_ready(arr)
     return (family or NUMPY), out
 
 
@@ -312,7 +312,12 @@ def kernel_ready(a):
     return a  # Numba device arrays: the kernels take their strides
 
 
-def _in_place_ready(name, a):
+def in_place_ready(name, a):
+    """``a``, an array an op updates in place: C-contiguous, native byte order and
+    writable (CUDA arrays always are), else a ``ValueError`` naming ``name``."""
+    if isinstance(a, np.ndarray) and not a.flags.writeable:
+        raise ValueError(f"{name} is read-only; it is updated in place (pass a writable array, "
+                         f"e.g. a copy)")
     if _needs_copy(a):
         raise ValueError(f"{name} is updated in place, so it must be C-contiguous in native "
                          f"byte order (got strides {getattr(a, 'strides', None)}, dtype "

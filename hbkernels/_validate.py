@@ -77,13 +77,6 @@ def grad_out(g, num_bags):
         )
 
 
-def writable(name, a):
-    """``a`` must be writable (an op updates it in place); CUDA arrays always are."""
-    if isinstance(a, np.ndarray) and not a.flags.writeable:
-        raise ValueError(f"{name} is read-only; it is updated in place (pass a writable array, "
-                         f"e.g. a copy)")
-
-
 def bag_gradient(w, g, bag_values, bag_offsets, psw):
     """The inputs of a gradient of ``embedding_bag``: a table ``w``, CSR bags, optional
     per-sample weights and one row ``g`` of the table's D per bag."""

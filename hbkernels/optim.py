@@ -50,7 +50,7 @@ import numpy as np
 from . import _bits
 from . import _rules as rules
 from . import _validate as check
-from ._dispatch import kernels, resolve
+from ._dispatch import in_place_ready, kernels, resolve
 from .ops import unique, segment_sum
 from .types import SparseGrad
 
@@ -122,22 +122,21 @@ class SparseOptimizer:
                 and counter.dtype == np.int64):
             raise ValueError(f"state['step'] must be the 1-element int64 NumPy array made by "
                              f"init_state, got {counter!r}")
-        check.writable("weights", weights)
-        check.writable("state['step']", counter)
+        in_place_ready("state['step']", counter)
         arrays = []
         dtype = check.accumulator_dtype(weights.dtype)
         for name, per_row in self.slots:
             if name not in state:
                 raise ValueError(f"state lacks {name!r}; make it with init_state")
-            fam, s = resolve(inplace=("weights", name), weights=weights, **{name: state[name]})
-            s = s[name]
+            key = f"state[{name!r}]"
+            fam, s = resolve(inplace=("weights", key), weights=weights, **{key: state[name]})
+            s = s[key]
             shape = (weights.shape[0],) if per_row else tuple(weights.shape)
             if tuple(s.shape) != shape or np.dtype(s.dtype) != dtype:
                 raise ValueError(
                     f"state[{name!r}] must be {shape} {dtype.name}, "
                     f"got {tuple(s.shape)} {np.dtype(s.dtype).name}"
                 )
-            check.writable(f"state[{name!r}]", s)
             arrays.append(s)
         return arrays + [None] * (2 - len(arrays))
 

@@ -92,10 +92,11 @@ def per_sample_weights_backward(grad_out, weights, values, offsets, per_sample_w
         z = _SCALE[combiner](w)  # out[b] = Σ w_j·e_j / z
         if z == 0:
             continue
-        total = sum(wj * (g[b] @ table[values[j]]) for j, wj in zip(positions, w))
-        for j, wj in zip(positions, w):
+        dots = [g[b] @ table[values[j]] for j in positions]
+        total = sum(wj * dot for wj, dot in zip(w, dots))
+        for j, wj, dot in zip(positions, w, dots):
             dz = {"sum": 0.0, "mean": 1.0, "sqrtn": wj / z}[combiner]  # d z / d w_j
-            out[j] = (g[b] @ table[values[j]]) / z - total * dz / (z * z)
+            out[j] = dot / z - total * dz / (z * z)
     return out
 
 

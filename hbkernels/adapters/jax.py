@@ -149,12 +149,17 @@ _bag.defvjp(_bag_fwd, _bag_bwd)
 
 # -- kernel calls (NumPy or CuPy arrays in, NumPy or CuPy arrays out) ----------
 
-def _pool_into(combiner, out, weight, values, offsets, psw=None):
-    result = ops.embedding_bag(weight, values, offsets, combiner=combiner, per_sample_weights=psw)
+def _into(out, result):
+    """``result`` written into XLA's buffer ``out``, or returned as is where there is none."""
     if out is None:
         return result
     out[...] = result
     return out
+
+
+def _pool_into(combiner, out, weight, values, offsets, psw=None):
+    return _into(out, ops.embedding_bag(weight, values, offsets, combiner=combiner,
+                                        per_sample_weights=psw))
 
 
 def _grad_into(combiner, num_rows, out, g, values, offsets, psw=None):
@@ -170,11 +175,8 @@ def _grad_into(combiner, num_rows, out, g, values, offsets, psw=None):
 
 
 def _weights_grad_into(combiner, out, g, weight, values, offsets, psw):
-    result = ops.per_sample_weights_backward(g, weight, values, offsets, psw, combiner=combiner)
-    if out is None:
-        return result
-    out[...] = result
-    return out
+    return _into(out, ops.per_sample_weights_backward(g, weight, values, offsets, psw,
+                                                      combiner=combiner))
 
 
 def _forward(combiner, weight, values, offsets, psw):

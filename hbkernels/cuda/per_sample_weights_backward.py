@@ -16,13 +16,13 @@ Positions outside every bag (only with unchecked offsets) get 0.
 """
 import math
 
-import numpy as np
 from numba import cuda
 
 from .._modes import Combiner
 from . import _device
 from ._launch import (
     WIDEN,
+    accumulator_dtype,
     blocks_for,
     dtype_key,
     group_size,
@@ -117,11 +117,6 @@ def weights_grad_kernels(table_dtype, grad_dtype, weights_dtype, acc_dtype):
     return dots_kernel, scale_kernel
 
 
-def _accumulator(*dtypes):
-    return np.dtype(np.float64) if any(np.dtype(d) == np.float64 for d in dtypes) \
-        else np.dtype(np.float32)
-
-
 def per_sample_weights_backward(family, grad_out, weights, values, offsets, per_sample_weights,
                                 combiner):
     """``[N]`` gradient in the dtype of ``per_sample_weights`` (offsets already checked)."""
@@ -129,7 +124,8 @@ def per_sample_weights_backward(family, grad_out, weights, values, offsets, per_
     out = family.zeros((n,), per_sample_weights.dtype)
     if n == 0 or offsets.shape[0] <= 1:
         return out
-    acc_dtype = _accumulator(weights.dtype, grad_out.dtype, per_sample_weights.dtype)
+    acc_dtype = max((accumulator_dtype(a.dtype) for a in (weights, grad_out, per_sample_weights)),
+                    key=lambda d: d.itemsize)
     dots_kernel, scale_kernel = weights_grad_kernels(
         dtype_key(weights.dtype), dtype_key(grad_out.dtype), dtype_key(per_sample_weights.dtype),
         acc_dtype)

@@ -9,6 +9,7 @@ larger command line (``hbkernels data ...``) carries them; each sets
 ``run(args)``, which prints the :class:`WriteSummary` and returns 0.
 """
 import argparse
+import math
 import sys
 
 from ..errors import DataError, MissingDependencyError
@@ -24,8 +25,7 @@ def at_least(minimum, kind=int, *, strictly=False):
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not (value > minimum if strictly else value >= minimum) or value != value \
-                or value in (float("inf"), float("-inf")):
+        if not math.isfinite(value) or not (value > minimum if strictly else value >= minimum):
             raise argparse.ArgumentTypeError(
                 f"must be a finite number {'>' if strictly else '>='} {minimum:g}, got {text}")
         return value
