@@ -8,7 +8,7 @@ CUDA); results come back in the caller's array family.
 >>> hbk.embedding_bag(np.eye(3, dtype=np.float32), np.array([0, 2]), np.array([0, 2])).tolist()
 [[1.0, 0.0, 1.0]]
 """
-from . import data, dist, optim, reference
+from . import data, dist, optim, reference, threads
 from .sharding import EmbeddingCollection
 from .errors import BoundsError, CheckpointError
 from .memory import aligned_empty, aligned_full
@@ -42,5 +42,6 @@ __all__ = [
     "reference",
     "segment_reduce",
     "segment_sum",
+    "threads",
     "unique",
 ]

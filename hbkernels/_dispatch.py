@@ -256,7 +256,7 @@ def _numba_device_id():
     return int(numba_cuda().get_current_device().id)
 
 
-def resolve(optional=(), inplace=(), **arrays):
+def resolve(optional=(), inplace=(), row_tables=(), **arrays):
     """Check that all ``arrays`` (those named in ``optional`` may be None) share
     one family and device.
 
@@ -266,7 +266,10 @@ def resolve(optional=(), inplace=(), **arrays):
     over C-contiguous and in native byte order (a strided view, a Fortran-order
     or big-endian array is copied once, :func:`kernel_ready`); the arrays named in
     ``inplace`` are updated in place, so they must already be so and writable
-    (:func:`in_place_ready`).
+    (:func:`in_place_ready`). The NumPy arrays named in ``row_tables`` are tables
+    whose CPU kernels read each row as one contiguous run: any 2-D array whose
+    rows are contiguous passes as it is (a column slice, every k-th row,
+    reversed rows; :func:`rows_contiguous`), never copied.
     """
     family = None
     first = None
@@ -285,8 +288,41 @@ def resolve(optional=(), inplace=(), **arrays):
                 f"{name} is a {_describe(fam)} array but {first} is a "
                 f"{_describe(family)} array; move them to one device and library first"
             )
-        out[name] = in_place_ready(name, arr) if name in inplace else kernel_ready(arr)
+        by_rows = name in row_tables and rows_contiguous(arr)
+        if name in inplace:
+            out[name] = arr if by_rows and _writable(name, arr) else in_place_ready(name, arr)
+        else:
+            out[name] = arr if by_rows else kernel_ready(arr, name if name in row_tables else None)
     return (family or NUMPY), out
+
+
+def rows_contiguous(a):
+    """Whether ``a`` is a 2-D NumPy array in native byte order whose every row is
+    contiguous (its last stride the item size), whatever its row stride."""
+    return (isinstance(a, np.ndarray) and a.ndim == 2 and a.dtype.isnative
+            and (a.strides[1] == a.itemsize or a.shape[1] <= 1))
+
+
+COPY_WARN_BYTES = 1 << 26
+_warned_copy = []
+
+
+def _warn_table_copy(name, a):
+    if a.nbytes >= COPY_WARN_BYTES and not _warned_copy:
+        _warned_copy.append(True)
+        import warnings
+
+        warnings.warn(f"{name} ({a.nbytes >> 20} MiB, strides {a.strides}, dtype {a.dtype.str}) "
+                      f"is copied on every call: its rows are not contiguous in native byte "
+                      f"order; pass np.ascontiguousarray({name}) once and keep using that "
+                      f"array (warned once)", RuntimeWarning, stacklevel=4)
+
+
+def _writable(name, a):
+    if not a.flags.writeable:
+        raise ValueError(f"{name} is read-only; it is updated in place (pass a writable array, "
+                         f"e.g. a copy)")
+    return True
 
 
 def _needs_copy(a):
@@ -300,12 +336,15 @@ def _needs_copy(a):
     return not contiguous or not np.dtype(a.dtype).isnative
 
 
-def kernel_ready(a):
-    """``a`` C-contiguous in native byte order: itself, or a copy (NumPy or CuPy)."""
+def kernel_ready(a, table_name=None):
+    """``a`` C-contiguous in native byte order: itself, or a copy (NumPy or CuPy);
+    a large NumPy table (``table_name`` given) that must be copied warns once."""
     if not _needs_copy(a):
         return a
     native = np.dtype(a.dtype).newbyteorder("=")
     if isinstance(a, np.ndarray):
+        if table_name is not None:
+            _warn_table_copy(table_name, a)
         return np.ascontiguousarray(a, dtype=native)
     if (type(a).__module__ or "").startswith("cupy"):
         return cupy().ascontiguousarray(a, dtype=native)
@@ -315,9 +354,8 @@ def kernel_ready(a):
 def in_place_ready(name, a):
     """``a``, an array an op updates in place: C-contiguous, native byte order and
     writable (CUDA arrays always are), else a ``ValueError`` naming ``name``."""
-    if isinstance(a, np.ndarray) and not a.flags.writeable:
-        raise ValueError(f"{name} is read-only; it is updated in place (pass a writable array, "
-                         f"e.g. a copy)")
+    if isinstance(a, np.ndarray):
+        _writable(name, a)
     if _needs_copy(a):
         raise ValueError(f"{name} is updated in place, so it must be C-contiguous in native "
                          f"byte order (got strides {getattr(a, 'strides', None)}, dtype "
@@ -331,5 +369,10 @@ def _describe(fam):
 
 
 def kernels(family, op):
-    """The module holding ``op``'s kernels for ``family``'s backend."""
+    """The module holding ``op``'s kernels for ``family``'s backend (on the CPU,
+    with Numba's thread pool started: :func:`hbkernels.threads.start_numba_pool`)."""
+    if not family.is_cuda:
+        from .threads import start_numba_pool
+
+        start_numba_pool()
     return importlib.import_module(f"{family.kernels}.{op}")

@@ -47,7 +47,7 @@ def lookup(weights, ids, *, bounds="raise"):
     >>> hbk.lookup(w, np.array([1, 7]), bounds="zero").tolist()
     [[2.0, 3.0], [0.0, 0.0]]
     """
-    family, a = resolve(weights=weights, ids=ids)
+    family, a = resolve(row_tables=("weights",), weights=weights, ids=ids)
     weights, ids = a["weights"], a["ids"]
     check.table("weights", weights)
     check.ids("ids", ids)
@@ -116,7 +116,7 @@ def embedding_bag(
     [[3.0, 4.0], [0.0, 0.0], [2.0, 3.0]]
     """
     family, a = resolve(
-        ("per_sample_weights",),
+        ("per_sample_weights",), row_tables=("weights",),
         weights=weights, values=values, offsets=offsets, per_sample_weights=per_sample_weights,
     )
     weights, values, offsets, psw = (
@@ -144,7 +144,7 @@ def segment_reduce(data, offsets, *, combiner="sum"):
     >>> hbk.segment_reduce(np.array([1., 2., 3.]), np.array([0, 2, 3])).tolist()
     [3.0, 3.0]
     """
-    family, a = resolve(data=data, offsets=offsets)
+    family, a = resolve(row_tables=("data",), data=data, offsets=offsets)
     data, offsets = a["data"], a["offsets"]
     if data.ndim < 1:
         raise ValueError("data must have at least one dimension [N, ...]")
@@ -169,7 +169,7 @@ def segment_sum(data, segment_ids, num_segments, *, bounds="raise"):
     >>> hbk.segment_sum(np.array([1., 2., 4.]), np.array([1, 0, 1]), 3).tolist()
     [2.0, 5.0, 0.0]
     """
-    family, a = resolve(data=data, segment_ids=segment_ids)
+    family, a = resolve(row_tables=("data",), data=data, segment_ids=segment_ids)
     data, segment_ids = a["data"], a["segment_ids"]
     if data.ndim < 1:
         raise ValueError("data must have at least one dimension [N, ...]")
@@ -328,8 +328,8 @@ def per_sample_weights_backward(
     ...     np.ones(2, np.float32)).tolist()
     [1.0, 9.0]
     """
-    family, a = resolve(grad_out=grad_out, weights=weights, values=values, offsets=offsets,
-                        per_sample_weights=per_sample_weights)
+    family, a = resolve(row_tables=("weights",), grad_out=grad_out, weights=weights,
+                        values=values, offsets=offsets, per_sample_weights=per_sample_weights)
     grad_out, weights, values, offsets, psw = (
         a["grad_out"], a["weights"], a["values"], a["offsets"], a["per_sample_weights"]
     )

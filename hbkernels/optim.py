@@ -102,7 +102,7 @@ class SparseOptimizer:
         return 0.0
 
     def init_state(self, weights):
-        family, a = resolve(weights=weights)
+        family, a = resolve(row_tables=("weights",), weights=weights)
         weights = a["weights"]
         check.table("weights", weights)
         dtype = check.accumulator_dtype(weights.dtype)
@@ -129,7 +129,8 @@ class SparseOptimizer:
             if name not in state:
                 raise ValueError(f"state lacks {name!r}; make it with init_state")
             key = f"state[{name!r}]"
-            fam, s = resolve(inplace=("weights", key), weights=weights, **{key: state[name]})
+            fam, s = resolve(inplace=("weights", key), row_tables=("weights",), weights=weights,
+                             **{key: state[name]})
             s = s[key]
             shape = (weights.shape[0],) if per_row else tuple(weights.shape)
             if tuple(s.shape) != shape or np.dtype(s.dtype) != dtype:
@@ -157,7 +158,8 @@ class SparseOptimizer:
         """Apply ``grad`` (a :class:`hbkernels.SparseGrad`) to the rows it names."""
         if not isinstance(grad, SparseGrad):
             raise TypeError(f"grad must be hbk.SparseGrad(ids, rows), got {type(grad).__name__}")
-        family, a = resolve(inplace=("weights",), weights=weights, ids=grad.ids, rows=grad.rows)
+        family, a = resolve(inplace=("weights",), row_tables=("weights",), weights=weights,
+                            ids=grad.ids, rows=grad.rows)
         weights, ids, rows = a["weights"], a["ids"], a["rows"]
         check.table("weights", weights)
         check.ids("grad.ids", ids, ndim=1)
@@ -192,7 +194,7 @@ class SparseOptimizer:
         GPU the input checks read back once; with ``bounds="unchecked"`` and
         ``nonfinite="skip"`` the step never waits for the device."""
         family, a = resolve(
-            ("per_sample_weights",), ("weights",), weights=weights, grad_out=grad_out,
+            ("per_sample_weights",), ("weights",), ("weights",), weights=weights, grad_out=grad_out,
             values=values, offsets=offsets, per_sample_weights=per_sample_weights,
         )
         weights, grad_out, values, offsets, psw = (

@@ -14,6 +14,7 @@ import numpy as np
 
 from .cli._errors import CLIError, error_line
 from .cli.progress import Progress
+from .threads import Governor, pool_limit, set_num_threads, usable_cores
 
 CONFIG_KEYS = ("data", "tables", "dense_features", "alpha", "label", "dense_columns",
                "sparse_columns", "num_rows", "dim", "bottom", "top", "batch_size", "seed",
@@ -46,12 +47,13 @@ class Trainer:
             import cupy
 
             torch.cuda.set_device(cupy.cuda.Device().id)
-        if self.world > 1:  # share the cores of a node between its ranks
-            threads = max(1, (os.cpu_count() or 1) // self.world)
-            torch.set_num_threads(threads)
-            import numba
-
-            numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+        # the ranks of a node share its cores; within its share, one thread per free core
+        share = max(1, min(pool_limit(), usable_cores() // self.world))
+        if args.threads == "auto":
+            self.governor = Governor(share)
+        else:
+            self.governor = None
+            set_num_threads(args.threads)
         self.synthetic = args.data == "synthetic"
         self.config = self.make_config()
         self.train_data, self.eval_data = self.make_data()
@@ -255,6 +257,8 @@ class Trainer:
         mark = time.perf_counter()
         for i, (step, batch, count) in enumerate(self.train_batches()):
             loss = self.train_step(batch, count)
+            if self.governor is not None:
+                self.governor.tick()
             now = time.perf_counter()
             self.train_seconds += now - mark   # data and step; not evaluations, not checkpoints
             if i:  # the first step compiles kernels: samples/s leaves it out
@@ -287,6 +291,9 @@ class Trainer:
             "world_size": self.world, "backend": self.comm.backend, "device": self.device,
             "steps": self.step, "batch_size": a.batch_size, "samples_per_s": rate,
             "train_seconds": self.train_seconds, "plan": self.collection.plan.to_json(),
+            "threads": ({"mode": "auto", "last": self.governor.threads,
+                         "changes": self.governor.changes} if self.governor
+                        else {"mode": "fixed", "last": a.threads, "changes": 0}),
             "final": {"train_loss": self.history[-1]["loss"] if self.history else None,
                       "eval_logloss": last["logloss"], "eval_auc": last["auc"],
                       "eval_samples": last["samples"], "eval_split": self.eval_split},

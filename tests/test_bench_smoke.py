@@ -15,11 +15,12 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # the bench package lives at the repository root
     sys.path.insert(0, str(ROOT))
 
-from hbkernels.bench import common  # noqa: E402
+from hbkernels.bench import anchors, common  # noqa: E402
 
 SCRIPTS = ["embedding_bag", "embedding_bag_backward", "unique", "lookup", "segment_sum",
            "segment_reduce", "partition", "per_sample_weights_backward"]
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
+HAVE_TBE = anchors.fbgemm_tbe() is not None
 
 
 def read_rows(path):
@@ -75,8 +76,27 @@ def test_run_all_smoke(tmp_path):
     out = tmp_path / "all.csv"
     assert run_all.main(["--device", "cpu", "--smoke", "--out", str(out), "--reps", "1"]) == 0
     rows = read_rows(out)
-    assert {r["op"] for r in rows} == {"copy", *SCRIPTS}
+    assert {r["op"] for r in rows} == {"copy", *SCRIPTS} | ({"fused_step"} if HAVE_TBE else set())
     assert sum(r["op"] == "copy" for r in rows) == 1
+
+
+@pytest.mark.skipif(not HAVE_TBE, reason="FBGEMM's TBE (fbgemm-gpu-cpu) is not installed")
+def test_the_anchors_are_peers(tmp_path):
+    """TBE's forward is an embedding_bag peer; the fused step is checked and timed
+    against TBE for every rule TBE runs on the CPU."""
+    rows = check_rows(smoke("embedding_bag", tmp_path / "eb.csv"), "embedding_bag")
+    assert "fbgemm-tbe" in {r["provider"] for r in rows}
+    rows = check_rows(smoke("fused_step", tmp_path / "fs.csv"), "fused_step")
+    assert {r["provider"] for r in rows} == {"hbkernels", "fbgemm-tbe"}
+    assert {r["mode"] for r in rows} == set(anchors.TBE_RULES)
+
+
+def test_the_fused_step_needs_tbe(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(common.DISABLE_ENV, "fbgemm_gpu")
+    module = importlib.import_module("hbkernels.bench.bench_fused_step")
+    module.main(["--device", "cpu", "--smoke", "--out", str(tmp_path / "fs.csv")])
+    assert not any(r["op"] == "fused_step" for r in read_rows(tmp_path / "fs.csv"))
+    assert "needs FBGEMM's TBE" in capsys.readouterr().out
 
 
 def test_a_wrong_kernel_is_never_timed(tmp_path):

@@ -88,7 +88,7 @@ def test_info_shows_numba_runtime_and_hbk_variables(monkeypatch):
     assert info["environment"]["HBK_TEST_SETTING"] == "on"
     assert all(k.startswith("HBK_") for k in info["environment"])
     text = format_info(info)
-    for line in ("numba:", "threads", "threading layer", "kernel cache", "HBK_TEST_SETTING=on"):
+    for line in ("numba:", "thread pools", "threading layer", "kernel cache", "HBK_TEST_SETTING=on"):
         assert line in text, line
 
 

@@ -192,6 +192,9 @@ MISUSE = {
     "negative lr": (["train", "--sparse-lr", "-1"], "must be a finite number > 0, got -1"),
     "nan lr": (["train", "--dense-lr", "nan"], "must be a finite number > 0, got nan"),
     "zero batch": (["train", "--batch-size", "0"], "must be a finite number >= 1, got 0"),
+    "zero threads": (["train", "--threads", "0"], "expected 'auto' or a positive integer, got '0'"),
+    "warmup dims": (["warmup", "--dims", "16,x"], "--dims must be a comma-separated list"),
+    "warmup dtype": (["warmup", "--dtypes", "int8"], "'int8' is not a float dtype"),
     "corrupt data": (["train", "--data", "garbage.parquet"], "garbage.parquet"),
     "unwritable metrics": (["train", "--metrics", "no/such/dir/m.json"], "cannot write"),
     "checkpoint under a file": (["train", "--checkpoint", "garbage.parquet/ck"], "is a file"),
@@ -304,3 +307,10 @@ def test_a_frozen_peer_is_one_line_on_the_other_rank(tmp_path):
     errors = [line for line in out.splitlines() if "error" in line]
     assert errors and errors[0].startswith("hbkernels train: error on rank 0: CommError"), out[-3000:]
     assert "Traceback" not in out, out[-3000:]
+
+
+def test_warmup_compiles_the_ops_of_a_new_width(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "hbkernels", "warmup", "--dims", "3", "--no-train"],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path, env=_env())
+    assert res.returncode == 0, res.stderr
+    assert "ops D=3 float32" in res.stdout and res.stdout.rstrip().splitlines()[-1].startswith("done")

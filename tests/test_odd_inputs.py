@@ -2,6 +2,8 @@
 read-only and big-endian arrays, 0-d arrays, and options of the wrong type or out of
 range. Each gives the result of the plain C-contiguous input bit for bit, or a
 ValueError / TypeError that says what was expected; never a crash or garbage."""
+import warnings
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -165,3 +167,57 @@ def test_property_embedding_bag_any_layout(dim_extra, variant, seed):
     odd = VARIANTS[variant]
     np.testing.assert_array_equal(hbk.embedding_bag(odd(w), odd(values), odd(offsets),
                                                     combiner="mean"), plain)
+
+
+ROW_VIEWS = {
+    "column_slice": lambda parent: parent[:, 1:7],
+    "every_other_row": lambda parent: parent[::2, :6],
+    "reversed_rows": lambda parent: parent[::-1, 2:8],
+}
+
+
+@pytest.mark.parametrize("rule", ["SGD", "Adagrad", "RowWiseAdagrad", "Adam"])
+@pytest.mark.parametrize("view", ROW_VIEWS)
+def test_tables_with_contiguous_rows_are_read_and_updated_where_they_are(rng, view, rule):
+    """A table whose rows are contiguous (any row stride) is never copied: the forward
+    reads it in place and the optimizer's update lands in the caller's array."""
+    parent = rng.standard_normal((80, 9)).astype(np.float32)
+    untouched = parent.copy()
+    table = ROW_VIEWS[view](parent)
+    assert not table.flags.c_contiguous
+    assert hbk._dispatch.resolve(row_tables=("w",), w=table)[1]["w"] is table
+    plain = np.ascontiguousarray(table)
+    offsets = np.array([0, 3, 3, 9, 12])
+    values = rng.integers(0, table.shape[0], 12)
+    values[:2] = [0, table.shape[0] - 1]
+    for combiner in ("sum", "mean"):
+        np.testing.assert_array_equal(hbk.embedding_bag(table, values, offsets, combiner=combiner),
+                                      hbk.embedding_bag(plain, values, offsets, combiner=combiner))
+    np.testing.assert_array_equal(hbk.lookup(table, values), plain[values])
+    grad = rng.standard_normal((4, table.shape[1])).astype(np.float32)
+    opt = getattr(hbk.optim, rule)(lr=0.1)
+    state, plain_state = opt.init_state(table), opt.init_state(plain)
+    for _ in range(2):
+        opt.fused_step(table, state, grad, values, offsets, combiner="mean")
+        opt.fused_step(plain, plain_state, grad, values, offsets, combiner="mean")
+        g = hbk.embedding_bag_backward(grad, values, offsets, num_rows=table.shape[0])
+        opt.step(table, state, g)
+        opt.step(plain, plain_state, g)
+    np.testing.assert_array_equal(table, plain)
+    assert not np.array_equal(table, ROW_VIEWS[view](untouched))
+    outside = np.ones(parent.size, bool)
+    outside[ROW_VIEWS[view](np.arange(parent.size).reshape(parent.shape)).ravel()] = False
+    np.testing.assert_array_equal(parent.ravel()[outside], untouched.ravel()[outside])
+
+
+def test_a_large_table_that_must_be_copied_warns_once(rng, monkeypatch):
+    monkeypatch.setattr(hbk._dispatch, "COPY_WARN_BYTES", 1024)
+    monkeypatch.setattr(hbk._dispatch, "_warned_copy", [])
+    table = np.asfortranarray(rng.standard_normal((300, 8)).astype(np.float32))
+    values, offsets = np.array([0, 299, 5]), np.array([0, 1, 3])
+    with pytest.warns(RuntimeWarning, match=r"np.ascontiguousarray\(weights\) once"):
+        hbk.embedding_bag(table, values, offsets)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hbk.embedding_bag(table, values, offsets)
+        hbk.embedding_bag(np.ascontiguousarray(table[:10]), np.array([1]), np.array([0, 1]))

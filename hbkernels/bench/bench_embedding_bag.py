@@ -1,9 +1,11 @@
-"""embedding_bag: hbk.embedding_bag vs torch.nn.functional.embedding_bag (and a
-plain gather-then-reduce in NumPy/CuPy), combiners sum and mean, fixed bag length.
+"""embedding_bag: hbk.embedding_bag vs torch.nn.functional.embedding_bag, FBGEMM's
+TBE where installed (:mod:`.anchors`) and a plain gather-then-reduce in
+NumPy/CuPy, combiners sum and mean, fixed bag length.
 
-CPU: E=1e6 rows, D=64, B=16384 bags of L=32 Zipf(1.1) ids, fp32, fp16 and bf16;
-fp32 also at D=16 and D=32, and at D=64 with the table 16 bytes past a cache
-line (as a plain large NumPy array is; the others start on one, as torch's do).
+CPU: E=1e6 rows, B=16384 bags of Zipf(1.1) ids: D=64, L=32 in fp32, fp16 and
+bf16; then fp32 at every D in {16, 64, 128} and L in {1, 32}, with the table
+on a cache line (as torch's tensors and hbk.aligned_empty) and 16 bytes past
+one (as a plain large NumPy array: "plain").
 GPU: E=1e7, D=128, B=65536, L=32, Zipf(1.05), fp32, fp16 and bf16 (CuPy >= 14).
 Results are checked against the NumPy (CuPy) gather + fp32 reduction first.
 GB/s counts rows read (B*L*D*itemsize) + ids and offsets read + output written.
@@ -11,6 +13,7 @@ GB/s counts rows read (B*L*D*itemsize) + ids and offsets read + output written.
     python3 -m hbkernels.bench.bench_embedding_bag --device cpu
 """
 import hbkernels as hbk
+from .anchors import tbe_table
 from .common import HBK, Provider, cli_main
 
 OP = "embedding_bag"
@@ -25,8 +28,27 @@ def configs(ctx):
     if ctx.is_cuda:
         return [dict(E=10**7, D=128, B=65536, L=32, alpha=1.05, dtypes=DTYPES)]
     return [dict(E=10**6, D=64, B=16384, L=32, alpha=1.1, dtypes=DTYPES)] + [
-        dict(E=10**6, D=dim, B=16384, L=32, alpha=1.1, dtypes=("float32",)) for dim in (16, 32)] + [
-        dict(E=10**6, D=64, B=16384, L=32, alpha=1.1, dtypes=("float32",), line_offset=16)]
+        dict(E=10**6, D=dim, B=16384, L=bag, alpha=1.1, dtypes=("float32",), line_offset=line)
+        for dim in (16, 64, 128) for bag in (1, 32) for line in (0, 16)]
+
+
+def tbe_provider(ctx, mode):
+    """FBGEMM's TBE forward (no autograd) on its own copy of the table, or None."""
+    if ctx.is_cuda or ctx.torch is None:
+        return None
+
+    def prepare(a):
+        tbe = tbe_table(a["w"], combiner=mode)
+        return None if tbe is None else {**ctx.as_torch({k: a[k] for k in ("ids", "offsets")}), "tbe": tbe}
+
+    def run(a):
+        with ctx.torch.no_grad():
+            return a["tbe"](a["ids"], a["offsets"])
+
+    if tbe_table(ctx.random_table(8, 4, "float32")) is None:
+        ctx.note("FBGEMM's TBE is not installed: fbgemm-tbe peers are skipped (recipe: hbkernels/bench/anchors.py)")
+        return None
+    return Provider("fbgemm-tbe", run, prepare=prepare)
 
 
 def gather_reduce(xp, mode, B, L):
@@ -47,7 +69,7 @@ def run(ctx):
         size = f"E={E} D={D} B={B} L={L} zipf={cfg['alpha']}"
         line_offset = cfg.get("line_offset", 0)
         if line_offset:
-            size += f" table at line+{line_offset}B"
+            size += f" plain (line+{line_offset}B)"
         for dtype in cfg["dtypes"]:
             try:
                 w = ctx.random_table(E, D, dtype, line_offset=line_offset)
@@ -67,6 +89,7 @@ def run(ctx):
                         a["ids"], a["w"], a["offsets"], mode=m, include_last_offset=True),
                         prepare=ctx.as_torch),
                     Provider(ctx.xp_name, gather_reduce(xp, mode, B, L)),
+                    tbe_provider(ctx, mode) if dtype == "float32" else None,
                 ]
                 ctx.compare(OP, mode, size, dtype, {"w": w, "ids": ids, "offsets": offsets},
                             providers, nbytes=nbytes,

@@ -39,8 +39,6 @@ from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
-
-import hbkernels.bench.common  # noqa: E402,F401  (sets OMP_WAIT_POLICY before any thread pool starts)
 import numpy as np  # noqa: E402
 
 import hbkernels as hbk  # noqa: E402

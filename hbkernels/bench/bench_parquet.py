@@ -44,8 +44,6 @@ import time
 from itertools import chain, zip_longest
 from pathlib import Path
 
-
-import hbkernels.bench.common  # noqa: E402,F401  (sets OMP_WAIT_POLICY before any thread pool starts)
 import numpy as np  # noqa: E402
 
 from .common import (  # noqa: E402

@@ -36,13 +36,6 @@ from hbkernels.memory import aligned_empty
 
 from .options import add_run_arguments
 
-# torch and Numba each bring an OpenMP pool; by default idle threads of one spin
-# for a while after every parallel region and steal the cores of the other, so
-# whichever provider runs second in a process looks slower. Passive waiting
-# (set before either pool starts: importing this module comes first) keeps the
-# side-by-side timings fair.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 COLUMNS = (
     "op", "provider", "mode", "size", "dtype",
     "median_ms", "p20_ms", "p80_ms", "gbps", "device",
@@ -115,11 +108,17 @@ def random_table(num_rows, dim, dtype, *, seed=0, xp=np, line_offset=0):
     table -= 1
     if xp is not np:
         return table if np.dtype(dtype) == np.float32 else table.astype(dtype)
-    nbytes = num_rows * dim * np.dtype(dtype).itemsize
-    placed = aligned_empty(nbytes + line_offset, np.uint8)[line_offset:].view(dtype)
-    placed = placed.reshape(num_rows, dim)
+    placed = placed_empty((num_rows, dim), dtype, line_offset)
     placed[...] = table if np.dtype(dtype) == np.float32 else table.astype(dtype)
     return placed
+
+
+def placed_empty(shape, dtype, line_offset=0):
+    """An uninitialised C-contiguous host array whose data start ``line_offset``
+    bytes after a cache line."""
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    return aligned_empty(nbytes + line_offset, np.uint8)[line_offset:].view(dtype).reshape(shape)
 
 
 def to_host(x):

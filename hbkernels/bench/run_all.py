@@ -14,6 +14,7 @@ import traceback
 from . import (
     bench_embedding_bag,
     bench_embedding_bag_backward,
+    bench_fused_step,
     bench_lookup,
     bench_partition,
     bench_per_sample_weights_backward,
@@ -26,6 +27,7 @@ from .common import Context, parser
 BENCHMARKS = {
     "embedding_bag": bench_embedding_bag,
     "embedding_bag_backward": bench_embedding_bag_backward,
+    "fused_step": bench_fused_step,
     "lookup": bench_lookup,
     "unique": bench_unique,
     "segment_sum": bench_segment_sum,

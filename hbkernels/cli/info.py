@@ -105,6 +105,19 @@ def numba_runtime():
     return {"threads": numba.get_num_threads(), "threading_layer": layer, "cache": cache_info()}
 
 
+def thread_pools():
+    """:func:`hbkernels.threads.pools`, with torch imported when it is installed (its
+    pool is the other half of a training process)."""
+    from .. import threads
+
+    if distribution_version(DISTRIBUTIONS["torch"]):
+        try:
+            importlib.import_module("torch")
+        except Exception:  # noqa: BLE001 - a broken torch: report Numba's pool alone
+            pass
+    return threads.pools()
+
+
 def collect_info(probe_mpi=True):
     """Everything ``hbkernels info`` reports, as a dict."""
     import numba
@@ -142,6 +155,7 @@ def collect_info(probe_mpi=True):
             "dist": {"available": True, "why": f"hbk.dist.init('auto') -> {dist_choice}"},
         },
         "numba": numba_runtime(),
+        "threads": thread_pools(),
         "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith("HBK_")},
         "executable": sys.executable,
     }
@@ -164,10 +178,17 @@ def format_info(info):
         lines.append(f"  {name:<6} {'yes' if b['available'] else 'no ':<4} {b['why']}")
     rt = info["numba"]
     lines.append("numba:")
-    lines.append(f"  threads          {rt['threads']}")
-    lines.append(f"  threading layer  {rt['threading_layer']}")
     cache = rt["cache"]
     lines.append(f"  kernel cache     {cache['location'] if cache['caching'] else 'off: ' + cache['location']}")
+    pools = info["threads"]
+    lines.append(f"thread pools ({pools['cores']} usable cores; hbkernels train --threads auto: "
+                 f"one thread per free core in each):")
+    lines.append(f"  numba  {pools['numba']['threads']} of {pools['numba']['max']} threads, "
+                 f"threading layer {pools['numba']['layer']}")
+    torch_pool = pools["torch"]
+    lines.append(f"  torch  {torch_pool['threads']} threads (+{torch_pool['interop_threads']} "
+                 f"inter-op), {torch_pool['parallel']}" if torch_pool else "  torch  not installed")
+    lines += [f"  {k}={v}" for k, v in pools["environment"].items()]
     lines.append("environment (HBK_*):")
     lines += [f"  {k}={v}" for k, v in info["environment"].items()] or ["  none set"]
     return "\n".join(lines)

@@ -51,6 +51,19 @@ def int_list(text):
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def threads_option(text):
+    """``"auto"`` or a positive int."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a positive integer, got {text!r}")
+    return value
+
+
 def name_list(text):
     return [x.strip() for x in text.split(",") if x.strip()]
 
@@ -94,6 +107,9 @@ def add_command(subparsers):
     model.add_argument("--sparse-lr", type=at_least(0.0, float, strictly=True), default=0.05, help="Adagrad rate of the tables")
     model.add_argument("--dense-lr", type=at_least(0.0, float, strictly=True), default=1e-3, help="Adam rate of the MLPs")
     model.add_argument("--seed", type=int, default=0, help="of the data, the tables and the MLPs")
+    model.add_argument("--threads", type=threads_option, default="auto",
+                       help="threads of Numba's and torch's pools: auto (one per free core, "
+                            "re-measured every second; see hbkernels.threads) or a number")
     out = p.add_argument_group("evaluation, checkpoints, output")
     out.add_argument("--eval-every", type=at_least(0), default=0, help="evaluate every N steps (0: at the end)")
     out.add_argument("--checkpoint", default=None, metavar="DIR", help="checkpoint directory")

@@ -348,10 +348,12 @@ def add_row(typingctx, acc, table, row, weight, size):
     vectors because LLVM, given the scalar loop, fully unrolls rows of up to 32
     elements, splits a stack row into scalars and adds them one by one (D = 32
     ran 1.8x slower than this). fp16 without :data:`NATIVE_HALF` falls back to
-    the scalar loop. ``row`` must be in range (no check)."""
+    the scalar loop. ``row`` must be in range (no check). ``table`` may have any
+    row stride (layout ``"A"``), but each row must be contiguous
+    (:func:`hbkernels._dispatch.rows_contiguous`)."""
     if not (isinstance(size, types.IntegerLiteral) and isinstance(acc, types.Array)
             and isinstance(acc.dtype, types.Float) and isinstance(table, types.Array)
-            and table.ndim == 2 and table.layout == "C" and isinstance(row, types.Integer)):
+            and table.ndim == 2 and table.layout in "CA" and isinstance(row, types.Integer)):
         return None
     weighted = not isinstance(weight, types.NoneType)
     if weighted and not isinstance(weight, types.Float):

@@ -3,10 +3,11 @@
 As FBGEMM JIT-generates a kernel per embedding dim, :func:`pool_kernel`
 compiles one kernel per ``(D, weighted, check_ids, identity)``: with D a
 compile-time constant each row is added as explicit SIMD vectors
-(:func:`._common.add_row`), and the flags cost nothing when off. Ids are
-checked inside the parallel loop: a bad id is skipped and the first bad
-position of each bag is kept in ``first_bad`` (-1 where none), so
-``bounds="raise"`` costs no extra pass.
+(:func:`._common.add_row`), and the flags cost nothing when off. Ids and
+offsets are checked inside the parallel loop (given ``offsets[0] == 0`` and
+``offsets[-1] == len(values)``, checked first): a bag whose offsets decrease
+is skipped and flagged, a bad id is skipped and the first bad position of
+each bag is kept, so ``bounds="raise"`` costs no extra pass.
 Every cache line of the row ``PREFETCH_DISTANCE`` ids ahead is prefetched
 (clamped into the table, so no check is needed), indices are unsigned so
 Numba adds no negative-index wraparound, and each bag is summed in a
@@ -41,19 +42,28 @@ from ._common import (
 PREFETCH_DISTANCE = 32
 NO_WEIGHTS = np.ones(1, np.float32)
 NO_IDS = np.zeros(1, np.int64)
+NONE = np.iinfo(np.int64).max  # "no bad position" in the per-bag arrays
 
 
 @functools.lru_cache(maxsize=None)
 def pool_kernel(dim, weighted, check_ids, identity):
-    """Kernel ``(table, values, offsets, weights, combiner, out, first_bad)``:
+    """Kernel ``(table, values, offsets, weights, combiner, out, first_bad, bad_offset)``:
     out[b] = combine_j w_j * table[row_j] over j in [offsets[b], offsets[b+1]),
-    row_j = values[j] (or j when ``identity``); ``combiner`` a :class:`~hbkernels._modes.Combiner`."""
+    row_j = values[j] (or j when ``identity``); ``combiner`` a :class:`~hbkernels._modes.Combiner`.
+    With ``check_ids``: ``first_bad[b]`` is the first position of an id outside the
+    table in bag ``b``, ``bad_offset[b]`` is ``b + 1`` where ``offsets[b+1] <
+    offsets[b]`` (the bag is skipped), :data:`NONE` elsewhere; needs ``offsets[0]
+    == 0`` and ``offsets[-1] == len(values)``."""
 
     @cached_njit(parallel=True, fastmath=True)
-    def pool(table, values, offsets, weights, combiner, out, first_bad):
+    def pool(table, values, offsets, weights, combiner, out, first_bad, bad_offset):
         num_rows = table.shape[0]
         last_id = offsets[offsets.shape[0] - 1] - 1
         for b in prange(offsets.shape[0] - 1):
+            if check_ids and not (0 <= offsets[b] <= offsets[b + 1] <= last_id + 1):
+                if offsets[b + 1] < offsets[b]:
+                    bad_offset[b] = b + 1
+                continue
             acc = scratch_row(dim, out, b)
             for d in range(dim):
                 acc[d] = 0  # sums start at +0.0 (as torch's and NumPy's): a bag of -0.0 gives +0.0
@@ -67,7 +77,7 @@ def pool_kernel(dim, weighted, check_ids, identity):
                 prefetch_row(table, min(np.uint64(ahead_row), np.uint64(num_rows - 1)), dim)
                 row = np.uint64(j if identity else values[np.uint64(j)])
                 if check_ids and row >= np.uint64(num_rows):  # negatives wrap high
-                    if first_bad[b] < 0:
+                    if first_bad[b] == NONE:
                         first_bad[b] = j
                     num_good -= 1
                     continue
@@ -101,27 +111,35 @@ def pool(table, values, offsets, weights, combiner, check_ids, identity):
     The kernel rounds each bag straight into the output (a 2-byte float row
     is rounded from its stack row); where it cannot (fp16 without F16C, rows
     too wide for the stack), it writes a float32 array that :func:`narrow`
-    rounds. Returns ``(out in the table's dtype, first bad id position or
-    -1)``; bad ids are skipped (and found) only when ``check_ids``."""
+    rounds. Returns ``(out in the table's dtype, first bad offset position or -1,
+    first bad id position or -1)``; offsets and ids are checked (bad ids skipped)
+    only when ``check_ids``, which needs ``offsets[0] == 0`` and ``offsets[-1] ==
+    len(values)``."""
     kernel_tab = kernel_table(table)
     acc_dtype = accumulator_dtype(table.dtype)
     num_bags, dim = offsets.shape[0] - 1, table.shape[1]
     direct = table.dtype == acc_dtype or (
         narrows_in_kernel(table.dtype) and stack_row_fits(dim, np.dtype(acc_dtype).itemsize))
     out = np.empty((num_bags, dim), table.dtype if direct else acc_dtype)
-    first_bad = np.full(num_bags if check_ids else 0, -1, np.int64)
+    bad = np.full((2, num_bags if check_ids else 0), NONE, np.int64)  # first bad id, bad offset
     weighted = weights is not None
     weights = weights.astype(acc_dtype, copy=False) if weighted else NO_WEIGHTS.astype(acc_dtype)
     kernel = pool_kernel(dim, weighted, check_ids, identity)
     kernel(kernel_tab, NO_IDS if identity else values, offsets, weights, combiner,
-           kernel_table(out), first_bad)
-    bad = first_bad[first_bad >= 0]
-    return narrow(out, table.dtype), (int(bad.min()) if bad.size else -1)
+           kernel_table(out), bad[0], bad[1])
+    if not (check_ids and num_bags):
+        return narrow(out, table.dtype), -1, -1
+    bad_id, bad_offset = (int(v) for v in bad.min(axis=1))
+    return (narrow(out, table.dtype), -1 if bad_offset == NONE else bad_offset,
+            -1 if bad_id == NONE else bad_id)
 
 
 def embedding_bag(family, weights, values, offsets, per_sample_weights, combiner, bounds):
-    bad_offset = first_bad_offset(offsets, values.shape[0]) if bounds != Bounds.UNCHECKED else -1
+    check = bounds != Bounds.UNCHECKED
+    if check and (offsets[0] != 0 or offsets[-1] != values.shape[0]):
+        return None, first_bad_offset(offsets, values.shape[0]), -1
+    out, bad_offset, bad_id = pool(weights, values, offsets, per_sample_weights, combiner, check,
+                                   False)
     if bad_offset != -1:
         return None, bad_offset, -1
-    out, bad_id = pool(weights, values, offsets, per_sample_weights, combiner, bounds != Bounds.UNCHECKED, False)
     return out, -1, (bad_id if bounds == Bounds.RAISE else -1)

@@ -1,33 +1,26 @@
 """Backward of the pooled lookup on the CPU: the gradient rows of the distinct ids.
 
-Grouping (shared with the fused optimizer step of :mod:`.sparse_update`):
-
-1. :func:`hbkernels.cpu.unique.hash_unique` gives the distinct ids in first
-   occurrence order, the inverse and the counts;
-2. one sequential pass over the bags computes each bag's scale ``c_b`` (1,
-   ``1/Σw`` or ``1/sqrt(Σw²)``, 0 where the denominator is 0) and places every
-   occurrence ``j`` by a counting sort on its distinct id: the occurrences of
-   id ``k`` land in ``[starts[k], starts[k+1])`` as ``(bag, c_b·w_j)``, in input
-   order (stable), so every sum below runs in input order: deterministic;
-3. a parallel loop over distinct ids sums ``coef·grad_out[bag]`` per id.
-   Zipf ids put the hot ids first (first-occurrence order), so the ids are
-   cut into per-thread chunks of balanced work (occurrences plus a per-id
-   cost), not of equal id counts.
+:func:`hbkernels.cpu.grouping.group_occurrences` (shared with the fused
+optimizer step of :mod:`.sparse_update`) groups the occurrences by distinct
+id, in parallel, as ``(bag, c_b·w_j)`` in input order; then a parallel loop
+over distinct ids sums ``coef·grad_out[bag]`` per id, in input order:
+deterministic. Zipf ids make a few ids hold many occurrences, so the ids are
+cut into per-thread chunks of balanced work (occurrences plus a per-id cost),
+not of equal id counts.
 
 Under ``bounds="zero"`` out-of-range ids get no slot and no share of the
 denominators. As the forward, one accumulate kernel is compiled per D.
 """
 import functools
-import math
 
 import numba
 import numpy as np
 from numba import prange
 
-from .._modes import Bounds, Combiner
+from .._modes import Bounds
 from ._common import (accumulator_dtype, add_row, cached_njit, first_bad_offset, first_out_of_range,
                       kernel_table, narrow)
-from .unique import hash_unique
+from .grouping import group_occurrences
 
 # LLVM fast-math flags of these kernels: no 'nnan'/'ninf' (the non-finite checks
 # must survive) and no 'reassoc' (sums stay in input order).
@@ -35,74 +28,6 @@ FASTMATH = {"nsz", "arcp", "contract", "afn"}
 # balancing weight of one distinct id against one occurrence (row update vs row add)
 ID_COST = 4
 CHUNKS_PER_THREAD = 4
-
-
-@cached_njit()
-def _place(values, offsets, weights, weighted, combiner, num_rows, skip_bad, uniq, inverse,
-           counts):
-    """Drop bad distinct ids (``skip_bad``), then counting-sort the occurrences by
-    distinct id with their bag and coefficient ``c_b·w_j`` (dtype of ``weights``)."""
-    num_uniq = uniq.shape[0]
-    remap = np.empty(num_uniq, np.int64)
-    num_ids = 0
-    for u in range(num_uniq):
-        v = uniq[u]
-        if skip_bad and (v < 0 or v >= num_rows):
-            remap[u] = -1
-        else:
-            remap[u] = num_ids
-            num_ids += 1
-    ids = np.empty(num_ids, uniq.dtype)
-    starts = np.empty(num_ids + 1, np.int64)
-    total = 0
-    for u in range(num_uniq):
-        k = remap[u]
-        if k >= 0:
-            ids[k] = uniq[u]
-            starts[k] = total
-            total += counts[u]
-    starts[num_ids] = total
-    fill = starts[:num_ids].copy()
-    occ_bag = np.empty(total, np.int64)
-    occ_coef = np.empty(total, weights.dtype)
-    for b in range(offsets.shape[0] - 1):
-        lo, hi = offsets[b], offsets[b + 1]
-        scale = 1.0
-        if combiner != Combiner.SUM:
-            w_sum = 0.0
-            w_sq = 0.0
-            for j in range(lo, hi):
-                if remap[inverse[j]] < 0:
-                    continue
-                w = weights[j] if weighted else 1.0
-                w_sum += w
-                w_sq += w * w
-            if combiner == Combiner.MEAN:
-                scale = 1.0 / w_sum if w_sum != 0.0 else 0.0
-            else:
-                scale = 1.0 / math.sqrt(w_sq) if w_sq != 0.0 else 0.0
-        for j in range(lo, hi):
-            k = remap[inverse[j]]
-            if k < 0:
-                continue
-            slot = fill[k]
-            fill[k] = slot + 1
-            occ_bag[slot] = b
-            occ_coef[slot] = scale * weights[j] if weighted else scale
-    return ids, starts, occ_bag, occ_coef
-
-
-def group_occurrences(values, offsets, per_sample_weights, combiner, num_rows, skip_bad,
-                      coef_dtype):
-    """``(ids, starts, occ_bag, occ_coef)``: the distinct (in-range when ``skip_bad``)
-    ids in first-occurrence order and their occurrences in input order, as
-    ``(bag, c_b·w_j)`` in ``[starts[k], starts[k+1])``; coefficients in ``coef_dtype``."""
-    uniq, inverse, counts = hash_unique(values, True, True)
-    weighted = per_sample_weights is not None
-    weights = (per_sample_weights.astype(coef_dtype, copy=False) if weighted
-               else np.ones(1, coef_dtype))
-    return _place(values, offsets, weights, weighted, combiner, num_rows, skip_bad, uniq,
-                  inverse, counts)
 
 
 def balanced_chunks(starts, id_cost=ID_COST, chunks_per_thread=CHUNKS_PER_THREAD):

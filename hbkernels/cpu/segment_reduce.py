@@ -7,5 +7,5 @@ def segment_reduce(family, data, offsets, combiner):
     bad_offset = first_bad_offset(offsets, data.shape[0])
     if bad_offset != -1:
         return None, bad_offset
-    out, _ = pool(data, None, offsets, None, combiner, False, True)
+    out, _, _ = pool(data, None, offsets, None, combiner, False, True)
     return out, -1

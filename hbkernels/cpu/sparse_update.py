@@ -4,7 +4,7 @@ Every rule lives in one njit function, :func:`apply_rule`, inlined into both
 kernels: :func:`update_kernel` (gradient rows given: one distinct id per
 iteration of a parallel loop) and :func:`fused_kernel` (per distinct id, sum
 its occurrences' ``c_b·w_j·grad_out[b]`` in input order into a per-chunk
-scratch row, as :mod:`.embedding_bag_backward` groups them, and apply the rule
+scratch row, as :mod:`.grouping` groups them, and apply the rule
 right away: the gradient rows are never materialised). One kernel of each is
 compiled per D (cached on disk); the rule, the fp16 rounding and the
 non-finite skip are run-time switches taken once per row.
@@ -38,7 +38,8 @@ from ._common import (accumulator_dtype, add_row, cached_njit, fmix32, kernel_ta
                       narrow, prefetch_row, widen)
 from ._common import first_out_of_range as _first_out_of_range
 from .ragged import check_ragged
-from .embedding_bag_backward import FASTMATH, balanced_chunks, group_occurrences
+from .embedding_bag_backward import FASTMATH, balanced_chunks
+from .grouping import group_occurrences
 
 # kernel parameter vector: the front end's hyper-parameters, then derived constants
 INV_DIM, TWO_L2, NEG_POWER, SQRT_POWER, ZERO, ONE_M_B1, ONE_M_B2 = range(
@@ -187,10 +188,7 @@ def apply_rule(rule, dim, p, g, weights, row, s1, s2, out, k, stochastic, key):
             store(weights, out, row, k, d,
                   widen(weights[row, d]) - lr * g[d] / (fsqrt(s) + eps), stochastic, key)
     elif rule == rules.ROWWISE_ADAGRAD:
-        sq = p[ZERO]
-        for d in range(dim):
-            sq += g[d] * g[d]
-        m = s1[row, 0] + sq * p[INV_DIM]
+        m = s1[row, 0] + sum_of_squares(g, dim, p[ZERO]) * p[INV_DIM]
         s1[row, 0] = m
         step = lr / (fsqrt(m) + eps)
         for d in range(dim):
@@ -223,6 +221,27 @@ def apply_rule(rule, dim, p, g, weights, row, s1, s2, out, k, stochastic, key):
             n_new = n + g[d] * g[d]
             ftrl_element(p, g[d], n_new, n_new ** q, n ** q, weights, row, s1, s2, out,
                          k, d, stochastic, key)
+
+
+@njit(inline="always", fastmath=FASTMATH)
+def sum_of_squares(g, dim, zero):
+    """``Σ g[d]²`` in a fixed order that runs as vectors: eight partial sums (lane
+    ``d % 8``), then the tail, added pairwise; ``zero`` gives the type."""
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = zero
+    body = dim - dim % 8
+    for d in range(0, body, 8):
+        s0 += g[d] * g[d]
+        s1 += g[d + 1] * g[d + 1]
+        s2 += g[d + 2] * g[d + 2]
+        s3 += g[d + 3] * g[d + 3]
+        s4 += g[d + 4] * g[d + 4]
+        s5 += g[d + 5] * g[d + 5]
+        s6 += g[d + 6] * g[d + 6]
+        s7 += g[d + 7] * g[d + 7]
+    tail = zero
+    for d in range(body, dim):
+        tail += g[d] * g[d]
+    return (((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))) + tail
 
 
 @njit(inline="always", fastmath=FASTMATH)

@@ -1,0 +1,101 @@
+"""fused_step: one training step of a pooled table (forward, backward, sparse
+optimizer update) in hbkernels (``hbk.embedding_bag`` then
+``optimizer.fused_step``) vs FBGEMM's TBE (forward, then ``backward`` of its
+output, which applies TBE's fused optimizer), for every rule both run on the
+CPU: SGD, Adagrad and row-wise Adagrad (:data:`.anchors.TBE_RULES`).
+
+CPU: E=1e6 rows, B=16384 bags of L=32 Zipf(1.1) ids, fp32, D in {16, 64, 128},
+the table on a cache line (hbkernels' own tables, as TBE's) and 16 bytes past
+one ("plain", as a large NumPy array). Each provider steps its own copy of the
+table from the same start; the rows of the first 512 distinct ids after the
+first step are checked against TBE's before anything is timed. Without TBE
+the benchmark notes it and records nothing.
+
+    python3 -m hbkernels.bench.bench_fused_step --device cpu
+"""
+import numpy as np
+
+import hbkernels as hbk
+from .anchors import TBE_RULES, tbe_table, tbe_weights
+from .common import HBK, Provider, cli_main, placed_empty
+
+OP = "fused_step"
+LR, EPS = 0.01, 1e-8
+CHECKED_IDS = 512
+
+
+def configs(ctx):
+    if ctx.smoke:
+        return [dict(E=1000, D=8, B=64, L=4, alpha=1.1, line_offset=0)]
+    return [dict(E=10**6, D=dim, B=16384, L=32, alpha=1.1, line_offset=line)
+            for dim in (16, 64, 128) for line in (0, 16)]
+
+
+def optimizer(name):
+    if name == "SGD":
+        return hbk.optim.SGD(lr=LR)
+    return getattr(hbk.optim, name)(lr=LR, eps=EPS)
+
+
+def hbk_provider(ctx, name, line_offset):
+    opt = optimizer(name)
+
+    def prepare(a):
+        w = placed_empty(a["w"].shape, np.float32, line_offset)
+        w[...] = a["w"]
+        return {**a, "w": w, "state": opt.init_state(w)}
+
+    def run(a):
+        hbk.embedding_bag(a["w"], a["ids"], a["offsets"])
+        opt.fused_step(a["w"], a["state"], a["grad"], a["ids"], a["offsets"])
+        return a["w"]
+
+    return Provider(HBK, run, prepare=prepare)
+
+
+def tbe_provider(ctx, name):
+
+    def prepare(a):
+        return {"tbe": tbe_table(a["w"], rule=TBE_RULES[name], lr=LR, eps=EPS),
+                **ctx.as_torch({k: a[k] for k in ("ids", "offsets", "grad")})}
+
+    def run(a):
+        out = a["tbe"](a["ids"], a["offsets"])
+        out.backward(a["grad"])
+        return tbe_weights(a["tbe"])
+
+    return Provider("fbgemm-tbe", run, prepare=prepare)
+
+
+def run(ctx):
+    if ctx.is_cuda or ctx.torch is None or tbe_table(np.zeros((8, 4), np.float32)) is None:
+        ctx.note(f"{OP}: needs FBGEMM's TBE on the CPU (recipe: hbkernels/bench/anchors.py); skipped")
+        return
+    rng = np.random.default_rng(ctx.seed)
+    for cfg in configs(ctx):
+        E, D, B, L = cfg["E"], cfg["D"], cfg["B"], cfg["L"]
+        ids = ctx.zipf_ids(B * L, E, cfg["alpha"])
+        offsets = np.arange(B + 1, dtype=np.int64) * L
+        grad = rng.standard_normal((B, D), dtype=np.float32)
+        table = ctx.random_table(E, D, "float32")
+        checked = hbk.unique(ids)[:CHECKED_IDS]
+        size = f"E={E} D={D} B={B} L={L} zipf={cfg['alpha']}"
+        if cfg["line_offset"]:
+            size += f" plain (line+{cfg['line_offset']}B)"
+        nbytes = B * L * D * 4 * 2 + ids.nbytes + offsets.nbytes + 2 * B * D * 4
+        for name in TBE_RULES:
+            providers = [hbk_provider(ctx, name, cfg["line_offset"]), tbe_provider(ctx, name)]
+            ctx.compare(OP, name, size, "float32",
+                        {"w": table, "ids": ids, "offsets": offsets, "grad": grad},
+                        providers, nbytes=nbytes, canon=lambda w: (w[checked],),
+                        rtol=1e-5, atol=1e-6)
+        del table
+        ctx.release()
+
+
+def main(argv=None):
+    return cli_main(run, argv, __doc__)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""``hbkernels warmup``: compile the CPU kernels once, into Numba's on-disk cache, so
+that later processes start warm.
+
+    hbkernels warmup                              # D = 16, 32, 64, 128 in float32, and train's step
+    hbkernels warmup --dims 8,24 --dtypes float32,bfloat16 --no-train
+
+Numba compiles a kernel on its first call with a new combination of argument
+types (and, for the CPU kernels, embedding width D) and keeps it in its cache
+(``hbkernels info`` says where; a read-only install gets a private one).
+This command makes those first calls on tiny inputs: for every D and dtype
+asked, ``embedding_bag`` (weighted or not, every ``bounds``), its backward,
+``lookup`` and its backward, ``segment_sum``, ``unique``, and every
+optimizer's ``step`` and ``fused_step``, with int32 and int64 ids; then two
+steps of ``hbkernels train`` (its default model, at each ``--dims`` entry
+that ``train --dim`` would use: ``--train-dim``). Run it once after
+installing, or in a container's build; it prints what it compiled and how
+long each part took.
+"""
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from ._errors import CLIError
+
+DEFAULT_DIMS = "16,32,64,128"
+ID_DTYPES = ("int32", "int64")
+OPTIMIZERS = ("SGD", "Adagrad", "RowWiseAdagrad", "Adam", "Ftrl")
+FLOAT_DTYPES = ("float32", "float64", "float16", "bfloat16")
+
+
+def warm_ops(dim, dtype, id_dtype):
+    """Call every CPU op once on tiny inputs of width ``dim``, table dtype ``dtype``,
+    ids of ``id_dtype``."""
+    import numpy as np
+
+    import hbkernels as hbk
+    from ..bench.common import float_dtype
+
+    dtype = float_dtype(dtype)
+    rows = 64
+    table = hbk.aligned_empty((rows, dim), dtype)
+    table[...] = 0.5
+    values = np.array([0, 5, rows - 1, 5, 7], id_dtype)
+    offsets = np.array([0, 2, 2, 5], id_dtype)
+    psw = np.ones(values.shape[0], np.float32)
+    grad = np.ones((offsets.shape[0] - 1, dim), dtype)
+    for bounds in ("raise", "zero", "unchecked"):
+        for weights in (None, psw):
+            hbk.embedding_bag(table, values, offsets, combiner="mean", per_sample_weights=weights,
+                              bounds=bounds)
+            hbk.embedding_bag_backward(grad, values, offsets, num_rows=rows, combiner="mean",
+                                       per_sample_weights=weights, bounds=bounds)
+        hbk.lookup(table, values, bounds=bounds)
+        hbk.lookup_backward(np.ones((values.shape[0], dim), dtype), values, num_rows=rows,
+                            bounds=bounds)
+    hbk.segment_sum(np.ones((values.shape[0], dim), dtype), values, rows)
+    hbk.unique(values, return_inverse=True, return_counts=True)
+    for name in OPTIMIZERS:
+        opt = getattr(hbk.optim, name)(lr=0.01)
+        weights = table.copy()
+        state = opt.init_state(weights)
+        opt.fused_step(weights, state, grad, values, offsets)
+        opt.step(weights, state, hbk.embedding_bag_backward(grad, values, offsets, num_rows=rows))
+
+
+def warm_train(dim):
+    """Two steps of ``hbkernels train --dim dim`` on a small batch in a child process
+    (same environment, so the same kernel cache), output discarded."""
+    with tempfile.TemporaryDirectory(prefix="hbkernels-warmup-") as tmp:
+        argv = [sys.executable, "-m", "hbkernels", "train", "--steps", "2", "--batch-size", "64",
+                "--eval-samples", "64", "--dim", str(dim),
+                "--metrics", os.path.join(tmp, "metrics.json")]
+        res = subprocess.run(argv, cwd=tmp, capture_output=True, text=True)
+    if res.returncode:
+        last = (res.stderr.strip().splitlines() or ["no output"])[-1]
+        raise CLIError(f"warming up `hbkernels train --dim {dim}` failed: {last}")
+
+
+def parse_list(text, convert, what):
+    try:
+        items = [convert(x.strip()) for x in text.split(",") if x.strip()]
+    except ValueError:
+        items = []
+    if not items:
+        raise CLIError(f"--{what} must be a comma-separated list, got {text!r}")
+    return items
+
+
+def run(args):
+    from .._numba_cache import cache_info
+    from ..bench.common import float_dtype
+
+    dims = parse_list(args.dims, int, "dims")
+    if min(dims) < 1:
+        raise CLIError(f"--dims must be >= 1, got {args.dims!r}")
+    dtypes = parse_list(args.dtypes, str, "dtypes")
+    for name in dtypes:
+        try:
+            dtype = float_dtype(name)
+        except (TypeError, ImportError) as exc:
+            raise CLIError(f"--dtypes: {name!r} is not a float dtype here ({exc})") from None
+        if name not in FLOAT_DTYPES or dtype.itemsize == 0:
+            raise CLIError(f"--dtypes: {name!r} is not a float dtype here; choose from "
+                           f"{', '.join(FLOAT_DTYPES)}")
+    cache = cache_info()
+    print(f"hbkernels warmup: kernel cache {cache['location'] if cache['caching'] else 'off'}",
+          flush=True)
+    started = time.perf_counter()
+    for dim in dims:
+        for dtype in dtypes:
+            t0 = time.perf_counter()
+            for id_dtype in ID_DTYPES:
+                warm_ops(dim, dtype, id_dtype)
+            print(f"  ops D={dim} {dtype}: {time.perf_counter() - t0:.1f} s", flush=True)
+    if args.train:
+        t0 = time.perf_counter()
+        warm_train(args.train_dim)
+        print(f"  hbkernels train --dim {args.train_dim}: {time.perf_counter() - t0:.1f} s",
+              flush=True)
+    print(f"done in {time.perf_counter() - started:.1f} s")
+    return 0
+
+
+def add_command(subparsers):
+    from ._help import HelpFormatter, plain
+
+    p = subparsers.add_parser(
+        "warmup", help="compile the CPU kernels into the on-disk cache (once, after installing)",
+        description=plain(__doc__), formatter_class=HelpFormatter)
+    p.add_argument("--dims", default=DEFAULT_DIMS, help=f"embedding widths (default {DEFAULT_DIMS})")
+    p.add_argument("--dtypes", default="float32",
+                   help="table dtypes: float32, float64, float16, bfloat16 (default float32)")
+    p.add_argument("--train-dim", type=int, default=16,
+                   help="the --dim of the `hbkernels train` step warmed up (default 16)")
+    p.add_argument("--no-train", dest="train", action="store_false",
+                   help="skip the `hbkernels train` step")
+    p.set_defaults(run=run)

@@ -1,0 +1,243 @@
+"""The occurrences of a batch grouped by distinct id, in parallel: the first half
+of the CPU backward and of the fused optimizer step.
+
+Given the ids ``values`` of bags ``offsets`` (per-sample weights optional),
+:func:`group_occurrences` returns ``(ids, starts, occ_bag, occ_coef)``: the
+distinct (in-range, when bad ids are skipped) ids, and for the ``k``-th the
+occurrences ``s`` in ``[starts[k], starts[k+1])`` as ``(bag, c_b·w_j)`` in
+input order, ``c_b`` the bag's scale (1, ``1/Σw`` or ``1/sqrt(Σw²)`` over its
+in-range ids, 0 where that is 0).
+
+Every id goes to one of ``2**bits`` partitions by the top bits of its
+Fibonacci hash (``bits`` grows with the batch: about
+:data:`OCCURRENCES_PER_PARTITION` occurrences a partition, at most
+:data:`MAX_PARTITIONS`), so the partitions are independent:
+
+1. chunks of bags count their occurrences per partition in parallel;
+2. a prefix sum (partition-major, chunks in input order) gives each chunk's
+   place in each partition; the chunks scatter ``(id, bag, c_b·w_j)`` there
+   in parallel, so each partition holds its occurrences in input order;
+3. the partitions, in parallel, find their distinct ids in a hash table of
+   their own (small: it stays in cache) and counting-sort their occurrences
+   by distinct id;
+4. the partitions' distinct ids are packed into one array.
+
+Ids come out partition by partition, in first-occurrence order within one;
+the result depends on the batch alone, not on the number of threads, and
+every sum over it runs in input order: deterministic.
+
+The occurrence arrays live in per-thread scratch buffers kept between calls
+(up to :data:`SCRATCH_MAX_BYTES` each): a fresh array of a few MB costs a
+page fault per 4 KiB on first touch, which took longer than the grouping.
+``occ_bag`` and ``occ_coef`` are therefore valid until the calling thread's
+next call; ``ids`` and ``starts`` are the caller's.
+"""
+import threading
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+from .._modes import Combiner
+from ._common import cached_njit
+
+_FIB = np.uint64(0x9E3779B97F4A7C15)  # 2^64 / golden ratio: Fibonacci hashing
+OCCURRENCES_PER_PARTITION = 4096
+MAX_PARTITIONS = 256
+BAG_CHUNKS_PER_THREAD = 4
+
+
+SCRATCH_MAX_BYTES = 256 << 20
+_scratch = threading.local()
+
+
+def scratch(name, size, dtype):
+    """A 1-d array of ``size`` elements of ``dtype``, uninitialised: a view of this
+    thread's buffer ``name`` (grown as needed) when it takes at most
+    :data:`SCRATCH_MAX_BYTES`, else a fresh array."""
+    dtype = np.dtype(dtype)
+    if size * dtype.itemsize > SCRATCH_MAX_BYTES:
+        return np.empty(size, dtype)
+    buffers = _scratch.__dict__.setdefault("buffers", {})
+    buffer = buffers.get(name)
+    if buffer is None or buffer.dtype != dtype or buffer.shape[0] < size:
+        buffer = buffers[name] = np.empty(max(size, 1024), dtype)
+    return buffer[:size]
+
+
+def partition_bits(num_occurrences):
+    """log2 of the number of partitions for a batch of ``num_occurrences``."""
+    bits = 0
+    while (1 << bits) < MAX_PARTITIONS and (num_occurrences >> bits) > OCCURRENCES_PER_PARTITION:
+        bits += 1
+    return bits
+
+
+@njit(inline="always")
+def _hash(key):
+    return np.uint64(key) * _FIB
+
+
+@njit(inline="always")
+def _partition(key, bits):
+    if bits == 0:
+        return 0
+    return np.int64(_hash(key) >> np.uint64(64 - bits))
+
+
+@njit(inline="always")
+def _bad(v, num_rows, skip_bad):
+    return skip_bad and (v < 0 or v >= num_rows)
+
+
+@cached_njit(parallel=True)
+def _histogram(values, offsets, num_rows, skip_bad, bits, chunk_bags):
+    """``[chunks, partitions]`` counts of the (kept) occurrences of each bag chunk."""
+    num_chunks = chunk_bags.shape[0] - 1
+    hist = np.zeros((num_chunks, 1 << bits), np.int64)
+    for c in prange(num_chunks):
+        for j in range(offsets[chunk_bags[c]], offsets[chunk_bags[c + 1]]):
+            v = values[j]
+            if not _bad(v, num_rows, skip_bad):
+                hist[c, _partition(v, bits)] += 1
+    return hist
+
+
+@cached_njit(parallel=True)
+def _scatter(values, offsets, weights, weighted, combiner, num_rows, skip_bad, bits,
+             chunk_bags, base, s_ids, s_bag, s_coef):
+    """Each chunk writes its kept occurrences from ``base[c, p]`` on in partition ``p``."""
+    for c in prange(chunk_bags.shape[0] - 1):
+        pos = base[c].copy()
+        for b in range(chunk_bags[c], chunk_bags[c + 1]):
+            lo, hi = offsets[b], offsets[b + 1]
+            scale = 1.0
+            if combiner != Combiner.SUM:
+                w_sum = 0.0
+                w_sq = 0.0
+                for j in range(lo, hi):
+                    if _bad(values[j], num_rows, skip_bad):
+                        continue
+                    w = weights[j] if weighted else 1.0
+                    w_sum += w
+                    w_sq += w * w
+                if combiner == Combiner.MEAN:
+                    scale = 1.0 / w_sum if w_sum != 0.0 else 0.0
+                else:
+                    scale = 1.0 / np.sqrt(w_sq) if w_sq != 0.0 else 0.0
+            for j in range(lo, hi):
+                v = values[j]
+                if _bad(v, num_rows, skip_bad):
+                    continue
+                p = _partition(v, bits)
+                k = pos[p]
+                pos[p] = k + 1
+                s_ids[k] = v
+                s_bag[k] = b
+                s_coef[k] = scale * weights[j] if weighted else scale
+
+
+@cached_njit(parallel=True)
+def _group_partitions(bits, part_lo, s_ids, s_bag, s_coef, t_ids, t_starts, occ_bag, occ_coef,
+                      num_distinct):
+    """Per partition ``p`` (occurrences ``[part_lo[p], part_lo[p+1])``): its distinct ids
+    to ``t_ids[lo:lo+n]`` with their first occurrence's place in ``t_starts``, the
+    occurrences counting-sorted by distinct id (stable) into ``occ_bag``, ``occ_coef``."""
+    for p in prange(part_lo.shape[0] - 1):
+        lo, hi = part_lo[p], part_lo[p + 1]
+        m = hi - lo
+        table_bits = 4
+        while (1 << table_bits) < 2 * m:
+            table_bits += 1
+        mask = (1 << table_bits) - 1
+        slots = np.full(1 << table_bits, -1, np.int64)
+        local = np.empty(m, np.int64)
+        counts = np.zeros(m + 1, np.int64)
+        n = 0
+        for i in range(m):
+            key = s_ids[lo + i]
+            h = np.int64((_hash(key) << np.uint64(bits)) >> np.uint64(64 - table_bits))
+            while True:
+                u = slots[h]
+                if u == -1:
+                    u = n
+                    slots[h] = u
+                    t_ids[lo + u] = key
+                    n += 1
+                    break
+                if t_ids[lo + u] == key:
+                    break
+                h = (h + 1) & mask
+            local[i] = u
+            counts[u] += 1
+        total = lo
+        for u in range(n):
+            c = counts[u]
+            t_starts[lo + u] = total
+            counts[u] = total
+            total += c
+        for i in range(m):
+            u = local[i]
+            s = counts[u]
+            counts[u] = s + 1
+            occ_bag[s] = s_bag[lo + i]
+            occ_coef[s] = s_coef[lo + i]
+        num_distinct[p] = n
+
+
+@cached_njit(parallel=True)
+def _pack(part_lo, first, t_ids, t_starts, ids, starts):
+    """The partitions' distinct ids (``first[p]`` is where partition ``p``'s go) into ``ids``."""
+    for p in prange(part_lo.shape[0] - 1):
+        lo = part_lo[p]
+        for u in range(first[p + 1] - first[p]):
+            ids[first[p] + u] = t_ids[lo + u]
+            starts[first[p] + u] = t_starts[lo + u]
+
+
+def bag_chunks(offsets, num_chunks):
+    """Boundaries (int64, first 0, last B) cutting the bags into ``num_chunks`` runs of
+    about equal numbers of occurrences."""
+    num_bags = offsets.shape[0] - 1
+    num_chunks = max(1, min(num_bags, num_chunks))
+    targets = np.arange(1, num_chunks, dtype=np.float64) * (offsets[-1] / num_chunks)
+    inner = np.searchsorted(offsets, targets, side="left")
+    return np.concatenate(([0], np.minimum(inner, num_bags), [num_bags])).astype(np.int64)
+
+
+def group_occurrences(values, offsets, per_sample_weights, combiner, num_rows, skip_bad,
+                      coef_dtype):
+    """``(ids, starts, occ_bag, occ_coef)`` as described above; coefficients in
+    ``coef_dtype``, bad ids (outside ``[0, num_rows)``) dropped when ``skip_bad``."""
+    weighted = per_sample_weights is not None
+    weights = (per_sample_weights.astype(coef_dtype, copy=False) if weighted
+               else np.ones(1, coef_dtype))
+    bits = partition_bits(values.shape[0])
+    chunks = bag_chunks(offsets, numba.get_num_threads() * BAG_CHUNKS_PER_THREAD)
+    hist = _histogram(values, offsets, num_rows, skip_bad, bits, chunks)
+    flat = hist.T.reshape(-1)      # partition-major: a partition's chunks in input order
+    ends = np.cumsum(flat)
+    base = np.ascontiguousarray((ends - flat).reshape(hist.shape[1], hist.shape[0]).T)
+    total = int(ends[-1]) if ends.shape[0] else 0
+    part_lo = np.zeros(hist.shape[1] + 1, np.int64)
+    part_lo[1:] = ends.reshape(hist.shape[1], hist.shape[0])[:, -1]
+    s_ids = scratch("s_ids", total, values.dtype)
+    s_bag = scratch("s_bag", total, np.int64)
+    s_coef = scratch("s_coef", total, weights.dtype)
+    _scatter(values, offsets, weights, weighted, combiner, num_rows, skip_bad, bits, chunks,
+             base, s_ids, s_bag, s_coef)
+    t_ids = scratch("t_ids", total, values.dtype)
+    t_starts = scratch("t_starts", total, np.int64)
+    occ_bag = scratch("occ_bag", total, np.int64)
+    occ_coef = scratch("occ_coef", total, weights.dtype)
+    num_distinct = np.zeros(hist.shape[1], np.int64)
+    _group_partitions(bits, part_lo, s_ids, s_bag, s_coef, t_ids, t_starts, occ_bag, occ_coef,
+                      num_distinct)
+    first = np.zeros(hist.shape[1] + 1, np.int64)
+    np.cumsum(num_distinct, out=first[1:])
+    num_ids = int(first[-1])
+    ids = np.empty(num_ids, values.dtype)
+    starts = np.empty(num_ids + 1, np.int64)
+    starts[num_ids] = total
+    _pack(part_lo, first, t_ids, t_starts, ids, starts)
+    return ids, starts, occ_bag, occ_coef

@@ -1,0 +1,127 @@
+"""hbkernels.cpu.grouping: the occurrences of a batch grouped by distinct id, in
+parallel partitions, against a plain NumPy grouping; independent of the thread count."""
+import numba
+import numpy as np
+import pytest
+from conftest import random_offsets
+
+from hbkernels._modes import Combiner
+from hbkernels.cpu import grouping
+from hbkernels.cpu.grouping import group_occurrences
+
+
+def numpy_grouping(values, offsets, weights, combiner, num_rows, skip_bad):
+    """{id: [(bag, coef), ...] in input order} by loops over the bags."""
+    groups = {}
+    for b in range(len(offsets) - 1):
+        js = [j for j in range(offsets[b], offsets[b + 1])
+              if not (skip_bad and not 0 <= values[j] < num_rows)]
+        w = [1.0 if weights is None else float(weights[j]) for j in js]
+        scale = 1.0
+        if combiner == Combiner.MEAN:
+            scale = 1.0 / sum(w) if sum(w) != 0 else 0.0
+        elif combiner == Combiner.SQRTN:
+            sq = sum(x * x for x in w)
+            scale = 1.0 / np.sqrt(sq) if sq != 0 else 0.0
+        for j, wj in zip(js, w):
+            groups.setdefault(int(values[j]), []).append((b, scale * wj))
+    return groups
+
+
+def check(values, offsets, weights=None, combiner=Combiner.SUM, num_rows=None, skip_bad=True):
+    num_rows = num_rows if num_rows is not None else int(values.max(initial=0)) + 1
+    ids, starts, occ_bag, occ_coef = group_occurrences(values, offsets, weights, combiner,
+                                                       num_rows, skip_bad, np.float32)
+    expected = numpy_grouping(values, offsets, weights, combiner, num_rows, skip_bad)
+    assert ids.dtype == values.dtype and starts.dtype == np.int64
+    assert sorted(ids.tolist()) == sorted(expected), "every kept id exactly once"
+    assert starts[0] == 0 and starts[-1] == sum(len(v) for v in expected.values())
+    for k, i in enumerate(ids.tolist()):
+        got = list(zip(occ_bag[starts[k]:starts[k + 1]].tolist(),
+                       occ_coef[starts[k]:starts[k + 1]].tolist()))
+        want = expected[i]
+        assert [b for b, _ in got] == [b for b, _ in want], f"id {i}: bags in input order"
+        np.testing.assert_allclose([c for _, c in got], [c for _, c in want], rtol=1e-6)
+    return ids, starts, occ_bag.copy(), occ_coef.copy()
+
+
+def zipf_batch(rng, n_bags, max_len, num_rows, id_dtype=np.int64):
+    offsets = random_offsets(rng, n_bags, max_len)
+    values = (rng.zipf(1.2, size=int(offsets[-1])) - 1) % num_rows
+    values[::7] = 3                       # one id thousands of times
+    values[:2] = [0, num_rows - 1]        # the table's edges
+    return values.astype(id_dtype), offsets
+
+
+@pytest.mark.parametrize("id_dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("n_bags", [1, 40, 3000])   # 0, 0 and several partition bits
+def test_matches_numpy_grouping(id_dtype, n_bags):
+    rng = np.random.default_rng(n_bags)
+    values, offsets = zipf_batch(rng, n_bags, 40, 5000, id_dtype)
+    if n_bags == 3000:
+        assert grouping.partition_bits(values.shape[0]) >= 4
+    check(values, offsets)
+
+
+@pytest.mark.parametrize("combiner", [Combiner.MEAN, Combiner.SQRTN])
+def test_bag_scales_count_only_kept_ids(combiner):
+    rng = np.random.default_rng(7)
+    values, offsets = zipf_batch(rng, 2000, 30, 1000)
+    values[::5] = -1
+    values[1::11] = 1000                  # one past the table
+    weights = rng.random(values.shape[0]).astype(np.float32)
+    check(values, offsets, weights, combiner, num_rows=1000)
+    check(values, offsets, None, combiner, num_rows=1000)
+
+
+def test_without_skipping_bad_ids_they_are_grouped_too():
+    values = np.array([5, -3, 5, 10**12], np.int64)
+    ids, starts, occ_bag, _ = check(values, np.array([0, 2, 4]), num_rows=6, skip_bad=False)
+    assert sorted(ids.tolist()) == [-3, 5, 10**12]
+
+
+@pytest.mark.parametrize("values, offsets", [
+    (np.zeros(0, np.int64), np.array([0])),            # no bags
+    (np.zeros(0, np.int64), np.array([0, 0, 0])),      # empty bags
+    (np.full(9000, -1, np.int64), np.array([0, 4500, 9000])),   # every id bad
+])
+def test_empty_results(values, offsets):
+    ids, starts, occ_bag, occ_coef = group_occurrences(values, offsets, None, Combiner.SUM, 10,
+                                                       True, np.float32)
+    assert ids.shape == (0,) and starts.tolist() == [0] and occ_bag.shape == (0,)
+
+
+def test_same_result_on_any_number_of_threads():
+    rng = np.random.default_rng(3)
+    values, offsets = zipf_batch(rng, 4000, 50, 20000)
+    before = numba.get_num_threads()
+    try:
+        results = []
+        for n in sorted({1, numba.config.NUMBA_NUM_THREADS}):
+            numba.set_num_threads(n)
+            out = group_occurrences(values, offsets, None, Combiner.MEAN, 20000, True, np.float32)
+            results.append([a.copy() for a in out])
+    finally:
+        numba.set_num_threads(before)
+    for a, b in zip(results[0], results[-1]):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_callers_arrays_survive_the_next_call():
+    """occ_* live in scratch buffers; ids and starts are the caller's."""
+    rng = np.random.default_rng(4)
+    values, offsets = zipf_batch(rng, 3000, 40, 5000)
+    ids, starts, _, _ = group_occurrences(values, offsets, None, Combiner.SUM, 5000, True, np.float32)
+    ids_copy, starts_copy = ids.copy(), starts.copy()
+    group_occurrences(values[::-1].copy(), offsets, None, Combiner.SUM, 5000, True, np.float32)
+    np.testing.assert_array_equal(ids, ids_copy)
+    np.testing.assert_array_equal(starts, starts_copy)
+
+
+def test_scratch_is_reused_and_large_requests_are_fresh(monkeypatch):
+    a = grouping.scratch("test", 100, np.int64)
+    b = grouping.scratch("test", 50, np.int64)
+    assert b.base is a.base and b.shape == (50,)
+    monkeypatch.setattr(grouping, "SCRATCH_MAX_BYTES", 64)
+    c = grouping.scratch("test", 100, np.int64)
+    assert c.base is None and c.shape == (100,)
