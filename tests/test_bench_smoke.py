@@ -21,6 +21,7 @@ SCRIPTS = ["embedding_bag", "embedding_bag_backward", "unique", "lookup", "segme
            "segment_reduce", "partition", "per_sample_weights_backward"]
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 HAVE_TBE = anchors.fbgemm_tbe() is not None
+HAVE_TORCHREC = HAVE_TBE and importlib.util.find_spec("torchrec") is not None
 
 
 def read_rows(path):
@@ -76,7 +77,8 @@ def test_run_all_smoke(tmp_path):
     out = tmp_path / "all.csv"
     assert run_all.main(["--device", "cpu", "--smoke", "--out", str(out), "--reps", "1"]) == 0
     rows = read_rows(out)
-    assert {r["op"] for r in rows} == {"copy", *SCRIPTS} | ({"fused_step"} if HAVE_TBE else set())
+    anchored = ({"fused_step"} if HAVE_TBE else set()) | ({"train"} if HAVE_TORCHREC else set())
+    assert {r["op"] for r in rows} == {"copy", *SCRIPTS} | anchored
     assert sum(r["op"] == "copy" for r in rows) == 1
 
 
@@ -143,3 +145,14 @@ def test_reduceat_peer_handles_empty_segments():
             if len(seg):
                 want[b] = seg.sum(0) if mode == "sum" else seg.mean(0)
         np.testing.assert_allclose(reduceat(data, offsets, mode), want, rtol=1e-6)
+
+
+@pytest.mark.skipif(not HAVE_TORCHREC, reason="TorchRec with FBGEMM's CPU build is not installed")
+def test_train_against_torchrec_smoke(tmp_path, capsys):
+    module = importlib.import_module("hbkernels.bench.bench_train")
+    module.main(["--device", "cpu", "--smoke", "--out", str(tmp_path / "train.csv")])
+    rows = [r for r in read_rows(tmp_path / "train.csv") if r["op"] == "train"]
+    assert {r["provider"] for r in rows} == {"hbkernels", "torchrec"}
+    assert all(float(r["median_ms"]) > 0 for r in rows)
+    out = capsys.readouterr().out
+    assert "hbkernels / torchrec samples/s" in out and "mean loss" in out

@@ -20,6 +20,7 @@ from . import (
     bench_per_sample_weights_backward,
     bench_segment_reduce,
     bench_segment_sum,
+    bench_train,
     bench_unique,
 )
 from .common import Context, parser
@@ -34,6 +35,7 @@ BENCHMARKS = {
     "segment_reduce": bench_segment_reduce,
     "partition": bench_partition,
     "per_sample_weights_backward": bench_per_sample_weights_backward,
+    "train": bench_train,
 }
 
 
