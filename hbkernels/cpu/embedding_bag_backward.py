@@ -19,7 +19,7 @@ from numba import prange
 
 from .._modes import Bounds
 from ._common import (accumulator_dtype, add_row, cached_njit, first_bad_offset, first_out_of_range,
-                      kernel_table, narrow)
+                      kernel_table, narrow, prefetch_row)
 from .grouping import group_occurrences
 
 # LLVM fast-math flags of these kernels: no 'nnan'/'ninf' (the non-finite checks
@@ -27,6 +27,8 @@ from .grouping import group_occurrences
 FASTMATH = {"nsz", "arcp", "contract", "afn"}
 # balancing weight of one distinct id against one occurrence (row update vs row add)
 ID_COST = 4
+# occurrences ahead whose gradient row is prefetched (their bags are scattered over grad_out)
+PREFETCH_OCCURRENCES = 16
 CHUNKS_PER_THREAD = 4
 
 
@@ -51,11 +53,13 @@ def accumulate_kernel(dim):
     @cached_njit(parallel=True, fastmath=FASTMATH)
     def accumulate(grad, starts, occ_bag, occ_coef, chunks, rows):
         for c in prange(chunks.shape[0] - 1):
+            last = starts[chunks[c + 1]] - 1
             for k in range(chunks[c], chunks[c + 1]):
                 for d in range(dim):
                     rows[k, d] = 0
                 row = rows[k]
                 for s in range(starts[k], starts[k + 1]):
+                    prefetch_row(grad, occ_bag[min(s + PREFETCH_OCCURRENCES, last)], dim)
                     add_row(row, grad, occ_bag[s], occ_coef[s], dim)
 
     return accumulate

@@ -38,7 +38,7 @@ from ._common import (accumulator_dtype, add_row, cached_njit, fmix32, kernel_ta
                       narrow, prefetch_row, widen)
 from ._common import first_out_of_range as _first_out_of_range
 from .ragged import check_ragged
-from .embedding_bag_backward import FASTMATH, balanced_chunks
+from .embedding_bag_backward import FASTMATH, PREFETCH_OCCURRENCES, balanced_chunks
 from .grouping import group_occurrences
 
 # kernel parameter vector: the front end's hyper-parameters, then derived constants
@@ -314,12 +314,14 @@ def fused_kernel(dim):
         for c in prange(chunks.shape[0] - 1):
             g = np.empty(dim, grad.dtype)
             end = chunks[c + 1]
+            last = starts[end] - 1
             for k in range(chunks[c], end):
                 if k + PREFETCH_IDS < end:
                     prefetch_update_rows(weights, s1, s2, ids[k + PREFETCH_IDS], dim)
                 for d in range(dim):
                     g[d] = 0
                 for s in range(starts[k], starts[k + 1]):
+                    prefetch_row(grad, occ_bag[min(s + PREFETCH_OCCURRENCES, last)], dim)
                     add_row(g, grad, occ_bag[s], occ_coef[s], dim)
                 if skip and not all_finite(g, dim):
                     updated[k] = False
