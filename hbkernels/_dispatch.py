@@ -15,12 +15,14 @@ CuPy and ``numba.cuda`` are imported on first GPU use only, so
 ``import hbkernels`` works on machines with no GPU and no CUDA toolkit.
 """
 import importlib
+import warnings
 
 import numpy as np
 
 from . import _validate
 from ._machine import cupy, has_cupy, numba_cuda, simulator_enabled
 from .memory import aligned_full
+from .threads import start_numba_pool
 
 _DLPACK_CUDA_DEVICES = (2, 13)  # kDLCUDA, kDLCUDAManaged
 
@@ -290,7 +292,7 @@ def resolve(optional=(), inplace=(), row_tables=(), **arrays):
             )
         by_rows = name in row_tables and rows_contiguous(arr)
         if name in inplace:
-            out[name] = arr if by_rows and _writable(name, arr) else in_place_ready(name, arr)
+            out[name] = _writable(name, arr) if by_rows else in_place_ready(name, arr)
         else:
             out[name] = arr if by_rows else kernel_ready(arr, name if name in row_tables else None)
     return (family or NUMPY), out
@@ -310,8 +312,6 @@ _warned_copy = []
 def _warn_table_copy(name, a):
     if a.nbytes >= COPY_WARN_BYTES and not _warned_copy:
         _warned_copy.append(True)
-        import warnings
-
         warnings.warn(f"{name} ({a.nbytes >> 20} MiB, strides {a.strides}, dtype {a.dtype.str}) "
                       f"is copied on every call: its rows are not contiguous in native byte "
                       f"order; pass np.ascontiguousarray({name}) once and keep using that "
@@ -319,10 +319,11 @@ def _warn_table_copy(name, a):
 
 
 def _writable(name, a):
+    """``a`` when it is writable, else a ``ValueError`` naming ``name``."""
     if not a.flags.writeable:
         raise ValueError(f"{name} is read-only; it is updated in place (pass a writable array, "
                          f"e.g. a copy)")
-    return True
+    return a
 
 
 def _needs_copy(a):
@@ -372,7 +373,5 @@ def kernels(family, op):
     """The module holding ``op``'s kernels for ``family``'s backend (on the CPU,
     with Numba's thread pool started: :func:`hbkernels.threads.start_numba_pool`)."""
     if not family.is_cuda:
-        from .threads import start_numba_pool
-
         start_numba_pool()
     return importlib.import_module(f"{family.kernels}.{op}")

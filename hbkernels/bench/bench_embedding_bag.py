@@ -13,7 +13,7 @@ GB/s counts rows read (B*L*D*itemsize) + ids and offsets read + output written.
     python3 -m hbkernels.bench.bench_embedding_bag --device cpu
 """
 import hbkernels as hbk
-from .anchors import tbe_table
+from .anchors import fbgemm_tbe, tbe_table
 from .common import HBK, Provider, cli_main
 
 OP = "embedding_bag"
@@ -38,14 +38,14 @@ def tbe_provider(ctx, mode):
         return None
 
     def prepare(a):
-        tbe = tbe_table(a["w"], combiner=mode)
-        return None if tbe is None else {**ctx.as_torch({k: a[k] for k in ("ids", "offsets")}), "tbe": tbe}
+        return {**ctx.as_torch({k: a[k] for k in ("ids", "offsets")}),
+                "tbe": tbe_table(a["w"], combiner=mode)}
 
     def run(a):
         with ctx.torch.no_grad():
             return a["tbe"](a["ids"], a["offsets"])
 
-    if tbe_table(ctx.random_table(8, 4, "float32")) is None:
+    if fbgemm_tbe() is None:
         ctx.note("FBGEMM's TBE is not installed: fbgemm-tbe peers are skipped (recipe: hbkernels/bench/anchors.py)")
         return None
     return Provider("fbgemm-tbe", run, prepare=prepare)

@@ -16,7 +16,7 @@ the benchmark notes it and records nothing.
 import numpy as np
 
 import hbkernels as hbk
-from .anchors import TBE_RULES, tbe_table, tbe_weights
+from .anchors import TBE_RULES, fbgemm_tbe, tbe_table, tbe_weights
 from .common import HBK, Provider, cli_main, placed_empty
 
 OP = "fused_step"
@@ -68,7 +68,7 @@ def tbe_provider(ctx, name):
 
 
 def run(ctx):
-    if ctx.is_cuda or ctx.torch is None or tbe_table(np.zeros((8, 4), np.float32)) is None:
+    if ctx.is_cuda or ctx.torch is None or fbgemm_tbe() is None:
         ctx.note(f"{OP}: needs FBGEMM's TBE on the CPU (recipe: hbkernels/bench/anchors.py); skipped")
         return
     rng = np.random.default_rng(ctx.seed)

@@ -94,15 +94,11 @@ def mpi_library():
 def numba_runtime():
     """The CPU kernels' runtime: Numba's thread count, threading layer (chosen when
     the first parallel kernel runs) and kernel cache location."""
-    import numba
-
+    from .. import threads
     from .._numba_cache import cache_info
 
-    try:
-        layer = numba.threading_layer()
-    except ValueError:  # no parallel kernel ran yet
-        layer = f"chosen at the first parallel kernel (NUMBA_THREADING_LAYER={numba.config.THREADING_LAYER})"
-    return {"threads": numba.get_num_threads(), "threading_layer": layer, "cache": cache_info()}
+    pool = threads.pools()["numba"]
+    return {"threads": pool["threads"], "threading_layer": pool["layer"], "cache": cache_info()}
 
 
 def thread_pools():

@@ -40,8 +40,8 @@ from numba import njit, prange
 
 from .._modes import Combiner
 from ._common import cached_njit
+from .unique import fib_hash
 
-_FIB = np.uint64(0x9E3779B97F4A7C15)  # 2^64 / golden ratio: Fibonacci hashing
 OCCURRENCES_PER_PARTITION = 4096
 MAX_PARTITIONS = 256
 BAG_CHUNKS_PER_THREAD = 4
@@ -74,15 +74,10 @@ def partition_bits(num_occurrences):
 
 
 @njit(inline="always")
-def _hash(key):
-    return np.uint64(key) * _FIB
-
-
-@njit(inline="always")
 def _partition(key, bits):
     if bits == 0:
         return 0
-    return np.int64(_hash(key) >> np.uint64(64 - bits))
+    return np.int64(fib_hash(key) >> np.uint64(64 - bits))
 
 
 @njit(inline="always")
@@ -156,7 +151,7 @@ def _group_partitions(bits, part_lo, s_ids, s_bag, s_coef, t_ids, t_starts, occ_
         n = 0
         for i in range(m):
             key = s_ids[lo + i]
-            h = np.int64((_hash(key) << np.uint64(bits)) >> np.uint64(64 - table_bits))
+            h = np.int64((fib_hash(key) << np.uint64(bits)) >> np.uint64(64 - table_bits))
             while True:
                 u = slots[h]
                 if u == -1:

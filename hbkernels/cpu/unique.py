@@ -13,8 +13,14 @@ _MIN_BITS = 10
 
 
 @njit(inline="always")
+def fib_hash(key):
+    """``key * 2^64/φ`` modulo 2^64: its top bits spread keys evenly (Fibonacci hashing)."""
+    return np.uint64(key) * _FIB
+
+
+@njit(inline="always")
 def _slot(key, shift):
-    return np.int64((np.uint64(key) * _FIB) >> np.uint64(shift))
+    return np.int64(fib_hash(key) >> np.uint64(shift))
 
 
 @cached_njit()
