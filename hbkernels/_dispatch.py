@@ -15,6 +15,7 @@ CuPy and ``numba.cuda`` are imported on first GPU use only, so
 ``import hbkernels`` works on machines with no GPU and no CUDA toolkit.
 """
 import importlib
+import sys
 import warnings
 
 import numpy as np
@@ -374,4 +375,6 @@ def kernels(family, op):
     with Numba's thread pool started: :func:`hbkernels.threads.start_numba_pool`)."""
     if not family.is_cuda:
         start_numba_pool()
-    return importlib.import_module(f"{family.kernels}.{op}")
+    name = f"{family.kernels}.{op}"
+    module = sys.modules.get(name)  # a dict lookup: import_module takes the import lock
+    return module if module is not None else importlib.import_module(name)

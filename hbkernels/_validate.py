@@ -43,7 +43,7 @@ def is_bfloat16(dtype):
         dtype = np.dtype(dtype)
     except TypeError:
         return False
-    return dtype.name == "bfloat16" and dtype.itemsize == 2
+    return dtype.itemsize == 2 and dtype.name == "bfloat16"
 
 
 def floating(name, a):

@@ -1,8 +1,9 @@
 """Every CUDA kernel the suite launched under the simulator compiles for an H100.
 
 conftest runs this module last; :mod:`compile_kernels` has recorded each launch
-(kernel and argument types) of the tests before it. Here a process without the
-simulator rebuilds those kernels and compiles them through Numba, NVVM and
+(kernel and argument types) of the tests before it. Here processes without the
+simulator (one per core, up to :data:`MAX_SHARDS`, each with a share of the
+launches) rebuild those kernels and compile them through Numba, NVVM and
 ptxas for sm_90, which the simulator never does. In a whole-suite run every
 kernel in ``hbkernels.cuda`` must have been launched, so a kernel with no
 simulator test fails here too.
@@ -19,6 +20,7 @@ import compile_kernels
 from conftest import HAVE_NUMBA_CUDA, SESSION, SIMULATOR
 
 ARCH = "sm_90"
+MAX_SHARDS = 4  # compiler processes run side by side, one per core
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -47,15 +49,24 @@ def compiled(tmp_path_factory):
     if not compile_kernels.LAUNCHES:
         pytest.skip("no CUDA kernel was launched before this test in this session")
     work = tmp_path_factory.mktemp("compile")
-    compile_kernels.save(compile_kernels.LAUNCHES, work / "launches.pkl")
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", PYTHONPATH=str(REPO))
-    res = subprocess.run(
-        [sys.executable, str(Path(compile_kernels.__file__)), "compile", str(work / "launches.pkl"),
-         str(work / "report.json"), "--arch", ARCH],
-        capture_output=True, text=True, env=env, timeout=900,
-    )
-    assert (work / "report.json").exists(), res.stdout + res.stderr
-    return json.loads((work / "report.json").read_text())["kernels"]
+    launches = sorted(compile_kernels.LAUNCHES.items(), key=lambda kv: str(kv[0]))
+    shards = max(1, min(MAX_SHARDS, os.cpu_count() or 1, len(launches)))
+    procs = []
+    for i in range(shards):  # contiguous runs of the sorted launches: a factory's stay together
+        part = launches[i * len(launches) // shards:(i + 1) * len(launches) // shards]
+        compile_kernels.save(part, work / f"launches{i}.pkl")
+        procs.append(subprocess.Popen(
+            [sys.executable, str(Path(compile_kernels.__file__)), "compile",
+             str(work / f"launches{i}.pkl"), str(work / f"report{i}.json"), "--arch", ARCH],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env))
+    logs = [proc.communicate(timeout=900)[0] for proc in procs]
+    rows = []
+    for i, log in enumerate(logs):
+        report = work / f"report{i}.json"
+        assert report.exists(), log
+        rows += json.loads(report.read_text())["kernels"]
+    return rows
 
 
 def test_every_launched_kernel_compiles_for_sm90(compiled):

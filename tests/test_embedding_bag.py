@@ -273,6 +273,29 @@ def test_bounds_raise_names_first_bad_position(backend):
     assert isinstance(info.value, IndexError) and info.value.position == 1
 
 
+
+@pytest.mark.parametrize("bounds", ["raise", "zero"])
+def test_first_bad_position_among_many_bags(backend, rng, bounds):
+    """Several bad ids in each run of bags a thread takes, and decreasing offsets in one
+    run and in another: the first of each is named (ids under raise; offsets under both)."""
+    n_bags = 40 if backend.small else 3000
+    offsets = random_offsets(rng, n_bags, 6)
+    values = rng.integers(0, 10, size=int(offsets[-1]))
+    first = int(offsets[n_bags // 3]) + 1
+    values[first::5] = 10        # from `first` on, every 5th id is one past the table
+    args = (backend.put(np.ones((10, 3), np.float32)), backend.put(values))
+    if bounds == "raise":
+        with pytest.raises(hbk.BoundsError) as info:
+            hbk.embedding_bag(*args, backend.put(offsets))
+        assert info.value.position == first
+    bad = offsets.copy()
+    for k in (n_bags // 2 + 10, n_bags // 2 + 13, 3 * n_bags // 4):
+        bad[k] = bad[k - 1] - 1 if bad[k - 1] > 0 else bad[k + 1] + 1
+    first_bad_offset = min(k for k in range(1, n_bags + 1) if bad[k] < bad[k - 1])
+    with pytest.raises(ValueError, match=rf"offsets\[{first_bad_offset}\] = "):
+        hbk.embedding_bag(*args, backend.put(bad), bounds=bounds)
+
+
 @pytest.mark.parametrize("weighted", [True, False])
 @pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
 def test_bounds_zero_skips_bad_ids(backend, rng, combiner, weighted):
@@ -333,9 +356,14 @@ def test_bad_arguments():
         hbk.embedding_bag(w, [0, 1], o)
 
 
+# widths with no, one and several vectors, each with and without a tail: a kernel
+# compiles per width, so the widths are a set, not a range
+PROPERTY_DIMS = [1, 2, 3, 5, 8, 16, 20]
+
+
 @settings(max_examples=60, deadline=None)
 @given(
-    num_rows=st.integers(1, 40), dim=st.integers(1, 20), batch=st.integers(0, 30),
+    num_rows=st.integers(1, 40), dim=st.sampled_from(PROPERTY_DIMS), batch=st.integers(0, 30),
     max_len=st.integers(0, 12), combiner=st.sampled_from(["sum", "mean", "sqrtn"]),
     weighted=st.booleans(), seed=st.integers(0, 2**32 - 1),
 )

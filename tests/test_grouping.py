@@ -33,7 +33,11 @@ def check(values, offsets, weights=None, combiner=Combiner.SUM, num_rows=None, s
     ids, starts, occ_bag, occ_coef = group_occurrences(values, offsets, weights, combiner,
                                                        num_rows, skip_bad, np.float32)
     expected = numpy_grouping(values, offsets, weights, combiner, num_rows, skip_bad)
-    assert ids.dtype == values.dtype and starts.dtype == np.int64
+    assert ids.dtype == values.dtype and starts.dtype == np.int64 and occ_bag.dtype == np.int32
+    unit = combiner == Combiner.SUM and weights is None
+    assert (occ_coef.shape[0] == 0) == unit, "coefficients are left out exactly when all are 1"
+    if unit:
+        occ_coef = np.ones(occ_bag.shape[0], np.float32)
     assert sorted(ids.tolist()) == sorted(expected), "every kept id exactly once"
     assert starts[0] == 0 and starts[-1] == sum(len(v) for v in expected.values())
     for k, i in enumerate(ids.tolist()):
@@ -63,7 +67,7 @@ def test_matches_numpy_grouping(id_dtype, n_bags):
     check(values, offsets)
 
 
-@pytest.mark.parametrize("combiner", [Combiner.MEAN, Combiner.SQRTN])
+@pytest.mark.parametrize("combiner", [Combiner.SUM, Combiner.MEAN, Combiner.SQRTN])
 def test_bag_scales_count_only_kept_ids(combiner):
     rng = np.random.default_rng(7)
     values, offsets = zipf_batch(rng, 2000, 30, 1000)

@@ -49,7 +49,8 @@ def test_bad_arguments():
 
 
 @settings(max_examples=60, deadline=None)
-@given(n=st.integers(0, 200), width=st.integers(1, 9), num_segments=st.integers(1, 30),
+@given(n=st.integers(0, 200), width=st.sampled_from([1, 2, 3, 8, 9]),  # a kernel per width
+       num_segments=st.integers(1, 30),
        seed=st.integers(0, 2**32 - 1))
 def test_property_random_shapes_cpu(n, width, num_segments, seed):
     rng = np.random.default_rng(seed)

@@ -60,6 +60,8 @@ def cached_njit(**options):
 def kernel_table(a):
     """The array a kernel reads for a float array: fp16 as its uint16 bits, bf16 as
     its int16 bits, other dtypes as they are (views, no copy)."""
+    if a.dtype.itemsize != 2:
+        return a
     if a.dtype == np.float16:
         return a.view(np.uint16)
     if is_bfloat16(a.dtype):
@@ -340,6 +342,14 @@ def _widen_vector(builder, x, element, floats):
     return x if x.type == floats else builder.fpext(x, floats)
 
 
+def _row_pointer(context, builder, array_type, array, row_type, row):
+    """LLVM pointer to ``array[row, 0]`` (no wraparound, no bounds check)."""
+    arr = context.make_array(array_type)(context, builder, array)
+    index = context.cast(builder, row, row_type, types.intp)
+    return cgutils.get_item_pointer(context, builder, array_type, arr,
+                                    [index, context.get_constant(types.intp, 0)], wraparound=False)
+
+
 @intrinsic
 def add_row(typingctx, acc, table, row, weight, size):
     """``acc[:size] += weight * widen(table[row, :size])`` (no multiply when ``weight``
@@ -371,11 +381,7 @@ def add_row(typingctx, acc, table, row, weight, size):
     def codegen(context, builder, sig, args):
         acc_arg, table_arg, row_arg, weight_arg, _ = args
         accs = context.make_array(sig.args[0])(context, builder, acc_arg)
-        rows = context.make_array(sig.args[1])(context, builder, table_arg)
-        row_index = context.cast(builder, row_arg, sig.args[2], types.intp)
-        src = cgutils.get_item_pointer(context, builder, sig.args[1], rows,
-                                       [row_index, context.get_constant(types.intp, 0)],
-                                       wraparound=False)
+        src = _row_pointer(context, builder, sig.args[1], table_arg, sig.args[2], row_arg)
         acc_dtype, elem_dtype = sig.args[0].dtype, sig.args[1].dtype
         acc_bytes, elem_bytes = acc_dtype.bitwidth // 8, elem_dtype.bitwidth // 8
         scale = context.cast(builder, weight_arg, sig.args[3], acc_dtype) if weighted else None
@@ -394,6 +400,54 @@ def add_row(typingctx, acc, table, row, weight, size):
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+@intrinsic
+def copy_row(typingctx, out, row, acc, size):
+    """``out[row, :size] = acc[:size]`` (same float dtype) in explicit SIMD vectors, as
+    :func:`add_row` reads them; ``size`` is a compile-time constant. LLVM, given the
+    element loop after a stack row was summed in vector registers, stores part of
+    the row one scalar at a time (25 scalar stores a row at D = 64)."""
+    if not (isinstance(size, types.IntegerLiteral) and isinstance(out, types.Array)
+            and out.ndim == 2 and out.layout in "CA" and isinstance(acc, types.Array)
+            and isinstance(acc.dtype, types.Float) and out.dtype == acc.dtype
+            and isinstance(row, types.Integer)):
+        return None
+    length = size.literal_value
+
+    def codegen(context, builder, sig, args):
+        out_arg, row_arg, acc_arg, _ = args
+        accs = context.make_array(sig.args[2])(context, builder, acc_arg)
+        dst = _row_pointer(context, builder, sig.args[0], out_arg, sig.args[1], row_arg)
+        dtype = sig.args[2].dtype
+        item = dtype.bitwidth // 8
+        for start, width in vector_pieces(length, VECTOR_BYTES // item):
+            vec = ir.VectorType(context.get_data_type(dtype), width)
+            offset = ir.Constant(ir.IntType(64), start)
+            x = builder.load(builder.bitcast(builder.gep(accs.data, [offset]), vec.as_pointer()),
+                             align=item)
+            builder.store(x, builder.bitcast(builder.gep(dst, [offset]), vec.as_pointer()),
+                          align=item)
+        return context.get_dummy_value()
+
+    return types.void(out, row, acc, size), codegen
+
+
+def store_row(out, row, acc, size):
+    """``out[row, :size] = narrow_to(acc[:size], out)``: :func:`copy_row` where the
+    dtypes match, else element by element."""
+
+
+@overload(store_row, inline="always")
+def _store_row(out, row, acc, size):
+    if out.dtype == acc.dtype:
+        return lambda out, row, acc, size: copy_row(out, row, acc, size)
+
+    def impl(out, row, acc, size):
+        for d in range(size):
+            out[row, d] = narrow_to(acc[d], out)
+
+    return impl
 
 
 @intrinsic

@@ -1,4 +1,4 @@
-"""Pooled lookup on the CPU: one bag per iteration of a parallel loop.
+"""Pooled lookup on the CPU: chunks of consecutive bags in a parallel loop.
 
 As FBGEMM JIT-generates a kernel per embedding dim, :func:`pool_kernel`
 compiles one kernel per ``(D, weighted, check_ids, identity)``: with D a
@@ -7,7 +7,8 @@ compile-time constant each row is added as explicit SIMD vectors
 offsets are checked inside the parallel loop (given ``offsets[0] == 0`` and
 ``offsets[-1] == len(values)``, checked first): a bag whose offsets decrease
 is skipped and flagged, a bad id is skipped and the first bad position of
-each bag is kept, so ``bounds="raise"`` costs no extra pass.
+each chunk of bags is kept, so ``bounds="raise"`` costs no extra pass and
+no array of the batch's size.
 Every cache line of the row ``PREFETCH_DISTANCE`` ids ahead is prefetched
 (clamped into the table, so no check is needed), indices are unsigned so
 Numba adds no negative-index wraparound, and each bag is summed in a
@@ -21,6 +22,7 @@ once per machine.
 import functools
 import math
 
+import numba
 import numpy as np
 from numba import prange
 
@@ -37,10 +39,12 @@ from ._common import (
     prefetch_row,
     scratch_row,
     stack_row_fits,
+    store_row,
 )
 
 PREFETCH_DISTANCE = 32
-NO_WEIGHTS = np.ones(1, np.float32)
+CHUNKS_PER_THREAD = 4
+NO_WEIGHTS = {np.dtype(t): np.ones(1, t) for t in (np.float32, np.float64)}  # by accumulator
 NO_IDS = np.zeros(1, np.int64)
 NONE = np.iinfo(np.int64).max  # "no bad position" in the per-bag arrays
 
@@ -50,57 +54,65 @@ def pool_kernel(dim, weighted, check_ids, identity):
     """Kernel ``(table, values, offsets, weights, combiner, out, first_bad, bad_offset)``:
     out[b] = combine_j w_j * table[row_j] over j in [offsets[b], offsets[b+1]),
     row_j = values[j] (or j when ``identity``); ``combiner`` a :class:`~hbkernels._modes.Combiner`.
-    With ``check_ids``: ``first_bad[b]`` is the first position of an id outside the
-    table in bag ``b``, ``bad_offset[b]`` is ``b + 1`` where ``offsets[b+1] <
-    offsets[b]`` (the bag is skipped), :data:`NONE` elsewhere; needs ``offsets[0]
-    == 0`` and ``offsets[-1] == len(values)``."""
+    The bags are cut into ``len(first_bad)`` chunks of equal counts. With
+    ``check_ids``: ``first_bad[c]`` is the first position of an id outside the table
+    in chunk ``c``, ``bad_offset[c]`` the first ``b + 1`` there with ``offsets[b+1] <
+    offsets[b]`` (the bag is skipped), :data:`NONE` where there is none; then the
+    first of all chunks goes to ``first_bad[0]`` and ``bad_offset[0]``. Needs
+    ``offsets[0] == 0`` and ``offsets[-1] == len(values)``."""
 
     @cached_njit(parallel=True, fastmath=True)
     def pool(table, values, offsets, weights, combiner, out, first_bad, bad_offset):
         num_rows = table.shape[0]
-        last_id = offsets[offsets.shape[0] - 1] - 1
-        for b in prange(offsets.shape[0] - 1):
-            if check_ids and not (0 <= offsets[b] <= offsets[b + 1] <= last_id + 1):
-                if offsets[b + 1] < offsets[b]:
-                    bad_offset[b] = b + 1
-                continue
-            acc = scratch_row(dim, out, b)
-            for d in range(dim):
-                acc[d] = 0  # sums start at +0.0 (as torch's and NumPy's): a bag of -0.0 gives +0.0
-            w_sum = 0.0
-            w_sq = 0.0
-            num_good = offsets[b + 1] - offsets[b]
-            for j in range(offsets[b], offsets[b + 1]):
-                # Indices are cast to unsigned so that Numba emits no negative-index wraparound.
-                ahead = min(j + PREFETCH_DISTANCE, last_id)
-                ahead_row = ahead if identity else values[np.uint64(ahead)]
-                prefetch_row(table, min(np.uint64(ahead_row), np.uint64(num_rows - 1)), dim)
-                row = np.uint64(j if identity else values[np.uint64(j)])
-                if check_ids and row >= np.uint64(num_rows):  # negatives wrap high
-                    if first_bad[b] == NONE:
-                        first_bad[b] = j
-                    num_good -= 1
+        num_bags = offsets.shape[0] - 1
+        last_id = offsets[num_bags] - 1
+        num_chunks = first_bad.shape[0]
+        for c in prange(num_chunks):
+            for b in range(c * num_bags // num_chunks, (c + 1) * num_bags // num_chunks):
+                if check_ids and not (0 <= offsets[b] <= offsets[b + 1] <= last_id + 1):
+                    if offsets[b + 1] < offsets[b] and bad_offset[c] == NONE:
+                        bad_offset[c] = b + 1
                     continue
-                if weighted:
-                    w = weights[np.uint64(j)]
-                    w_sum += w
-                    w_sq += w * w
-                    add_row(acc, table, row, w, dim)
-                else:
-                    add_row(acc, table, row, None, dim)
-            if combiner == Combiner.SUM:
+                acc = scratch_row(dim, out, b)
                 for d in range(dim):
-                    out[b, d] = narrow_to(acc[d], out)
-                continue
-            if not weighted:
-                w_sum = w_sq = num_good
-            scale = 0.0
-            if combiner == Combiner.MEAN and w_sum != 0.0:
-                scale = 1.0 / w_sum
-            elif combiner == Combiner.SQRTN and w_sq != 0.0:
-                scale = 1.0 / math.sqrt(w_sq)
-            for d in range(dim):
-                out[b, d] = narrow_to(acc[d] * scale, out)
+                    acc[d] = 0  # sums start at +0.0 (as in torch, NumPy): a bag of -0.0 gives +0.0
+                w_sum = 0.0
+                w_sq = 0.0
+                num_good = offsets[b + 1] - offsets[b]
+                for j in range(offsets[b], offsets[b + 1]):
+                    # Indices are cast to unsigned so that Numba emits no negative-index wraparound.
+                    ahead = min(j + PREFETCH_DISTANCE, last_id)
+                    ahead_row = ahead if identity else values[np.uint64(ahead)]
+                    prefetch_row(table, min(np.uint64(ahead_row), np.uint64(num_rows - 1)), dim)
+                    row = np.uint64(j if identity else values[np.uint64(j)])
+                    if check_ids and row >= np.uint64(num_rows):  # negatives wrap high
+                        if first_bad[c] == NONE:
+                            first_bad[c] = j
+                        num_good -= 1
+                        continue
+                    if weighted:
+                        w = weights[np.uint64(j)]
+                        w_sum += w
+                        w_sq += w * w
+                        add_row(acc, table, row, w, dim)
+                    else:
+                        add_row(acc, table, row, None, dim)
+                if combiner == Combiner.SUM:
+                    store_row(out, b, acc, dim)
+                    continue
+                if not weighted:
+                    w_sum = w_sq = num_good
+                scale = 0.0
+                if combiner == Combiner.MEAN and w_sum != 0.0:
+                    scale = 1.0 / w_sum
+                elif combiner == Combiner.SQRTN and w_sq != 0.0:
+                    scale = 1.0 / math.sqrt(w_sq)
+                for d in range(dim):
+                    out[b, d] = narrow_to(acc[d] * scale, out)
+        if check_ids:  # a serial loop (an array's .min() would be another parallel region)
+            for c in range(1, num_chunks):
+                first_bad[0] = min(first_bad[0], first_bad[c])
+                bad_offset[0] = min(bad_offset[0], bad_offset[c])
 
     return pool
 
@@ -121,15 +133,16 @@ def pool(table, values, offsets, weights, combiner, check_ids, identity):
     direct = table.dtype == acc_dtype or (
         narrows_in_kernel(table.dtype) and stack_row_fits(dim, np.dtype(acc_dtype).itemsize))
     out = np.empty((num_bags, dim), table.dtype if direct else acc_dtype)
-    bad = np.full((2, num_bags if check_ids else 0), NONE, np.int64)  # first bad id, bad offset
+    num_chunks = max(1, min(num_bags, numba.get_num_threads() * CHUNKS_PER_THREAD))
+    bad = np.full((2, num_chunks), NONE, np.int64)  # per chunk: first bad id, bad offset
     weighted = weights is not None
-    weights = weights.astype(acc_dtype, copy=False) if weighted else NO_WEIGHTS.astype(acc_dtype)
+    weights = weights.astype(acc_dtype, copy=False) if weighted else NO_WEIGHTS[acc_dtype]
     kernel = pool_kernel(dim, weighted, check_ids, identity)
     kernel(kernel_tab, NO_IDS if identity else values, offsets, weights, combiner,
            kernel_table(out), bad[0], bad[1])
     if not (check_ids and num_bags):
         return narrow(out, table.dtype), -1, -1
-    bad_id, bad_offset = (int(v) for v in bad.min(axis=1))
+    bad_id, bad_offset = int(bad[0, 0]), int(bad[1, 0])
     return (narrow(out, table.dtype), -1 if bad_offset == NONE else bad_offset,
             -1 if bad_id == NONE else bad_id)
 

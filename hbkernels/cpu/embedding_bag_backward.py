@@ -20,7 +20,7 @@ from numba import prange
 from .._modes import Bounds
 from ._common import (accumulator_dtype, add_row, cached_njit, first_bad_offset, first_out_of_range,
                       kernel_table, narrow, prefetch_row)
-from .grouping import group_occurrences
+from .grouping import coefficient, group_occurrences
 
 # LLVM fast-math flags of these kernels: no 'nnan'/'ninf' (the non-finite checks
 # must survive) and no 'reassoc' (sums stay in input order).
@@ -48,10 +48,12 @@ def balanced_chunks(starts, id_cost=ID_COST, chunks_per_thread=CHUNKS_PER_THREAD
 @functools.lru_cache(maxsize=None)
 def accumulate_kernel(dim):
     """Kernel ``(grad, starts, occ_bag, occ_coef, chunks, rows)``:
-    ``rows[k] = Σ occ_coef[s]·grad[occ_bag[s]]`` over ``s`` in ``[starts[k], starts[k+1])``."""
+    ``rows[k] = Σ occ_coef[s]·grad[occ_bag[s]]`` over ``s`` in ``[starts[k], starts[k+1])``
+    (``occ_coef`` empty: all ones)."""
 
     @cached_njit(parallel=True, fastmath=FASTMATH)
     def accumulate(grad, starts, occ_bag, occ_coef, chunks, rows):
+        one = np.ones(1, rows.dtype)[0]
         for c in prange(chunks.shape[0] - 1):
             last = starts[chunks[c + 1]] - 1
             for k in range(chunks[c], chunks[c + 1]):
@@ -60,7 +62,7 @@ def accumulate_kernel(dim):
                 row = rows[k]
                 for s in range(starts[k], starts[k + 1]):
                     prefetch_row(grad, occ_bag[min(s + PREFETCH_OCCURRENCES, last)], dim)
-                    add_row(row, grad, occ_bag[s], occ_coef[s], dim)
+                    add_row(row, grad, occ_bag[s], coefficient(occ_coef, s, one), dim)
 
     return accumulate
 

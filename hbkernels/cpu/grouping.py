@@ -6,7 +6,9 @@ Given the ids ``values`` of bags ``offsets`` (per-sample weights optional),
 distinct (in-range, when bad ids are skipped) ids, and for the ``k``-th the
 occurrences ``s`` in ``[starts[k], starts[k+1])`` as ``(bag, c_b·w_j)`` in
 input order, ``c_b`` the bag's scale (1, ``1/Σw`` or ``1/sqrt(Σw²)`` over its
-in-range ids, 0 where that is 0).
+in-range ids, 0 where that is 0). Bags are int32 (int64 from 2**31 bags on).
+With combiner sum and no weights every coefficient is 1: ``occ_coef`` is then
+empty and none is written or read (:func:`coefficient` reads it).
 
 Every id goes to one of ``2**bits`` partitions by the top bits of its
 Fibonacci hash (``bits`` grows with the batch: about
@@ -81,6 +83,13 @@ def _partition(key, bits):
 
 
 @njit(inline="always")
+def coefficient(occ_coef, s, one):
+    """The coefficient of occurrence ``s``: ``occ_coef[s]``, or ``one`` when
+    ``occ_coef`` is empty (all ones)."""
+    return one if occ_coef.shape[0] == 0 else occ_coef[s]
+
+
+@njit(inline="always")
 def _bad(v, num_rows, skip_bad):
     return skip_bad and (v < 0 or v >= num_rows)
 
@@ -101,7 +110,9 @@ def _histogram(values, offsets, num_rows, skip_bad, bits, chunk_bags):
 @cached_njit(parallel=True)
 def _scatter(values, offsets, weights, weighted, combiner, num_rows, skip_bad, bits,
              chunk_bags, base, s_ids, s_bag, s_coef):
-    """Each chunk writes its kept occurrences from ``base[c, p]`` on in partition ``p``."""
+    """Each chunk writes its kept occurrences from ``base[c, p]`` on in partition ``p``
+    (their coefficients only when ``s_coef`` is not empty)."""
+    unit = s_coef.shape[0] == 0
     for c in prange(chunk_bags.shape[0] - 1):
         pos = base[c].copy()
         for b in range(chunk_bags[c], chunk_bags[c + 1]):
@@ -129,7 +140,8 @@ def _scatter(values, offsets, weights, weighted, combiner, num_rows, skip_bad, b
                 pos[p] = k + 1
                 s_ids[k] = v
                 s_bag[k] = b
-                s_coef[k] = scale * weights[j] if weighted else scale
+                if not unit:
+                    s_coef[k] = scale * weights[j] if weighted else scale
 
 
 @cached_njit(parallel=True)
@@ -137,7 +149,9 @@ def _group_partitions(bits, part_lo, s_ids, s_bag, s_coef, t_ids, t_starts, occ_
                       num_distinct):
     """Per partition ``p`` (occurrences ``[part_lo[p], part_lo[p+1])``): its distinct ids
     to ``t_ids[lo:lo+n]`` with their first occurrence's place in ``t_starts``, the
-    occurrences counting-sorted by distinct id (stable) into ``occ_bag``, ``occ_coef``."""
+    occurrences counting-sorted by distinct id (stable) into ``occ_bag``, ``occ_coef``
+    (the coefficients only when ``s_coef`` is not empty)."""
+    unit = s_coef.shape[0] == 0
     for p in prange(part_lo.shape[0] - 1):
         lo, hi = part_lo[p], part_lo[p + 1]
         m = hi - lo
@@ -176,7 +190,8 @@ def _group_partitions(bits, part_lo, s_ids, s_bag, s_coef, t_ids, t_starts, occ_
             s = counts[u]
             counts[u] = s + 1
             occ_bag[s] = s_bag[lo + i]
-            occ_coef[s] = s_coef[lo + i]
+            if not unit:
+                occ_coef[s] = s_coef[lo + i]
         num_distinct[p] = n
 
 
@@ -216,15 +231,17 @@ def group_occurrences(values, offsets, per_sample_weights, combiner, num_rows, s
     total = int(ends[-1]) if ends.shape[0] else 0
     part_lo = np.zeros(hist.shape[1] + 1, np.int64)
     part_lo[1:] = ends.reshape(hist.shape[1], hist.shape[0])[:, -1]
+    bag_dtype = np.int32 if offsets.shape[0] - 1 <= np.iinfo(np.int32).max else np.int64
+    num_coefs = 0 if combiner == Combiner.SUM and not weighted else total
     s_ids = scratch("s_ids", total, values.dtype)
-    s_bag = scratch("s_bag", total, np.int64)
-    s_coef = scratch("s_coef", total, weights.dtype)
+    s_bag = scratch("s_bag", total, bag_dtype)
+    s_coef = scratch("s_coef", num_coefs, weights.dtype)
     _scatter(values, offsets, weights, weighted, combiner, num_rows, skip_bad, bits, chunks,
              base, s_ids, s_bag, s_coef)
     t_ids = scratch("t_ids", total, values.dtype)
     t_starts = scratch("t_starts", total, np.int64)
-    occ_bag = scratch("occ_bag", total, np.int64)
-    occ_coef = scratch("occ_coef", total, weights.dtype)
+    occ_bag = scratch("occ_bag", total, bag_dtype)
+    occ_coef = scratch("occ_coef", num_coefs, weights.dtype)
     num_distinct = np.zeros(hist.shape[1], np.int64)
     _group_partitions(bits, part_lo, s_ids, s_bag, s_coef, t_ids, t_starts, occ_bag, occ_coef,
                       num_distinct)

@@ -39,7 +39,7 @@ from ._common import (accumulator_dtype, add_row, cached_njit, fmix32, kernel_ta
 from ._common import first_out_of_range as _first_out_of_range
 from .ragged import check_ragged
 from .embedding_bag_backward import FASTMATH, PREFETCH_OCCURRENCES, balanced_chunks
-from .grouping import group_occurrences
+from .grouping import coefficient, group_occurrences
 
 # kernel parameter vector: the front end's hyper-parameters, then derived constants
 INV_DIM, TWO_L2, NEG_POWER, SQRT_POWER, ZERO, ONE_M_B1, ONE_M_B2 = range(
@@ -311,6 +311,7 @@ def fused_kernel(dim):
     @cached_njit(parallel=True, fastmath=FASTMATH)
     def fused(rule, p, grad, starts, occ_bag, occ_coef, chunks, ids, weights, s1, s2, out,
               skip, stochastic, key, updated):
+        one = np.ones(1, grad.dtype)[0]
         for c in prange(chunks.shape[0] - 1):
             g = np.empty(dim, grad.dtype)
             end = chunks[c + 1]
@@ -322,7 +323,7 @@ def fused_kernel(dim):
                     g[d] = 0
                 for s in range(starts[k], starts[k + 1]):
                     prefetch_row(grad, occ_bag[min(s + PREFETCH_OCCURRENCES, last)], dim)
-                    add_row(g, grad, occ_bag[s], occ_coef[s], dim)
+                    add_row(g, grad, occ_bag[s], coefficient(occ_coef, s, one), dim)
                 if skip and not all_finite(g, dim):
                     updated[k] = False
                     continue
