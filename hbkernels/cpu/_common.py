@@ -403,49 +403,63 @@ def add_row(typingctx, acc, table, row, weight, size):
 
 
 @intrinsic
-def copy_row(typingctx, out, row, acc, size):
-    """``out[row, :size] = acc[:size]`` (same float dtype) in explicit SIMD vectors, as
-    :func:`add_row` reads them; ``size`` is a compile-time constant. LLVM, given the
-    element loop after a stack row was summed in vector registers, stores part of
-    the row one scalar at a time (25 scalar stores a row at D = 64)."""
+def copy_row(typingctx, out, row, acc, scale, size):
+    """``out[row, :size] = acc[:size]`` (same float dtype), times ``scale`` in float64
+    unless ``scale`` is None, in explicit SIMD vectors as :func:`add_row` reads
+    them; ``size`` is a compile-time constant. LLVM, given the element loop after a
+    stack row was summed in vector registers, stores part of the row one scalar at a
+    time (25 scalar stores a row at D = 64; all 16 at D = 16 with a scale)."""
+    scaled = not isinstance(scale, types.NoneType)
     if not (isinstance(size, types.IntegerLiteral) and isinstance(out, types.Array)
             and out.ndim == 2 and out.layout in "CA" and isinstance(acc, types.Array)
             and isinstance(acc.dtype, types.Float) and out.dtype == acc.dtype
-            and isinstance(row, types.Integer)):
+            and isinstance(row, types.Integer) and (not scaled or isinstance(scale, types.Float))):
         return None
     length = size.literal_value
 
     def codegen(context, builder, sig, args):
-        out_arg, row_arg, acc_arg, _ = args
+        out_arg, row_arg, acc_arg, scale_arg, _ = args
         accs = context.make_array(sig.args[2])(context, builder, acc_arg)
         dst = _row_pointer(context, builder, sig.args[0], out_arg, sig.args[1], row_arg)
         dtype = sig.args[2].dtype
         item = dtype.bitwidth // 8
+        wide = context.get_data_type(types.float64)
+        factor = context.cast(builder, scale_arg, sig.args[3], types.float64) if scaled else None
         for start, width in vector_pieces(length, VECTOR_BYTES // item):
             vec = ir.VectorType(context.get_data_type(dtype), width)
             offset = ir.Constant(ir.IntType(64), start)
             x = builder.load(builder.bitcast(builder.gep(accs.data, [offset]), vec.as_pointer()),
                              align=item)
+            if scaled:  # as (float64) acc[d] * scale, rounded back
+                wides = ir.VectorType(wide, width)
+                y = builder.fmul(x if vec == wides else builder.fpext(x, wides),
+                                 _splat(builder, factor, wides))
+                x = y if vec == wides else builder.fptrunc(y, vec)
             builder.store(x, builder.bitcast(builder.gep(dst, [offset]), vec.as_pointer()),
                           align=item)
         return context.get_dummy_value()
 
-    return types.void(out, row, acc, size), codegen
+    return types.void(out, row, acc, scale, size), codegen
 
 
-def store_row(out, row, acc, size):
-    """``out[row, :size] = narrow_to(acc[:size], out)``: :func:`copy_row` where the
-    dtypes match, else element by element."""
+def store_row(out, row, acc, scale, size):
+    """``out[row, :size] = narrow_to(acc[:size] (* scale), out)`` (no multiply when
+    ``scale`` is None): :func:`copy_row` where the dtypes match, else element by
+    element."""
 
 
 @overload(store_row, inline="always")
-def _store_row(out, row, acc, size):
+def _store_row(out, row, acc, scale, size):
     if out.dtype == acc.dtype:
-        return lambda out, row, acc, size: copy_row(out, row, acc, size)
-
-    def impl(out, row, acc, size):
-        for d in range(size):
-            out[row, d] = narrow_to(acc[d], out)
+        return lambda out, row, acc, scale, size: copy_row(out, row, acc, scale, size)
+    if isinstance(scale, types.NoneType):
+        def impl(out, row, acc, scale, size):
+            for d in range(size):
+                out[row, d] = narrow_to(acc[d], out)
+    else:
+        def impl(out, row, acc, scale, size):
+            for d in range(size):
+                out[row, d] = narrow_to(acc[d] * scale, out)
 
     return impl
 

@@ -34,7 +34,6 @@ from ._common import (
     first_bad_offset,
     kernel_table,
     narrow,
-    narrow_to,
     narrows_in_kernel,
     prefetch_row,
     scratch_row,
@@ -69,8 +68,11 @@ def pool_kernel(dim, weighted, check_ids, identity):
         num_chunks = first_bad.shape[0]
         for c in prange(num_chunks):
             for b in range(c * num_bags // num_chunks, (c + 1) * num_bags // num_chunks):
-                if check_ids and not (0 <= offsets[b] <= offsets[b + 1] <= last_id + 1):
-                    if offsets[b + 1] < offsets[b] and bad_offset[c] == NONE:
+                # Indices are cast to unsigned so that Numba emits no negative-index wraparound.
+                lo = offsets[np.uint64(b)]
+                hi = offsets[np.uint64(b + 1)]
+                if check_ids and not (0 <= lo <= hi <= last_id + 1):
+                    if hi < lo and bad_offset[c] == NONE:
                         bad_offset[c] = b + 1
                     continue
                 acc = scratch_row(dim, out, b)
@@ -78,9 +80,8 @@ def pool_kernel(dim, weighted, check_ids, identity):
                     acc[d] = 0  # sums start at +0.0 (as in torch, NumPy): a bag of -0.0 gives +0.0
                 w_sum = 0.0
                 w_sq = 0.0
-                num_good = offsets[b + 1] - offsets[b]
-                for j in range(offsets[b], offsets[b + 1]):
-                    # Indices are cast to unsigned so that Numba emits no negative-index wraparound.
+                num_good = hi - lo
+                for j in range(lo, hi):
                     ahead = min(j + PREFETCH_DISTANCE, last_id)
                     ahead_row = ahead if identity else values[np.uint64(ahead)]
                     prefetch_row(table, min(np.uint64(ahead_row), np.uint64(num_rows - 1)), dim)
@@ -98,7 +99,7 @@ def pool_kernel(dim, weighted, check_ids, identity):
                     else:
                         add_row(acc, table, row, None, dim)
                 if combiner == Combiner.SUM:
-                    store_row(out, b, acc, dim)
+                    store_row(out, b, acc, None, dim)
                     continue
                 if not weighted:
                     w_sum = w_sq = num_good
@@ -107,8 +108,7 @@ def pool_kernel(dim, weighted, check_ids, identity):
                     scale = 1.0 / w_sum
                 elif combiner == Combiner.SQRTN and w_sq != 0.0:
                     scale = 1.0 / math.sqrt(w_sq)
-                for d in range(dim):
-                    out[b, d] = narrow_to(acc[d] * scale, out)
+                store_row(out, b, acc, scale, dim)
         if check_ids:  # a serial loop (an array's .min() would be another parallel region)
             for c in range(1, num_chunks):
                 first_bad[0] = min(first_bad[0], first_bad[c])
