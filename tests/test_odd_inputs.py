@@ -154,10 +154,10 @@ def test_counts_out_of_range_or_of_the_wrong_type(rng, value):
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.integers(0, 5), st.sampled_from(list(VARIANTS)), st.integers(0, 2**32 - 1))
-def test_property_embedding_bag_any_layout(dim_extra, variant, seed):
+@given(st.sampled_from([1, 3, 6]), st.sampled_from(list(VARIANTS)), st.integers(0, 2**32 - 1))
+def test_property_embedding_bag_any_layout(dim, variant, seed):
+    """Widths from a set: each draws a kernel compile per dtype and layout."""
     rng = np.random.default_rng(seed)
-    dim = 1 + dim_extra
     n = int(rng.integers(0, 12))
     w = rng.standard_normal((7, dim)).astype(rng.choice([np.float32, np.float64, np.float16]))
     values = rng.integers(0, 7, n).astype(rng.choice([np.int32, np.int64]))
