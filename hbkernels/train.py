@@ -125,7 +125,7 @@ class Trainer:
         torch.manual_seed(a.seed)
         self.model = DLRM(EmbeddingCollectionModule(coll), self.features, self.num_dense, a.dim,
                           bottom=a.bottom, top=a.top).to(self.device)
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=a.dense_lr)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=a.dense_lr, fused=True)
         self.dense_params = [p for p in self.model.parameters() if p.requires_grad]
         self.collection = coll
         if state is not None:
@@ -203,10 +203,11 @@ class Trainer:
         logits = self.model(dense, sparse)
         loss_sum = torch.nn.functional.binary_cross_entropy_with_logits(logits, label, reduction="sum")
         (loss_sum / global_count).backward()   # the collection applies its sparse update here
+        if self.world == 1:
+            self.optimizer.step()
+            return float(loss_sum.detach()) / global_count
         grads = [p.grad.reshape(-1) for p in self.dense_params]
-        flat = torch.cat(grads + [loss_sum.detach().reshape(1)])
-        if self.world > 1:
-            flat = self.allreduce(flat)
+        flat = self.allreduce(torch.cat(grads + [loss_sum.detach().reshape(1)]))
         offset = 0
         for p, g in zip(self.dense_params, grads):
             p.grad.copy_(flat[offset:offset + g.numel()].view_as(p.grad))

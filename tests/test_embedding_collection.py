@@ -234,6 +234,24 @@ def test_training_matches_the_model(plan, kind, kw):
                       init_weights=init, empty_at=1)
 
 
+@pytest.mark.parametrize("plan", ["table_wise", "data_parallel"])
+def test_training_one_array_of_several_combiners(plan):
+    """Tables of one width share a fused array, pooled once per combiner: at world size 1 a
+    group of one pool takes the fused backward-and-step, a group of several the backward
+    of each pool and one step."""
+    tables = cr.table_specs(hbk, (
+        dict(name="user", num_rows=50, dim=3, combiner="sum", hotness=3.0),
+        dict(name="item", num_rows=40, dim=3, combiner="mean", features=("item", "item_hist"),
+             hotness=2.5),
+        dict(name="tiny", num_rows=5, dim=3, combiner="sqrtn", hotness=2.0)))
+    opt = cr.make_optimizer(hbk, "Adam")
+    coll = hbk.EmbeddingCollection(tables, comm=local(), optimizer=opt, plan=plan, seed=1,
+                                   batch_size_hint=16)
+    assert len(coll.arrays) == 1
+    cr.check_training(hbk, coll, local(), tables, opt, key=("local", "combiners", plan), steps=3,
+                      empty_at=1)
+
+
 def test_initial_weights_depend_only_on_the_seed_and_the_table():
     a = make("table_wise", "SGD", seed=7)
     # other tables beside them, another order, optimizer and plan: same tables

@@ -3,14 +3,14 @@ on the same synthetic batches, in one process.
 
 hbkernels: :class:`hbkernels.train.Trainer` as ``hbkernels train`` builds it
 (an :class:`hbkernels.EmbeddingCollection` with Adagrad, torch MLPs with
-Adam, ``--threads auto``), one ``train_step`` per call. TorchRec:
+Adam (``fused=True``), ``--threads auto``), one ``train_step`` per call. TorchRec:
 ``torchrec.models.dlrm.DLRM`` (dense arch 13 -> 64 -> D, dot interaction,
 over arch 64 -> 32 -> 1, as :class:`hbkernels.models.DLRM`) over a
 ``FusedEmbeddingBagCollection`` (FBGEMM's TBE on the CPU with its fused
 exact Adagrad, the sparse optimizer applied in the backward as TorchRec's
-``DistributedModelParallel`` does), Adam on the dense part, the batch turned
+``DistributedModelParallel`` does), the same fused Adam on the dense part, the batch turned
 into a ``KeyedJaggedTensor`` inside the step. Both take the same global batch
-of ``hbkernels train``'s default tables (8 tables, 1.2 M rows, D = 16, one
+of ``hbkernels train``'s default tables (8 tables, 486 K rows, D = 16, one
 multi-hot), the same learning rates, BCE on logits; the calls alternate in
 a fresh order each round (:meth:`Context.measure_together`), so both meet
 the same machine. The table reports ms per step (samples/s = batch / that)
@@ -66,7 +66,7 @@ def torchrec_model(torch, args):
                      dense_arch_layer_sizes=[*args.bottom, args.dim],
                      over_arch_layer_sizes=[*args.top, 1])
     dense = [p for n, p in model.named_parameters() if "embedding_bag_collection" not in n]
-    return model, torch.optim.Adam(dense, lr=args.dense_lr)
+    return model, torch.optim.Adam(dense, lr=args.dense_lr, fused=True)
 
 
 def keyed_jagged(torch, kjt_class, features, batch):

@@ -8,7 +8,7 @@
 The model is :class:`hbkernels.models.DLRM`: a bottom MLP on the dense
 features, one :class:`hbkernels.EmbeddingCollection` table per categorical
 feature (Adagrad, sharded by ``--plan``), dot interaction, a top MLP; the
-dense part is PyTorch (Adam) through
+dense part is PyTorch (Adam, torch's fused kernel) through
 :class:`hbkernels.adapters.torch.EmbeddingCollectionModule`.
 
 Data parallel over ranks, one global batch of ``--batch-size`` samples per

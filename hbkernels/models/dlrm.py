@@ -53,8 +53,9 @@ class DLRM(torch.nn.Module):
         pairs = vectors * (vectors - 1) // 2
         self.top = mlp([pairs + (dim if self.num_dense else 0), *top, 1], final_relu=False)
         rows, cols = torch.tril_indices(vectors, vectors, offset=-1)
-        self.register_buffer("pair_rows", rows, persistent=False)
-        self.register_buffer("pair_cols", cols, persistent=False)
+        # pair (i, j) at i * n + j of the flattened [n, n] dots: one index_select, whose
+        # backward is one index_add (advanced indexing's is a slower index_put)
+        self.register_buffer("pairs", rows * vectors + cols, persistent=False)
 
     def forward(self, dense, sparse):
         pooled = self.embeddings(sparse)
@@ -64,6 +65,6 @@ class DLRM(torch.nn.Module):
             vectors.insert(0, z0)
         x = torch.stack(vectors, dim=1)                       # [B, n, D]
         dots = torch.bmm(x, x.transpose(1, 2))                # [B, n, n]
-        pairs = dots[:, self.pair_rows, self.pair_cols]       # [B, n(n-1)/2]
+        pairs = dots.flatten(1).index_select(1, self.pairs)  # [B, n(n-1)/2]
         top_in = torch.cat([z0, pairs], dim=1) if self.bottom is not None else pairs
         return self.top(top_in).squeeze(1)

@@ -19,6 +19,9 @@ Tables whose slices have the same width and dtype share one fused array per
 rank, one exchange and one pooling launch per combiner (coalescing). Backward
 mirrors it: ``embedding_bag_backward`` into the distinct rows, gradients back
 to the owners, one optimizer step per fused array on the owned rows only.
+At world size 1 nothing is exchanged: every fused array is pooled from its own
+rows (no dedup), and a fused array pooled in one launch takes
+``optimizer.fused_step`` (backward and update in one pass over its distinct rows).
 
 Gradients of all ranks are *summed* (the loss is a sum over the global batch):
 N ranks given their slices of a batch train exactly like one rank given the
@@ -90,7 +93,9 @@ class ExchangeContext(NamedTuple):
     recv_counts: Any
 
 
-class ReplicaContext(NamedTuple):
+class LocalContext(NamedTuple):
+    """What backward needs of a fused array pooled from this rank's own rows."""
+
     group: Any
     pools: list
 
@@ -98,7 +103,7 @@ class ReplicaContext(NamedTuple):
 class Saved(NamedTuple):
     inputs: dict
     exchanges: list
-    replicas: list
+    locals: list
 
 
 def _device_of(device):
@@ -133,8 +138,8 @@ class _Feature(NamedTuple):
     offsets: Any
     psw: Any
     batch: int
-    uniq: Any  # distinct ids (the values themselves when dedup is off)
-    inverse: Any  # values == uniq[inverse]
+    uniq: Any  # ids to send: distinct ones (the values themselves when dedup is off); None at world size 1
+    inverse: Any  # values == uniq[inverse]; None at world size 1
     sequence_offsets: Any = None  # a sequence table's input offsets (its bags are single ids)
 
 
@@ -312,11 +317,13 @@ class EmbeddingCollection:
             sequence_offsets = None
             if spec.combiner is None:  # a sequence table: each id is a bag of its own
                 sequence_offsets, offsets = offsets, space.xp.arange(values.shape[0] + 1, dtype=np.int64)
-            with self._phase("kernels"):
-                if self.dedup:
-                    uniq, inverse = unique(values, return_inverse=True)
-                else:
-                    uniq, inverse = values, space.xp.arange(values.shape[0], dtype=np.int64)
+            uniq = inverse = None
+            if self.comm.world_size > 1:  # ids to send: distinct ones unless dedup is off
+                with self._phase("kernels"):
+                    if self.dedup:
+                        uniq, inverse = unique(values, return_inverse=True)
+                    else:
+                        uniq, inverse = values, space.xp.arange(values.shape[0], dtype=np.int64)
             psw = None if psw is None else psw.astype(np.float32, copy=False)
             inputs[f] = _Feature(spec.name, values, offsets, psw, int(offsets.shape[0]) - 1,
                                  uniq, inverse, sequence_offsets)
@@ -343,9 +350,17 @@ class EmbeddingCollection:
             raise
         space = self._family(self.device)
         outputs = {}
-        exchanges = [self._forward_exchange(group, inputs, outputs) for group in self.layout.exchange_groups]
-        replicas = [self._forward_replica(group, inputs, outputs) for group in self.layout.replica_groups]
-        self._saved = Saved(inputs, exchanges, replicas)
+        if self.comm.world_size == 1:  # nothing leaves the rank: every group pools its own rows
+            exchanges = []
+            local = [self._forward_local(group, inputs, outputs, replicated=False)
+                     for group in self.layout.exchange_groups]
+        else:
+            exchanges = [self._forward_exchange(group, inputs, outputs)
+                         for group in self.layout.exchange_groups]
+            local = []
+        local += [self._forward_local(group, inputs, outputs, replicated=True)
+                  for group in self.layout.replica_groups]
+        self._saved = Saved(inputs, exchanges, local)
         result = {}
         for f, feature in inputs.items():
             pieces = outputs[f]
@@ -439,13 +454,15 @@ class EmbeddingCollection:
                            lambda k: inputs[requests[k][0]].inverse, outputs)
         return ExchangeContext(group, pools, total, order, send_counts, recv_keys, recv_counts)
 
-    def _forward_replica(self, group, inputs, outputs):
+    def _forward_local(self, group, inputs, outputs, replicated):
+        """Pool ``group``'s requests from this rank's own rows: a replicated group at
+        any world size, a sharded one at world size 1 (where this rank holds every row)."""
         space = self._family(group.device)
-        requests = self._requests(group, inputs, replicated=True)
+        requests = self._requests(group, inputs, replicated)
         starts = [int(route.bases[self.comm.rank]) for _, route in requests]
         pools = self._pool(space, self.arrays[group].weights, requests, starts, inputs,
                            lambda k: inputs[requests[k][0]].values, outputs)
-        return ReplicaContext(group, pools)
+        return LocalContext(group, pools)
 
     @staticmethod
     def _inverse_permutation(xp, order):
@@ -488,9 +505,13 @@ class EmbeddingCollection:
             self.stats["grads_bytes"] += (int(ctx.send_counts.sum() - ctx.send_counts[self.comm.rank])
                                           * group.width * self._wire_itemsize(np.float32))
             updates[group].append((ctx.recv_keys, received))
-        for ctx in self._saved.replicas:
+        fused_steps = {}  # group -> (its one pool, that pool's gradient): a fused backward and step
+        for ctx in self._saved.locals:
             group = ctx.group
             space = self._family(group.device)
+            if self.comm.world_size == 1 and len(ctx.pools) == 1:
+                fused_steps[group] = (ctx.pools[0], self._pool_grad(space, ctx.pools[0], grads))
+                continue
             num_rows = int(self.arrays[group].weights.shape[0])
             parts = self._pool_backward(space, ctx.pools, grads, num_rows)
             if parts:
@@ -509,6 +530,13 @@ class EmbeddingCollection:
             updates[group].append((ids, rows))
         self._saved = None
         for group, fused in self.arrays.items():
+            if group in fused_steps:
+                pool, grad = fused_steps[group]
+                with self._phase("kernels"):
+                    self.optimizer.fused_step(fused.weights, fused.state, grad, pool.values, pool.offsets,
+                                              combiner=pool.combiner, per_sample_weights=pool.psw,
+                                              bounds="unchecked")
+                continue
             xp = self._family(group.device).xp
             parts = updates.get(group, [])
             ids = xp.concatenate([p[0] for p in parts]) if parts else xp.zeros(0, np.int64)
@@ -545,16 +573,20 @@ class EmbeddingCollection:
 
     def _pool_backward(self, space, pools, grads, num_rows):
         """[(ids, rows)] of each pool's sparse gradient w.r.t. the pooled rows."""
-        xp = space.xp
         parts = []
-        for combiner, values, offsets, psw, pieces in pools:  # Pool
-            grad = xp.concatenate([space.put(grads[f][:, c0:c1]) for f, c0, c1, _, _ in pieces])
+        for pool in pools:
             with self._phase("kernels"):
-                sg = embedding_bag_backward(grad.astype(np.float32, copy=False), values, offsets,
-                                            num_rows=num_rows, combiner=combiner,
-                                            per_sample_weights=psw, bounds="unchecked")
+                sg = embedding_bag_backward(self._pool_grad(space, pool, grads), pool.values,
+                                            pool.offsets, num_rows=num_rows, combiner=pool.combiner,
+                                            per_sample_weights=pool.psw, bounds="unchecked")
             parts.append((sg.ids, sg.rows))
         return parts
+
+    @staticmethod
+    def _pool_grad(space, pool, grads):
+        """The fp32 gradient of ``pool``'s output: its pieces of ``grads``, stacked."""
+        grad = space.xp.concatenate([space.put(grads[f][:, c0:c1]) for f, c0, c1, _, _ in pool.pieces])
+        return grad.astype(np.float32, copy=False)
 
     # -- whole tables ---------------------------------------------------------------------------------
     def _gather(self, name, pick, per_column, dtype):
