@@ -331,8 +331,12 @@ def test_extremely_repeated_id_fp32_matches_float64(backend, rng, small_chunks):
     ids, rows = run_backward(backend, grad_out, values, offsets, num_rows, combiner="sum")
     dense, touched = dense_backward(grad_out, values, offsets, num_rows, "sum")
     np.testing.assert_array_equal(np.sort(ids), touched)
-    # the hot row is a sum of thousands of fp32 terms (in input order on the CPU)
-    np.testing.assert_allclose(rows, dense[ids], rtol=2e-4, atol=2e-4)
+    # The hot row is a sum of thousands of fp32 terms (in input order on the CPU). Its
+    # rounding error scales with the terms' magnitudes, not with the sum, which may
+    # cancel to near 0: 3e-5 of the sum of |terms| is 9x the largest error over 1500
+    # seeds and 1/16 of one fp16 rounding step of it.
+    magnitude, _ = dense_backward(np.abs(grad_out), values, offsets, num_rows, "sum")
+    np.testing.assert_array_less(np.abs(rows - dense[ids]), 3e-5 * magnitude[ids] + 1e-6)
 
 
 @pytest.mark.parametrize("bounds", ["raise", "zero", "unchecked"])

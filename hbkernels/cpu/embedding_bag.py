@@ -1,9 +1,11 @@
 """Pooled lookup on the CPU: chunks of consecutive bags in a parallel loop.
 
 As FBGEMM JIT-generates a kernel per embedding dim, :func:`pool_kernel`
-compiles one kernel per ``(D, weighted, check_ids, identity)``: with D a
-compile-time constant each row is added as explicit SIMD vectors
-(:func:`._common.add_row`), and the flags cost nothing when off. Ids and
+compiles one kernel per ``(D, check_ids, identity)``: with D a compile-time
+constant each row is added as explicit SIMD vectors
+(:func:`._common.add_row`), and the flags cost nothing when off. Whether
+there are per-sample weights is an argument (a branch on a loop invariant,
+which LLVM hoists out of the bag's loop): both kinds of bag share a kernel. Ids and
 offsets are checked inside the parallel loop (given ``offsets[0] == 0`` and
 ``offsets[-1] == len(values)``, checked first): a bag whose offsets decrease
 is skipped and flagged, a bad id is skipped and the first bad position of
@@ -49,9 +51,10 @@ NONE = np.iinfo(np.int64).max  # "no bad position" in the per-bag arrays
 
 
 @functools.lru_cache(maxsize=None)
-def pool_kernel(dim, weighted, check_ids, identity):
-    """Kernel ``(table, values, offsets, weights, combiner, out, first_bad, bad_offset)``:
+def pool_kernel(dim, check_ids, identity):
+    """Kernel ``(table, values, offsets, weighted, weights, combiner, out, first_bad, bad_offset)``:
     out[b] = combine_j w_j * table[row_j] over j in [offsets[b], offsets[b+1]),
+    w_j = weights[j] when ``weighted``, else 1,
     row_j = values[j] (or j when ``identity``); ``combiner`` a :class:`~hbkernels._modes.Combiner`.
     The bags are cut into ``len(first_bad)`` chunks of equal counts. With
     ``check_ids``: ``first_bad[c]`` is the first position of an id outside the table
@@ -61,7 +64,7 @@ def pool_kernel(dim, weighted, check_ids, identity):
     ``offsets[0] == 0`` and ``offsets[-1] == len(values)``."""
 
     @cached_njit(parallel=True, fastmath=True)
-    def pool(table, values, offsets, weights, combiner, out, first_bad, bad_offset):
+    def pool(table, values, offsets, weighted, weights, combiner, out, first_bad, bad_offset):
         num_rows = table.shape[0]
         num_bags = offsets.shape[0] - 1
         last_id = offsets[num_bags] - 1
@@ -137,8 +140,8 @@ def pool(table, values, offsets, weights, combiner, check_ids, identity):
     bad = np.full((2, num_chunks), NONE, np.int64)  # per chunk: first bad id, bad offset
     weighted = weights is not None
     weights = weights.astype(acc_dtype, copy=False) if weighted else NO_WEIGHTS[acc_dtype]
-    kernel = pool_kernel(dim, weighted, check_ids, identity)
-    kernel(kernel_tab, NO_IDS if identity else values, offsets, weights, combiner,
+    kernel = pool_kernel(dim, check_ids, identity)
+    kernel(kernel_tab, NO_IDS if identity else values, offsets, weighted, weights, combiner,
            kernel_table(out), bad[0], bad[1])
     if not (check_ids and num_bags):
         return narrow(out, table.dtype), -1, -1
