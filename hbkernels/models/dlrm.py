@@ -36,6 +36,21 @@ def mlp(sizes, final_relu):
     return torch.nn.Sequential(*layers)
 
 
+class _Gram(torch.autograd.Function):
+    """``x @ x^T`` per sample (``x`` ``[B, n, D]``) whose backward is one batched
+    matmul, ``(G + G^T) @ x``, where autograd would run two."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return torch.bmm(x, x.transpose(1, 2))
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return torch.bmm(grad + grad.transpose(1, 2), x)
+
+
 class DLRM(torch.nn.Module):
     """``DLRM(embeddings, features, num_dense, dim, bottom=(64,), top=(64, 32))``;
     ``forward(dense [B, num_dense], sparse {feature: ids}) -> logits [B]``."""
@@ -64,7 +79,7 @@ class DLRM(torch.nn.Module):
             z0 = self.bottom(dense)
             vectors.insert(0, z0)
         x = torch.stack(vectors, dim=1)                       # [B, n, D]
-        dots = torch.bmm(x, x.transpose(1, 2))                # [B, n, n]
+        dots = _Gram.apply(x)                                 # [B, n, n]
         pairs = dots.flatten(1).index_select(1, self.pairs)  # [B, n(n-1)/2]
         top_in = torch.cat([z0, pairs], dim=1) if self.bottom is not None else pairs
         return self.top(top_in).squeeze(1)
