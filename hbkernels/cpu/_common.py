@@ -18,6 +18,7 @@ from pathlib import Path
 import llvmlite.binding as llvm
 import numpy as np
 from llvmlite import ir
+import numba
 from numba import config, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
@@ -452,7 +453,7 @@ def store_row(out, row, acc, scale, size):
 def _store_row(out, row, acc, scale, size):
     if out.dtype == acc.dtype:
         return lambda out, row, acc, scale, size: copy_row(out, row, acc, scale, size)
-    if isinstance(scale, types.NoneType):
+    if isinstance(scale, types.NoneType):  # (a branch on `scale is None` in one loop is not pruned)
         def impl(out, row, acc, scale, size):
             for d in range(size):
                 out[row, d] = narrow_to(acc[d], out)
@@ -462,6 +463,17 @@ def _store_row(out, row, acc, scale, size):
                 out[row, d] = narrow_to(acc[d] * scale, out)
 
     return impl
+
+
+#: chunks per Numba thread in the parallel loops over bags or ids (static scheduling:
+#: several a thread even out chunks of unequal cost)
+CHUNKS_PER_THREAD = 4
+
+
+def chunk_count(num_items):
+    """How many chunks a parallel loop cuts ``num_items`` into: :data:`CHUNKS_PER_THREAD`
+    per Numba thread, at most one item each, at least 1."""
+    return max(1, min(num_items, numba.get_num_threads() * CHUNKS_PER_THREAD))
 
 
 @intrinsic

@@ -24,7 +24,6 @@ once per machine.
 import functools
 import math
 
-import numba
 import numpy as np
 from numba import prange
 
@@ -33,6 +32,7 @@ from ._common import (
     accumulator_dtype,
     add_row,
     cached_njit,
+    chunk_count,
     first_bad_offset,
     kernel_table,
     narrow,
@@ -44,7 +44,6 @@ from ._common import (
 )
 
 PREFETCH_DISTANCE = 32
-CHUNKS_PER_THREAD = 4
 NO_WEIGHTS = {np.dtype(t): np.ones(1, t) for t in (np.float32, np.float64)}  # by accumulator
 NO_IDS = np.zeros(1, np.int64)
 NONE = np.iinfo(np.int64).max  # "no bad position" in the per-bag arrays
@@ -136,7 +135,7 @@ def pool(table, values, offsets, weights, combiner, check_ids, identity):
     direct = table.dtype == acc_dtype or (
         narrows_in_kernel(table.dtype) and stack_row_fits(dim, np.dtype(acc_dtype).itemsize))
     out = np.empty((num_bags, dim), table.dtype if direct else acc_dtype)
-    num_chunks = max(1, min(num_bags, numba.get_num_threads() * CHUNKS_PER_THREAD))
+    num_chunks = chunk_count(num_bags)
     bad = np.full((2, num_chunks), NONE, np.int64)  # per chunk: first bad id, bad offset
     weighted = weights is not None
     weights = weights.astype(acc_dtype, copy=False) if weighted else NO_WEIGHTS[acc_dtype]

@@ -13,13 +13,12 @@ denominators. As the forward, one accumulate kernel is compiled per D.
 """
 import functools
 
-import numba
 import numpy as np
 from numba import prange
 
 from .._modes import Bounds
-from ._common import (accumulator_dtype, add_row, cached_njit, first_bad_offset, first_out_of_range,
-                      kernel_table, narrow, prefetch_row)
+from ._common import (accumulator_dtype, add_row, cached_njit, chunk_count, first_bad_offset,
+                      first_out_of_range, kernel_table, narrow, prefetch_row)
 from .grouping import coefficient, group_occurrences
 
 # LLVM fast-math flags of these kernels: no 'nnan'/'ninf' (the non-finite checks
@@ -29,14 +28,13 @@ FASTMATH = {"nsz", "arcp", "contract", "afn"}
 ID_COST = 4
 # occurrences ahead whose gradient row is prefetched (their bags are scattered over grad_out)
 PREFETCH_OCCURRENCES = 16
-CHUNKS_PER_THREAD = 4
 
 
-def balanced_chunks(starts, id_cost=ID_COST, chunks_per_thread=CHUNKS_PER_THREAD):
+def balanced_chunks(starts, id_cost=ID_COST):
     """Boundaries (int64, first 0, last K) cutting ids ``[0, K)`` into chunks of about
     equal work ``occurrences + id_cost`` for the parallel loops."""
     num_ids = starts.shape[0] - 1
-    num_chunks = max(1, min(num_ids, numba.get_num_threads() * chunks_per_thread))
+    num_chunks = chunk_count(num_ids)
     if num_chunks == 1:
         return np.array([0, num_ids], np.int64)
     work = starts[1:] + id_cost * np.arange(1, num_ids + 1, dtype=np.int64)  # cumulative

@@ -36,17 +36,15 @@ next call; ``ids`` and ``starts`` are the caller's.
 """
 import threading
 
-import numba
 import numpy as np
 from numba import njit, prange
 
 from .._modes import Combiner
-from ._common import cached_njit
+from ._common import cached_njit, chunk_count
 from .unique import fib_hash
 
 OCCURRENCES_PER_PARTITION = 4096
 MAX_PARTITIONS = 256
-BAG_CHUNKS_PER_THREAD = 4
 
 
 SCRATCH_MAX_BYTES = 256 << 20
@@ -205,11 +203,11 @@ def _pack(part_lo, first, t_ids, t_starts, ids, starts):
             starts[first[p] + u] = t_starts[lo + u]
 
 
-def bag_chunks(offsets, num_chunks):
-    """Boundaries (int64, first 0, last B) cutting the bags into ``num_chunks`` runs of
-    about equal numbers of occurrences."""
+def bag_chunks(offsets):
+    """Boundaries (int64, first 0, last B) cutting the bags into
+    :func:`._common.chunk_count` runs of about equal numbers of occurrences."""
     num_bags = offsets.shape[0] - 1
-    num_chunks = max(1, min(num_bags, num_chunks))
+    num_chunks = chunk_count(num_bags)
     targets = np.arange(1, num_chunks, dtype=np.float64) * (offsets[-1] / num_chunks)
     inner = np.searchsorted(offsets, targets, side="left")
     return np.concatenate(([0], np.minimum(inner, num_bags), [num_bags])).astype(np.int64)
@@ -223,7 +221,7 @@ def group_occurrences(values, offsets, per_sample_weights, combiner, num_rows, s
     weights = (per_sample_weights.astype(coef_dtype, copy=False) if weighted
                else np.ones(1, coef_dtype))
     bits = partition_bits(values.shape[0])
-    chunks = bag_chunks(offsets, numba.get_num_threads() * BAG_CHUNKS_PER_THREAD)
+    chunks = bag_chunks(offsets)
     hist = _histogram(values, offsets, num_rows, skip_bad, bits, chunks)
     flat = hist.T.reshape(-1)      # partition-major: a partition's chunks in input order
     ends = np.cumsum(flat)
