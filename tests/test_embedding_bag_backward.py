@@ -315,6 +315,9 @@ def skewed_case(rng, backend, dim, dtype=np.float64):
 @pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
 @pytest.mark.parametrize("dim", [1, 33])
 def test_extremely_repeated_id(backend, rng, small_chunks, combiner, dim):
+    if backend.small and dim == 33 and combiner != "mean":
+        pytest.skip("D = 33 under the CUDA simulator: one combiner (the combiners differ in the "
+                    "bag scale alone, tested at D = 1)")
     grad_out, values, offsets, num_rows = skewed_case(rng, backend, dim)
     psw = rng.uniform(0.1, 2.0, size=values.shape)
     kw = dict(combiner=combiner, per_sample_weights=psw)

@@ -17,7 +17,7 @@ SCRIPT = textwrap.dedent("""
 
     out = hbk.embedding_bag(np.ones((4, 3), np.float32), np.array([0, 3]), np.array([0, 2]))
     assert out.tolist() == [[2.0, 2.0, 2.0]]
-    kernel = eb.pool_kernel(3, False, True, False)
+    kernel = eb.pool_kernel(3, True, False)
     print(sum(kernel.stats.cache_hits.values()), sum(kernel.stats.cache_misses.values()))
 """)
 

@@ -146,8 +146,9 @@ def test_adam_bias_correction_uses_the_table_step(backend, rng):
 @pytest.mark.parametrize("combiner", ["sum", "mean", "sqrtn"])
 @pytest.mark.parametrize("dim", [3, 168])  # 168: on CUDA 4 columns per lane, 2 passes, columns 1-3 ragged
 def test_fused_equals_backward_plus_step(backend, rng, name, combiner, dim):
-    if backend.small and dim == 168 and name != "RowWiseAdagrad":
-        pytest.skip("D = 168 under the CUDA simulator for the rule that sums all columns' squares")
+    if backend.small and dim == 168 and (name != "RowWiseAdagrad" or combiner != "sqrtn"):
+        pytest.skip("D = 168 under the CUDA simulator: the rule that sums all columns' squares, "
+                    "one combiner (the combiners differ in the bag scale alone, tested at D = 3)")
     num_rows, batch, max_len = (12, 4, 3) if backend.small else (80, 100, 8)
     w0 = rng.standard_normal((num_rows, dim)).astype(np.float32)
     opt = make_opt(name)
