@@ -82,12 +82,12 @@ class Pool(NamedTuple):
 
 
 class ExchangeContext(NamedTuple):
-    """What backward needs of one sharded fused array's forward exchange."""
+    """What backward needs of one sharded fused array's forward exchange (world size > 1)."""
 
     group: Any
     pools: list
     rows: int  # distinct ids requested by this rank
-    order: Any  # the partition's order (None at world size 1)
+    order: Any  # the partition's order
     send_counts: Any
     recv_keys: Any  # fused rows this rank served, as received
     recv_counts: Any
@@ -274,9 +274,7 @@ class EmbeddingCollection:
             self._timing = False
 
     def _exchange(self, x, counts, wire=False):
-        """alltoallv, skipped at world size 1 (nothing leaves the rank)."""
-        if self.comm.world_size == 1:
-            return x, np.asarray(counts, np.int64)
+        """alltoallv (world size > 1: at world size 1 nothing is exchanged)."""
         with self._phase("comm"):
             return self.comm.alltoallv(x, counts, wire_dtype=self.wire_dtype if wire else None)
 
@@ -425,13 +423,9 @@ class EmbeddingCollection:
             starts.append(total)
             total += int(uniq.shape[0])
         keys = xp.concatenate(keys) if keys else xp.zeros(0, np.int64)
-        order = None
-        if n == 1:
-            send_counts = np.array([keys.shape[0]], np.int64)
-        else:
-            with self._phase("kernels"):
-                parted = partition(keys * n + (xp.concatenate(dests) if dests else keys), n)
-            keys, send_counts, order = parted.ids // n, host(parted.counts), parted.order
+        with self._phase("kernels"):
+            parted = partition(keys * n + (xp.concatenate(dests) if dests else keys), n)
+        keys, send_counts, order = parted.ids // n, host(parted.counts), parted.order
         recv_keys, recv_counts = self._exchange(keys, send_counts)
         table = self.arrays[group].weights if group in self.arrays else None
         with self._phase("kernels"):
@@ -443,9 +437,8 @@ class EmbeddingCollection:
             else:
                 rows = lookup(table, recv_keys, bounds="unchecked")
         rows, _ = self._exchange(rows, recv_counts, wire=True)
-        if order is not None:
-            with self._phase("kernels"):
-                rows = lookup(rows, self._inverse_permutation(xp, order), bounds="unchecked")
+        with self._phase("kernels"):
+            rows = lookup(rows, self._inverse_permutation(xp, order), bounds="unchecked")
         away_ids = int(send_counts.sum() - send_counts[me])
         away_rows = int(recv_counts.sum() - recv_counts[me])
         self.stats["ids_bytes"] += 8 * away_ids
@@ -499,8 +492,7 @@ class EmbeddingCollection:
                 request_grads = xp.zeros((ctx.rows, group.width), np.float32)
                 for ids, rows in self._pool_backward(space, ctx.pools, grads, ctx.rows):
                     request_grads[ids] = rows
-                if ctx.order is not None:
-                    request_grads = lookup(request_grads, ctx.order, bounds="unchecked")
+                request_grads = lookup(request_grads, ctx.order, bounds="unchecked")
             received, counts = self._exchange(request_grads, ctx.send_counts, wire=True)
             self.stats["grads_bytes"] += (int(ctx.send_counts.sum() - ctx.send_counts[self.comm.rank])
                                           * group.width * self._wire_itemsize(np.float32))
