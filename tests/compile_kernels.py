@@ -33,6 +33,7 @@ import re
 import sys
 import types as pytypes
 
+ARCH = "sm_90"  # what the suite compiles for: an H100
 LAUNCHES = {}  # (source, argument types) -> launches seen, filled by record_launches
 BLOCK_THREADS = {}  # the same keys -> set of threads per block those launches used (simulator)
 GEOMETRY = ("tpb",)  # factory parameters rebuilt at the real GPU's values
@@ -232,6 +233,111 @@ def record(path, pytest_args):
     return int(code)
 
 
+def have_cuda_compilers():
+    """NVVM, NVRTC and nvJitLink loadable (wheels of the ``test`` extra), no driver needed."""
+    import subprocess
+
+    probe = ("from cuda.pathfinder import load_nvidia_dynamic_lib as load\n"
+             "for lib in ('nvvm', 'nvrtc', 'nvJitLink'): load(lib)")
+    return subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0
+
+
+def serve(cc):
+    """Compile batches named on stdin, one ``launches.pkl report.json`` line each, until EOF;
+    print ``done report.json`` after each (a worker that runs while the suite does)."""
+    _pretend_device(cc)
+    for line in sys.stdin:
+        launches_path, report_path = line.split()
+        with open(launches_path, "rb") as f:
+            rows = compile_all(pickle.load(f), cc)
+        with open(report_path, "w") as f:
+            json.dump({"kernels": rows}, f)
+        print("done", report_path, flush=True)
+    return 0
+
+
+class Background:
+    """A worker process (:func:`serve`, at the lowest priority) that compiles launches while
+    the suite still runs, on the core the single-threaded suite leaves idle; :meth:`finish`
+    hands what it has not yet been given to fresh processes and returns every report row.
+    Each process writes its output to a log file in ``workdir``."""
+
+    def __init__(self, workdir, arch=ARCH, every=20.0):
+        self.workdir, self.arch, self.every = workdir, arch, every
+        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        self.env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", PYTHONPATH=repo)
+        self.sent = set()  # launch keys given to a process
+        self.reports, self.procs = [], []
+        self.worker = None
+        self.last = 0.0
+
+    def _start(self, *args, stdin=None):
+        import subprocess
+
+        log = open(os.path.join(self.workdir, f"log{len(self.procs)}.txt"), "w")
+        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), *args, "--arch", self.arch],
+                                stdin=stdin, stdout=log, stderr=subprocess.STDOUT, text=True,
+                                env=self.env, preexec_fn=lambda: os.nice(19))
+        self.procs.append((proc, log))
+        return proc
+
+    def _batch(self, items):
+        """Save ``items`` (launch key, count) as the next batch: ``(its path, its report's)``."""
+        items = list(items)
+        self.sent.update(k for k, _ in items)
+        path = os.path.join(self.workdir, f"launches{len(self.reports)}.pkl")
+        self.reports.append(path[:-3] + "json")
+        save(items, path)
+        return path, self.reports[-1]
+
+    def poll(self):
+        """Send the launches recorded since the last batch, at most once every ``every`` s."""
+        import subprocess
+        import time
+
+        now = time.monotonic()
+        if now - self.last < self.every or len(LAUNCHES) == len(self.sent):
+            return
+        self.last = now
+        if self.worker is None:
+            self.worker = self._start("serve", stdin=subprocess.PIPE)
+        if self.worker.poll() is None:
+            new = [kv for kv in LAUNCHES.items() if kv[0] not in self.sent]
+            self.worker.stdin.write(" ".join(self._batch(new)) + "\n")
+            self.worker.stdin.flush()
+
+    def finish(self, shards, timeout):
+        """Every report row: the worker's batches plus the rest, split over ``shards`` fresh
+        processes that run while the worker drains its queue."""
+        rest = sorted((kv for kv in LAUNCHES.items() if kv[0] not in self.sent),
+                      key=lambda kv: str(kv[0]))
+        shards = max(1, min(shards, len(rest)))
+        for i in range(shards if rest else 0):  # contiguous runs: a factory's launches stay together
+            self._start("compile", *self._batch(rest[i * len(rest) // shards:
+                                                      (i + 1) * len(rest) // shards]))
+        if self.worker is not None:
+            self.worker.stdin.close()
+        for proc, log in self.procs:
+            proc.wait(timeout=timeout)
+            log.close()
+        rows = []
+        for report in self.reports:
+            if not os.path.exists(report):
+                logs = [open(log.name).read() for _, log in self.procs]
+                raise RuntimeError(f"no compile report {report}:\n" + "\n".join(logs)[-6000:])
+            with open(report) as f:
+                rows += json.load(f)["kernels"]
+        return rows
+
+    def close(self):
+        """Stop any process still running (a session that ends before :meth:`finish`)."""
+        for proc, log in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            log.close()
+
+
 def main(argv):
     import argparse
 
@@ -245,11 +351,15 @@ def main(argv):
     comp.add_argument("report", help="JSON report to write")
     comp.add_argument("--arch", default="sm_90", help="target architecture (default sm_90, H100)")
     comp.add_argument("--csv", help="also write a table of each kernel's resources")
+    srv = sub.add_parser("serve", help="compile the batches named on stdin (see Background)")
+    srv.add_argument("--arch", default="sm_90")
     opts = parser.parse_args(argv)
     if opts.command == "record":
         return record(opts.launches, opts.pytest_args)
     os.environ["NUMBA_ENABLE_CUDASIM"] = "0"  # before numba is imported (unpickling imports it)
     cc = divmod(int(opts.arch.removeprefix("sm_")), 10)  # sm_90 -> (9, 0), sm_100 -> (10, 0)
+    if opts.command == "serve":
+        return serve(cc)
     with open(opts.launches, "rb") as f:
         launches = pickle.load(f)
     rows = compile_all(launches, cc)

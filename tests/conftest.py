@@ -7,8 +7,10 @@ sizes. Tests that need real hardware carry ``@pytest.mark.gpu``.
 import ctypes
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import zlib
 
 import numpy as np
@@ -103,7 +105,7 @@ def rng(request):
 
 
 LAST_MODULE = "test_compile_kernels.py"  # compiles what the tests before it launched
-SESSION = {"deselected": 0, "whole_suite": False}
+SESSION = {"deselected": 0, "whole_suite": False, "compiler": None}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -125,6 +127,20 @@ def pytest_collection_finish(session):
     modules = {name for name in os.listdir(here) if name.startswith("test_") and name.endswith(".py")}
     collected = {item.path.name for item in session.items}
     SESSION["whole_suite"] = collected == modules and SESSION["deselected"] == 0
+    if (SIMULATOR and HAVE_NUMBA_CUDA and LAST_MODULE in collected
+            and compile_kernels.have_cuda_compilers()):  # compile launches as the suite runs
+        SESSION["compiler"] = compile_kernels.Background(tempfile.mkdtemp(prefix="hbk-compile-"))
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    if SESSION.get("compiler"):
+        SESSION["compiler"].poll()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if SESSION.get("compiler"):
+        SESSION["compiler"].close()
+        shutil.rmtree(SESSION["compiler"].workdir, ignore_errors=True)
 
 
 # One tolerance table per dtype: (rtol, atol) for results computed in a

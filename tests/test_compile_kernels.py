@@ -1,35 +1,24 @@
 """Every CUDA kernel the suite launched under the simulator compiles for an H100.
 
 conftest runs this module last; :mod:`compile_kernels` has recorded each launch
-(kernel and argument types) of the tests before it. Here processes without the
-simulator (one per core, up to :data:`MAX_SHARDS`, each with a share of the
-launches) rebuild those kernels and compile them through Numba, NVVM and
-ptxas for sm_90, which the simulator never does. In a whole-suite run every
+(kernel and argument types) of the tests before it, and a background worker
+(:class:`compile_kernels.Background`) has compiled most of them while those tests
+ran. Here processes without the simulator (one per core, up to
+:data:`MAX_SHARDS`, each with a share of the launches the worker was not given)
+rebuild the rest and compile them through Numba, NVVM and ptxas for sm_90,
+which the simulator never does. In a whole-suite run every
 kernel in ``hbkernels.cuda`` must have been launched, so a kernel with no
 simulator test fails here too.
 """
-import json
 import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 import compile_kernels
 from conftest import HAVE_NUMBA_CUDA, SESSION, SIMULATOR
 
-ARCH = "sm_90"
 MAX_SHARDS = 4  # compiler processes run side by side, one per core
-REPO = Path(__file__).resolve().parent.parent
-
-
-def have_cuda_compilers():
-    """NVVM, NVRTC and nvJitLink loadable (wheels of the ``test`` extra), no driver needed."""
-    probe = ("from cuda.pathfinder import load_nvidia_dynamic_lib as load\n"
-             "for lib in ('nvvm', 'nvrtc', 'nvJitLink'): load(lib)")
-    return subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0
-
 
 pytestmark = [
     pytest.mark.skipif(not HAVE_NUMBA_CUDA, reason="numba-cuda is not installed"),
@@ -41,31 +30,17 @@ pytestmark = [
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
     """The compile report of every launch recorded so far in this session."""
-    if not have_cuda_compilers():
+    if not compile_kernels.have_cuda_compilers():
         missing = "NVVM, NVRTC or nvJitLink is missing: pip install -e '.[test]'"
         if sys.platform == "linux":  # where the test extra installs them
             pytest.fail(missing)
         pytest.skip(missing)
     if not compile_kernels.LAUNCHES:
         pytest.skip("no CUDA kernel was launched before this test in this session")
-    work = tmp_path_factory.mktemp("compile")
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", PYTHONPATH=str(REPO))
-    launches = sorted(compile_kernels.LAUNCHES.items(), key=lambda kv: str(kv[0]))
-    shards = max(1, min(MAX_SHARDS, os.cpu_count() or 1, len(launches)))
-    procs = []
-    for i in range(shards):  # contiguous runs of the sorted launches: a factory's stay together
-        part = launches[i * len(launches) // shards:(i + 1) * len(launches) // shards]
-        compile_kernels.save(part, work / f"launches{i}.pkl")
-        procs.append(subprocess.Popen(
-            [sys.executable, str(Path(compile_kernels.__file__)), "compile",
-             str(work / f"launches{i}.pkl"), str(work / f"report{i}.json"), "--arch", ARCH],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env))
-    logs = [proc.communicate(timeout=900)[0] for proc in procs]
-    rows = []
-    for i, log in enumerate(logs):
-        report = work / f"report{i}.json"
-        assert report.exists(), log
-        rows += json.loads(report.read_text())["kernels"]
+    background = SESSION["compiler"] or compile_kernels.Background(
+        str(tmp_path_factory.mktemp("compile")))
+    rows = background.finish(max(1, min(MAX_SHARDS, os.cpu_count() or 1)), timeout=900)
+    assert len(rows) == len(compile_kernels.LAUNCHES), "a launch has no compile report"
     return rows
 
 
