@@ -10,7 +10,8 @@ CUDA); results come back in the caller's array family.
 """
 from . import data, dist, optim, reference, threads
 from .sharding import EmbeddingCollection
-from .errors import BoundsError, CheckpointError
+from .errors import BoundsError, CapacityError, CheckpointError
+from .hash_table import HashTable
 from .memory import aligned_empty, aligned_full
 from .ops import (
     embedding_bag, embedding_bag_backward, lookup, lookup_backward, partition,
@@ -21,8 +22,10 @@ from ._version import __version__
 
 __all__ = [
     "BoundsError",
+    "CapacityError",
     "CheckpointError",
     "EmbeddingCollection",
+    "HashTable",
     "JaggedRows",
     "Partitioned",
     "Ragged",

@@ -1,5 +1,5 @@
-"""Bit arithmetic shared by both backends and the host: MurmurHash3's ``fmix32``,
-``splitmix64`` and float32 -> bfloat16 rounding.
+"""Bit arithmetic shared by both backends and the host: Fibonacci hashing,
+MurmurHash3's ``fmix32``, ``splitmix64`` and float32 -> bfloat16 rounding.
 
 Each is written once, as plain Python on NumPy's unsigned integer types with
 operators only (no branches, no calls): :mod:`hbkernels.cpu._common` compiles
@@ -14,6 +14,12 @@ import numpy as np
 _M32 = np.uint64(0xFFFFFFFF)
 _S13, _S16, _S27, _S30, _S31 = (np.uint64(s) for s in (13, 16, 27, 30, 31))
 _U16, _U31 = np.uint32(16), np.uint32(31)
+
+
+def fib_hash(x):
+    """``x * 2^64/φ`` modulo 2^64 (``x`` uint64): its top bits spread keys evenly over a
+    power-of-two table (Fibonacci hashing); take them with ``>> (64 - bits)``."""
+    return x * np.uint64(0x9E3779B97F4A7C15)
 
 
 def fmix32(x):

@@ -202,9 +202,11 @@ def host(a):
 
 def device_family(device):
     """The family a collection on ``device`` (``"cpu"`` or ``"cuda"``) keeps its arrays
-    in: NumPy, or CuPy on the current GPU."""
+    in: NumPy, or CuPy on the current GPU (Numba's arrays under the simulator)."""
     if device == "cpu":
         return NUMPY
+    if simulator_enabled():
+        return CudaFamily("numba", 0)
     return CudaFamily("cupy", int(cupy().cuda.Device().id))
 
 

@@ -40,3 +40,19 @@ def shard_block(mode, num_rows, num_shards):
     """Rows per shard under :attr:`PartitionMode.DIV` (``ceil(num_rows / num_shards)``,
     at least 1); 1 under :attr:`PartitionMode.MOD`."""
     return max(1, -(-num_rows // num_shards)) if mode == PartitionMode.DIV else 1
+
+
+class Eviction(enum.IntEnum):
+    """Which live id a full :class:`hbkernels.HashTable` frees for a new one."""
+
+    NONE = 0  #: none: a full table raises :class:`hbkernels.CapacityError`
+    LRU = 1  #: the id whose last use is oldest
+    LFU = 2  #: the id used in the fewest calls (then the least recently used)
+
+
+class IndexKey(enum.IntEnum):
+    """The two keys a hash table's index reserves as markers (ids equal to them live in
+    the table's two reserved entries instead)."""
+
+    EMPTY = -(2**63)  #: a position never written since the index was (re)built
+    TOMBSTONE = -(2**63) + 1  #: a position whose id was erased; probes walk past it

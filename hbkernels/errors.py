@@ -25,3 +25,9 @@ class DataError(ValueError):
 class MissingDependencyError(ImportError):
     """An optional dependency is not installed; the message names the extra that
     installs it."""
+
+
+class CapacityError(RuntimeError):
+    """A :class:`hbkernels.HashTable` cannot give every new id of a call a slot (it is
+    full and evicts nothing, or the call's distinct new ids outnumber the slots it
+    may free); the call changed nothing. The message names the table and its capacity."""

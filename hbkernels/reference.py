@@ -230,3 +230,99 @@ _FORMATS = {"fp16": (-14, 10, 65504.0), "bf16": (-126, 7, (2 - 2.0**-7) * 2.0**1
 
 def _mix(v):
     return int(_bits.fmix32(np.uint64(v)))
+
+
+class DictTable:
+    """The contract of :class:`hbkernels.HashTable` as Python dicts, eviction by sorting.
+
+    ``slots(ids, insert)`` returns a list of each id's slot (-1 absent); slot numbers
+    are this model's own, everything else (which ids are live, their scores, the
+    victims, admission) is what the contract says. Pending ids live in a dict with
+    the same LRU rule (``(last sighting, id)``) and the same cap.
+    """
+
+    def __init__(self, capacity, evict="lru", admit_count=1, pending_capacity=None):
+        self.capacity, self.evict, self.admit_count = capacity, evict, admit_count
+        self.pending_capacity = pending_capacity or capacity
+        self.slot, self.last, self.count = {}, {}, {}
+        self.free = list(range(capacity))
+        self.pending = {}  # id -> [calls that saw it, its last such call]
+        self.pending_step = 0
+        self.step = 0
+        self.admitted = self.evicted = 0
+
+    def _key(self, i):
+        return ((self.count[i],) if self.evict == "lfu" else ()) + (self.last[i], i)
+
+    def slots(self, ids, insert=True):
+        from .errors import CapacityError
+
+        ids = [int(i) for i in np.ravel(ids)]
+        if insert and ids:
+            distinct = list(dict.fromkeys(ids))
+            hits = {i for i in distinct if i in self.slot}
+            new = [i for i in distinct if i not in self.slot]
+            admitted = [i for i in new
+                        if self.pending.get(i, [0])[0] + 1 >= self.admit_count]
+            waiting = [i for i in new if i not in set(admitted)]
+            needed = len(admitted) - len(self.free)
+            victims = []
+            if needed > 0:
+                if self.evict == "none":
+                    raise CapacityError("full")
+                candidates = [i for i in self.slot if i not in hits]
+                if len(candidates) < needed:
+                    raise CapacityError("too many new ids")
+                victims = sorted(candidates, key=self._key)[:needed]
+            self.step += 1
+            for i in hits:
+                self.last[i] = self.step
+                self.count[i] += 1
+            for v in victims:
+                self.free.append(self.slot.pop(v))
+                del self.last[v], self.count[v]
+            self.evicted += len(victims)
+            for i in admitted:
+                self.slot[i] = self.free.pop()
+                self.last[i], self.count[i] = self.step, 1
+                self.pending.pop(i, None)
+            self.admitted += len(admitted)
+            if self.admit_count > 1:
+                self._see(waiting)
+        return [self.slot.get(i, -1) for i in ids]
+
+    def _see(self, ids):
+        if not ids:
+            return
+        known = [i for i in ids if i in self.pending]
+        new = [i for i in ids if i not in self.pending]
+        new = sorted(new)[:self.pending_capacity - len(known)] if (
+            len(new) > self.pending_capacity - len(known)) else new
+        self.pending_step += 1
+        for i in known:
+            self.pending[i][0] += 1
+            self.pending[i][1] = self.pending_step
+        overflow = len(self.pending) + len(new) - self.pending_capacity
+        if overflow > 0:
+            candidates = sorted((v[1], i) for i, v in self.pending.items() if i not in set(known))
+            for _, i in candidates[:overflow]:
+                del self.pending[i]
+        for i in new:
+            self.pending[i] = [1, self.pending_step]
+
+    def erase(self, ids):
+        gone = 0
+        for i in dict.fromkeys(int(i) for i in np.ravel(ids)):
+            self.pending.pop(i, None)
+            if i in self.slot:
+                self.free.append(self.slot.pop(i))
+                del self.last[i], self.count[i]
+                gone += 1
+        return gone
+
+    def ids(self):
+        return sorted(self.slot)
+
+    def scores(self, ids):
+        score = self.count if self.evict == "lfu" else self.last
+        return [score.get(int(i), -1) for i in np.ravel(ids)]

@@ -121,6 +121,9 @@ ZIPF = 1.05
 SEED = 0
 LOOKUP_IDS = 65536 * 32
 UNIQUE_IDS = 4 << 20
+TABLE_IDS = 1 << 20  # hbkernels/bench/bench_hash_table.py
+TABLE_CAPACITY = 1 << 22
+TABLE_LOAD = 0.9
 
 COLUMNS = ("op", "case", "registers", "blocks_per_sm", "bytes_in_flight_per_sm",
            "modelled_fraction_of_copy", "max_serial_items_per_warp")
@@ -422,7 +425,7 @@ def analyse_sass(sass, function=None):
 @dataclass(frozen=True)
 class Case:
     """One CSV row: ``op`` (the public op) and ``label`` name it; ``dtype``, ``dim`` (D),
-    ``length`` (L) and ``optimizer`` (a key of :data:`OPTIMIZERS`) say what
+    ``length`` (L), ``optimizer`` (a key of :data:`OPTIMIZERS`) and ``mode`` say what
     :func:`simulated_op` runs and :func:`phases` counts; ``main`` is the kernel
     (``module.name`` as in the launch records, without ``hbkernels.cuda.``) whose
     registers, blocks and bytes in flight the row reports."""
@@ -434,6 +437,7 @@ class Case:
     dim: int = 128
     length: int = 32
     optimizer: str = None
+    mode: str = None  # hash_table: "find" or "insert"
 
     @property
     def key(self):
@@ -459,6 +463,9 @@ CASES = [
     *[Case("fused_step", f"{name} fp32 D=128 zipf1.05", "sparse_update._update_kernel",
            optimizer=name) for name in OPTIMIZERS],
     Case("unique", "int64 N=4M zipf1.05", "unique._insert", dtype="int64", dim=0, length=0),
+    *[Case("hash_table", f"{mode} int64 N=1M capacity=2^22 load=0.9"
+           + (" new=10%" if mode == "insert" else ""), "hash_table._find", dtype="int64", dim=0,
+           length=0, mode=mode) for mode in ("find", "insert")],
 ]
 
 
@@ -504,6 +511,9 @@ def phases(case, real):
             Phase("compact", 8 * slots + SECTOR * k + 16 * k, "unique._compact"),
             Phase("gather inverse", 8 * n + SECTOR * n + 8 * n, "unique._gather_inverse"),
         ], 1
+
+    if case.op == "hash_table":
+        return hash_table_phases(case.mode == "insert")
 
     # backward and fused_step: embedding_bag_backward.py, _segments.py, sparse_update.py;
     # unweighted sum: no coefficients; bounds checked: the keys need no fill
@@ -562,6 +572,46 @@ def phases(case, real):
     ], seg.max_serial
 
 
+def probe_sectors(alpha, hit):
+    """Mean sectors of 8-byte keys a linear probe reads at index load ``alpha``: Knuth's
+    mean probe length ``L`` (``(1 + 1/(1-a))/2`` for a live id, ``(1 + 1/(1-a)^2)/2`` for an
+    absent one), started at a uniform position within a sector: ``(L + 3) / 4``."""
+    length = (1 + 1 / (1 - alpha) ** (1 if hit else 2)) / 2
+    return (length + SECTOR // 8 - 1) / (SECTOR // 8)
+
+
+def hash_table_phases(insert):
+    """``HashTable.slots`` (hbkernels/hash_table.py) on :data:`TABLE_IDS` ids at
+    :data:`TABLE_LOAD` of :data:`TABLE_CAPACITY` (index of ``2 x capacity`` positions),
+    10% of the ids new when ``insert``. Counted: ids read, slots written."""
+    n, alpha = TABLE_IDS, TABLE_LOAD * TABLE_CAPACITY / (2 * TABLE_CAPACITY)
+    hit, miss = probe_sectors(alpha, True), probe_sectors(alpha, False)
+    counted = 16 * n
+    if not insert:
+        # ids read, the key sectors of the probe, the slot's sector, the slot written
+        return counted, [Phase("find", n * (16 + SECTOR * (hit + 1)), "hash_table._find")], 1
+    m = n // 10  # new ids, all distinct
+    h = n - m
+    slots = 1 << max(1, (2 * m - 1).bit_length())  # unique's table for the misses
+    return counted, [
+        Phase("find", 16 * n + SECTOR * (h * (hit + 1) + m * miss), "hash_table._find"),
+        Phase("misses: mask, any, compact (CuPy)", 8 * n + n + n + 9 * n + 8 * m),
+        Phase("unique of the misses: fill, zero (CuPy)", 2 * 8 * (slots + 1)),
+        Phase("unique: insert", 8 * m + 2 * SECTOR * m, "unique._insert"),
+        Phase("unique: occupancy", 2 * 8 * slots, "unique._occupancy"),
+        Phase("unique: rank (CuPy)", 5 * 8 * slots),
+        Phase("unique: compact", 8 * slots + SECTOR * m + 16 * m, "unique._compact"),
+        # every slot read; each hit's last and count read and written back (a sector each)
+        Phase("touch", 8 * n + 4 * SECTOR * h, "hash_table._touch"),
+        Phase("free slots to the device, concatenate (CuPy)", 24 * m),
+        # id and slot read; the probe to a free position, its CAS and slot; the slot's
+        # id, last and count written
+        Phase("insert", m * (16 + SECTOR * (miss + 2 + 1 + 3)), "hash_table._insert"),
+        Phase("find the new ids", m * (16 + SECTOR * (hit + 1)), "hash_table._find"),
+        Phase("scatter their slots (CuPy)", n + 16 * m),
+    ], 1
+
+
 def sort_bytes(n, key_bytes, index_bytes=8):
     """Bytes CuPy's argsort of ``n`` keys moves: copy the keys, write the positions, read
     the keys once for CUB's histograms, then one CUB radix pass per ``RADIX_BITS`` key
@@ -592,6 +642,13 @@ def simulated_op(case):
     if case.op == "unique":
         ids = dev(zipf_ids(256, rows, ZIPF, seed=SEED))
         return lambda: hbk.unique(ids, return_inverse=True)
+    if case.op == "hash_table":
+        table = hbk.HashTable(rows, device="cuda")
+        live = rng.integers(-2**63, 2**63 - 1, rows // 2, dtype=np.int64)
+        table.slots(dev(live))
+        batch = np.concatenate([rng.choice(live, 58), rng.integers(0, 2**62, 6)])
+        ids = dev(batch)
+        return lambda: table.slots(ids, insert=case.mode == "insert")
     dtype = float_dtype(case.dtype)
     table = dev(rng.uniform(-1, 1, (rows, case.dim)).astype(dtype))
     if case.op == "lookup":

@@ -64,6 +64,15 @@ def test_bench_script_runs_without_torch(name, tmp_path, monkeypatch):
     assert not {"torch", "jax"} & {r["provider"] for r in rows}
 
 
+def test_hash_table_bench_smoke(tmp_path):
+    """Both modes at both loads, against the dict and, when installed, TorchRec's MCH."""
+    rows = check_rows(smoke("hash_table", tmp_path / "bench.csv"), "hash_table")
+    assert {(r["mode"], r["size"].split()[1]) for r in rows} == {
+        (m, f"load={x}") for m in ("insert", "find") for x in (0.5, 0.9)}
+    assert {r["provider"] for r in rows} == {"hbkernels", "dict"} | (
+        {"torchrec-mch"} if HAVE_TORCHREC else set())
+
+
 def test_hbkernels_alone_is_still_verified(tmp_path, capsys):
     module = importlib.import_module("hbkernels.bench.bench_lookup")
     out = tmp_path / "bench.csv"
@@ -78,7 +87,7 @@ def test_run_all_smoke(tmp_path):
     assert run_all.main(["--device", "cpu", "--smoke", "--out", str(out), "--reps", "1"]) == 0
     rows = read_rows(out)
     anchored = ({"fused_step"} if HAVE_TBE else set()) | ({"train"} if HAVE_TORCHREC else set())
-    assert {r["op"] for r in rows} == {"copy", *SCRIPTS} | anchored
+    assert {r["op"] for r in rows} == {"copy", "hash_table", *SCRIPTS} | anchored
     assert sum(r["op"] == "copy" for r in rows) == 1
 
 

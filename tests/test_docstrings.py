@@ -12,6 +12,7 @@ import hbkernels.data.hashing
 import hbkernels.data.parquet
 import hbkernels.data.synthetic
 import hbkernels.dist
+import hbkernels.hash_table
 import hbkernels.memory
 import hbkernels.metrics
 import hbkernels.ops
@@ -22,7 +23,7 @@ import hbkernels.sharding.layout
 import hbkernels.sharding.plan
 import hbkernels.types
 
-MODULES = [hbkernels, hbkernels.ops, hbkernels.reference, hbkernels.optim, hbkernels.types, hbkernels.dist,
+MODULES = [hbkernels, hbkernels.ops, hbkernels.hash_table, hbkernels.reference, hbkernels.optim, hbkernels.types, hbkernels.dist,
            hbkernels.sharding.plan, hbkernels.sharding.layout, hbkernels.sharding.collection,
            hbkernels.memory, hbkernels.data.parquet,
            hbkernels.data.hashing, hbkernels.data.convert, hbkernels.data.synthetic,

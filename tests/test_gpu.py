@@ -144,3 +144,29 @@ def test_embedding_collection_on_the_gpu_matches_the_cpu(rng, plan):
                      cpu.full_weights(t.name).astype(np.float64), dtype)
         assert_close(cupy.asnumpy(cupy.asarray(gpu.full_state(t.name)["sum"])),
                      cpu.full_state(t.name)["sum"].astype(np.float64), np.float32)
+
+
+@pytest.mark.parametrize("evict", ["lru", "lfu"])
+def test_hash_table_on_the_gpu_matches_the_cpu(rng, evict):
+    """Large batches with many blocks racing for index positions (CAS) and for the use
+    counts (atomic max): the same live ids, scores, victims and admissions as the CPU."""
+    needs_cupy()
+    gpu = hbk.HashTable(1 << 16, evict=evict, admit_count=2, device="cuda")
+    cpu = hbk.HashTable(1 << 16, evict=evict, admit_count=2)
+    pool = rng.integers(np.iinfo(np.int64).min, np.iinfo(np.int64).max, 200_000, dtype=np.int64)
+    for call in range(12):
+        ids = pool[np.minimum(rng.zipf(1.1, 100_000) - 1, len(pool) - 1)]
+        got = cupy.asnumpy(gpu.slots(cupy.asarray(ids)))
+        want = cpu.slots(ids)
+        np.testing.assert_array_equal(got >= 0, want >= 0)
+        live = got >= 0
+        pairs = np.unique(np.stack([ids[live], got[live]]), axis=1)
+        assert pairs.shape[1] == np.unique(ids[live]).shape[0] == np.unique(got[live]).shape[0]
+        if call % 4 == 3:
+            gone = rng.choice(pool, 5000)
+            assert gpu.erase(cupy.asarray(gone)) == cpu.erase(gone)
+        np.testing.assert_array_equal(cupy.asnumpy(gpu.ids()), cpu.ids())
+        probe = cpu.ids()
+        np.testing.assert_array_equal(cupy.asnumpy(gpu.scores(cupy.asarray(probe))), cpu.scores(probe))
+        assert (gpu.size, gpu.admitted, gpu.evicted) == (cpu.size, cpu.admitted, cpu.evicted)
+    assert cpu.evicted > 0

@@ -9,8 +9,8 @@ types (and, for the CPU kernels, embedding width D) and keeps it in its cache
 (``hbkernels info`` says where; a read-only install gets a private one).
 This command makes those first calls on tiny inputs: for every D and dtype
 asked, ``embedding_bag`` (weighted or not, every ``bounds``), its backward,
-``lookup`` and its backward, ``segment_sum``, ``unique``, and every
-optimizer's ``step`` and ``fused_step``, with int32 and int64 ids; then two
+``lookup`` and its backward, ``segment_sum``, ``unique``, a ``HashTable``'s
+calls, and every optimizer's ``step`` and ``fused_step``, with int32 and int64 ids; then two
 steps of ``hbkernels train`` (its default model, at each ``--dims`` entry
 that ``train --dim`` would use: ``--train-dim``). Run it once after
 installing, or in a container's build; it prints what it compiled and how
@@ -57,6 +57,11 @@ def warm_ops(dim, dtype, id_dtype):
                             bounds=bounds)
     hbk.segment_sum(np.ones((values.shape[0], dim), dtype), values, rows)
     hbk.unique(values, return_inverse=True, return_counts=True)
+    ids = hbk.HashTable(4, evict="lfu", admit_count=2)
+    for _ in range(3):
+        ids.slots(values)
+    ids.slots(values, insert=False)
+    ids.erase(values[:1])
     for name in OPTIMIZERS:
         opt = getattr(hbk.optim, name)(lr=0.01)
         weights = table.copy()

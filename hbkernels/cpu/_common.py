@@ -178,6 +178,7 @@ def _widen(value):
     return None
 
 
+fib_hash = njit(inline="always")(_bits.fib_hash)
 fmix32 = njit(inline="always")(_bits.fmix32)
 bfloat16_bits = njit(inline="always")(_bits.bfloat16_bits)
 

@@ -40,8 +40,7 @@ import numpy as np
 from numba import njit, prange
 
 from .._modes import Combiner
-from ._common import cached_njit, chunk_count
-from .unique import fib_hash
+from ._common import cached_njit, chunk_count, fib_hash
 
 OCCURRENCES_PER_PARTITION = 4096
 MAX_PARTITIONS = 256
@@ -77,7 +76,7 @@ def partition_bits(num_occurrences):
 def _partition(key, bits):
     if bits == 0:
         return 0
-    return np.int64(fib_hash(key) >> np.uint64(64 - bits))
+    return np.int64(fib_hash(np.uint64(key)) >> np.uint64(64 - bits))
 
 
 @njit(inline="always")
@@ -163,7 +162,7 @@ def _group_partitions(bits, part_lo, s_ids, s_bag, s_coef, t_ids, t_starts, occ_
         n = 0
         for i in range(m):
             key = s_ids[lo + i]
-            h = np.int64((fib_hash(key) << np.uint64(bits)) >> np.uint64(64 - table_bits))
+            h = np.int64((fib_hash(np.uint64(key)) << np.uint64(bits)) >> np.uint64(64 - table_bits))
             while True:
                 u = slots[h]
                 if u == -1:

@@ -6,21 +6,14 @@ when there are few distinct ids (the Zipf case) and never needs a sort.
 import numpy as np
 from numba import njit
 
-from ._common import cached_njit
+from ._common import cached_njit, fib_hash
 
-_FIB = np.uint64(0x9E3779B97F4A7C15)  # 2^64 / golden ratio: Fibonacci hashing
 _MIN_BITS = 10
 
 
 @njit(inline="always")
-def fib_hash(key):
-    """``key * 2^64/φ`` modulo 2^64: its top bits spread keys evenly (Fibonacci hashing)."""
-    return np.uint64(key) * _FIB
-
-
-@njit(inline="always")
 def _slot(key, shift):
-    return np.int64(fib_hash(key) >> np.uint64(shift))
+    return np.int64(fib_hash(np.uint64(key)) >> np.uint64(shift))
 
 
 @cached_njit()

@@ -120,6 +120,7 @@ def bfloat16_to_float32(bits):
     return float32_from_bits(np.uint32(np.uint16(bits)) << np.uint32(16))
 
 
+fib_hash = cuda.jit(device=True, inline=True)(_bits.fib_hash)
 fmix32 = cuda.jit(device=True, inline=True)(_bits.fmix32)
 bfloat16_bits = cuda.jit(device=True, inline=True)(_bits.bfloat16_bits)
 

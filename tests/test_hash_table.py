@@ -1,0 +1,204 @@
+"""hbk.HashTable against the dict model (hbkernels.reference.DictTable) on both backends."""
+import numpy as np
+import pytest
+
+import hbkernels as hbk
+from hbkernels import reference
+from hbkernels.hash_table import smallest
+
+I64 = np.iinfo(np.int64)
+EDGES = [I64.min, I64.min + 1, I64.min + 2, -1, 0, 1, I64.max - 1, I64.max]  # markers included
+
+
+def make(backend, capacity, **kw):
+    return hbk.HashTable(capacity, device="cuda" if backend.is_cuda else "cpu", **kw)
+
+
+class Pair:
+    """A table and its model, called together and compared after every call."""
+
+    def __init__(self, backend, capacity, **kw):
+        self.backend = backend
+        self.table = make(backend, capacity, **kw)
+        self.model = reference.DictTable(capacity, kw.get("evict", "lru"),
+                                         kw.get("admit_count", 1), kw.get("pending_capacity"))
+        self.where = {}  # live id -> the slot the table gave it
+
+    def slots(self, ids, insert=True):
+        raised = []
+        for call in (lambda: self.backend.get(self.table.slots(self.backend.put(ids),
+                                                               insert=insert)),
+                     lambda: self.model.slots(ids, insert)):
+            try:
+                raised.append(call())
+            except hbk.CapacityError:
+                raised.append(None)
+        got, want = raised
+        assert (got is None) == (want is None), f"table raised: {got is None}, model: {want is None}"
+        self.check()
+        if got is None:
+            return None
+        assert got.shape == np.shape(ids) and got.dtype == np.int64
+        got, want, flat = got.ravel(), np.array(want), np.ravel(ids).astype(np.int64)
+        np.testing.assert_array_equal(got >= 0, want >= 0)
+        for i, s in zip(flat.tolist(), got.tolist()):
+            if s >= 0:
+                assert self.where.setdefault(i, s) == s, f"id {i} moved or shares a slot"
+        return got
+
+    def erase(self, ids):
+        assert self.table.erase(self.backend.put(ids)) == self.model.erase(ids)
+        self.check()
+
+    def check(self):
+        t, m = self.table, self.model
+        ids, slots = (self.backend.get(a) for a in t.items())
+        assert ids.tolist() == m.ids()
+        assert len(set(slots.tolist())) == len(slots) and ((0 <= slots) & (slots < t.capacity)).all()
+        self.where = {i: s for i, s in self.where.items() if i in m.slot}
+        for i, s in zip(ids.tolist(), slots.tolist()):
+            assert self.where.setdefault(i, s) == s, f"id {i} moved"
+        probe = np.array(ids.tolist() + list(m.pending)[:5] + EDGES, np.int64)
+        assert self.backend.get(t.scores(self.backend.put(probe))).tolist() == m.scores(probe)
+        assert (t.size, t.step, t.admitted, t.evicted) == (len(m.slot), m.step, m.admitted, m.evicted)
+
+
+def zipf_ids(rng, n, pool):
+    ranks = np.minimum(rng.zipf(1.3, n) - 1, len(pool) - 1)
+    return pool[ranks]
+
+
+@pytest.mark.parametrize("evict", ["lru", "lfu", "none"])
+@pytest.mark.parametrize("admit_count", [1, 3])
+@pytest.mark.parametrize("dtype", [np.int64, np.int32])
+def test_matches_the_model(backend, rng, evict, admit_count, dtype):
+    """Random calls (Zipf ids over a pool with the int64 edges and the index's marker
+    ids, erasures, lookups without insert): the same live ids, scores, admissions,
+    evictions and CapacityErrors as the model, and slots that never move or collide."""
+    info = np.iinfo(dtype)
+    pool = rng.integers(info.min, info.max, 200, dtype=dtype, endpoint=True)
+    pool[:len(EDGES)] = np.array(EDGES, np.int64).astype(dtype)  # wraps to int32 edges there
+    pool = pool[rng.permutation(len(pool))]
+    capacity = 12 if backend.small else 40
+    pair = Pair(backend, capacity, evict=evict, admit_count=admit_count,
+                pending_capacity=capacity // 2)
+    for call in range(12 if backend.small else 40):
+        n = int(rng.integers(0, 8 if backend.small else 30))
+        ids = zipf_ids(rng, n, pool)
+        if call % 7 == 6:
+            pair.erase(ids[: n // 2])
+        elif call % 5 == 4:
+            pair.slots(ids.reshape(-1, 1) if n % 2 == 0 else ids, insert=False)
+        elif pair.slots(ids) is None and evict == "none":
+            pair.erase(pool[rng.integers(0, len(pool), 20)])
+
+
+def test_many_calls_and_a_rebuild_match_the_model(rng):
+    """CPU, larger: erasures leave tombstones until the index is rebuilt; every id keeps
+    its slot across the rebuilds."""
+    pair = Pair(_cpu(), 300, evict="lfu", admit_count=2)
+    pool = rng.integers(I64.min, I64.max, 3000, dtype=np.int64)
+    for call in range(60):
+        ids = zipf_ids(rng, 400, pool)
+        if call % 3 == 2:
+            pair.erase(rng.choice(pool, 500))
+        pair.slots(ids)
+
+
+def _cpu():
+    from conftest import Backend
+
+    return Backend("cpu")
+
+
+def test_admission_on_exactly_the_kth_call(backend):
+    t = make(backend, 8, admit_count=3)
+    get = lambda ids: backend.get(t.slots(backend.put(np.array(ids, np.int64)))).tolist()
+    assert get([5, 5, 5, 6]) == [-1, -1, -1, -1]  # one call, however many times
+    assert get([5]) == [-1]
+    five = get([6, 5])
+    assert five[0] == -1 and five[1] >= 0
+    assert get([6, 5, 5]) == [1 - five[1], five[1], five[1]]
+    assert t.size == 2 and t.admitted == 2
+
+
+def test_lru_victims(backend):
+    t = make(backend, 3, evict="lru")
+    put = lambda ids: backend.get(t.slots(backend.put(np.array(ids, np.int64)))).tolist()
+    put([10, 20])  # call 1
+    put([30])  # call 2
+    put([10])  # call 3: 20 is now the least recently used
+    put([40])  # evicts 20
+    assert backend.get(t.ids()).tolist() == [10, 30, 40]
+    put([50, 60])  # evicts 30 (call 2) and 10 (call 3)
+    assert backend.get(t.ids()).tolist() == [40, 50, 60]
+    put([1, 2])  # 50 and 60 tie at call 5, 40 is older: evicts 40, then the smaller id, 50
+    assert backend.get(t.ids()).tolist() == [1, 2, 60]
+    assert t.evicted == 5
+
+
+def test_lfu_victims(backend):
+    t = make(backend, 3, evict="lfu")
+    put = lambda ids: backend.get(t.slots(backend.put(np.array(ids, np.int64)))).tolist()
+    put([1, 2, 3])
+    put([1, 1, 1, 3])  # uses: 1 -> 2, 2 -> 1, 3 -> 2 (repeats in one call count once)
+    put([3])  # 3 -> 3
+    assert backend.get(t.scores(backend.put(np.array([1, 2, 3, 4])))).tolist() == [2, 1, 3, -1]
+    put([4])  # evicts 2 (one use)
+    put([5])  # 4 and 1... 4 has one use: evicted before 1
+    assert backend.get(t.ids()).tolist() == [1, 3, 5]
+    put([6, 7])  # 5 and 6..: 5 has one use (call 5), 1 has two: evicts 5, then 1
+    assert backend.get(t.ids()).tolist() == [3, 6, 7]
+
+
+def test_capacity_error_changes_nothing(backend):
+    t = make(backend, 4, evict="none", name="item")
+    first = backend.get(t.slots(backend.put(np.array([1, 2, 3], np.int64)))).tolist()
+    before = [backend.get(a).tolist() for a in t.items()] + [t.step, t.size]
+    with pytest.raises(hbk.CapacityError, match=r"item is full: capacity 4") as err:
+        t.slots(backend.put(np.array([1, 4, 5], np.int64)))
+    assert isinstance(err.value, RuntimeError)
+    assert [backend.get(a).tolist() for a in t.items()] + [t.step, t.size] == before
+    assert backend.get(t.slots(backend.put(np.array([4, 1], np.int64)))).tolist() == [3, first[0]]
+
+
+def test_a_call_never_evicts_an_id_it_uses(backend):
+    t = make(backend, 4, evict="lru", name="user")
+    first = backend.get(t.slots(backend.put(np.array([1, 2, 3, 4], np.int64)))).tolist()
+    with pytest.raises(hbk.CapacityError, match=r"user: .*need 3 more slots.*capacity 4"):
+        t.slots(backend.put(np.array([1, 2, 5, 6, 7], np.int64)))
+    assert backend.get(t.ids()).tolist() == [1, 2, 3, 4] and t.step == 1
+    got = backend.get(t.slots(backend.put(np.array([1, 2, 5, 6], np.int64)))).tolist()
+    assert got[:2] == first[:2] and sorted(got[2:]) == sorted(first[2:])
+
+
+def test_empty_calls_and_shapes(backend):
+    t = make(backend, 4)
+    out = t.slots(backend.put(np.zeros((0, 3), np.int64)))
+    assert backend.get(out).shape == (0, 3) and t.step == 0
+    out = backend.get(t.slots(backend.put(np.array([[7, 8], [8, 9]], np.int32))))
+    assert out.shape == (2, 2) and out[0, 1] == out[1, 0] and len(set(out.ravel())) == 3
+    assert t.erase(backend.put(np.zeros(0, np.int64))) == 0
+
+
+def test_bad_input(backend):
+    t = make(backend, 4)
+    with pytest.raises(ValueError, match="ids must hold int32 or int64 ids"):
+        t.slots(backend.put(np.array([1.0])))
+    other = "cuda" if not backend.is_cuda else "cpu"
+    if other == "cpu":
+        with pytest.raises(TypeError, match="pass CUDA ids"):
+            t.slots(np.array([1]))
+    for kw, match in [({"capacity": 0}, "capacity"), ({"capacity": 4, "evict": "fifo"}, "evict"),
+                      ({"capacity": 4, "admit_count": 0}, "admit_count"),
+                      ({"capacity": 4, "device": "tpu"}, "device")]:
+        with pytest.raises(ValueError, match=match):
+            hbk.HashTable(**kw)
+
+
+def test_smallest_is_a_lexicographic_selection(rng):
+    n = 500
+    keys = [rng.integers(0, 3, n), rng.integers(0, 4, n), rng.permutation(n)]
+    order = np.lexsort(keys[::-1])
+    for k in (1, 7, 250, n):
+        assert sorted(smallest(np, keys, k).tolist()) == sorted(order[:k].tolist())
