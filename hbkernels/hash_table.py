@@ -96,15 +96,18 @@ class HashTable:
     def slots(self, ids, *, insert=True, return_new=False):
         """Each id's slot (int64, ``ids.shape``; -1 where absent). With ``insert``, the
         call is a use of every id it asks for, and admits (and, when full, evicts).
-        ``return_new``: also return the slots given to ids in this call (int64, 1-D),
-        whose rows and optimizer state the caller resets."""
+        ``return_new``: return ``(slots, new_ids, new_slots)``, with the ids given a
+        slot in this call and their slots (int64, 1-D), whose rows and optimizer
+        state the caller resets."""
         family, flat, shape = self._flat(ids)
         out = self._k.find(family, self._index, self._reserved, flat)
-        new = self._xp.empty(0, np.int64)
+        new_ids = new_slots = self._xp.empty(0, np.int64)
         if insert and flat.shape[0]:
-            new = self._admit(family, flat, out)
+            new_ids, new_slots = self._admit(family, flat, out)
         out = self._k.to_family(family, out.reshape(shape))
-        return (out, self._k.to_family(family, new)) if return_new else out
+        if not return_new:
+            return out
+        return out, self._k.to_family(family, new_ids), self._k.to_family(family, new_slots)
 
     def erase(self, ids):
         """Remove ``ids`` (absent ones are ignored; a pending id's count is forgotten);
@@ -135,6 +138,52 @@ class HashTable:
         order = xp.argsort(ids)
         return (self._k.to_family(self._family, ids[order]),
                 self._k.to_family(self._family, live[order]))
+
+    def state(self):
+        """What a checkpoint keeps, as NumPy arrays: ``ids`` (live, ascending), their
+        ``slots``, ``last`` (call of last use) and ``count`` (calls that used them),
+        and ``step``; ``pending``: the same of the ids waiting for admission (their
+        sightings in ``count``), or None."""
+        ids, slots = (host(a) for a in self.items())
+        on = self._xp.asarray(slots)
+        return {"ids": ids, "slots": slots, "last": host(self._last[on]),
+                "count": host(self._count[on]), "step": self.step,
+                "pending": None if self._pending is None else self._pending.state()}
+
+    def restore(self, ids, last, count, step, pending=None):
+        """Give the distinct absent ``ids`` (NumPy) free slots with these scores (a
+        loaded checkpoint); the call counter becomes at least ``step``; ``pending``:
+        ``(ids, last, count, step)`` of ids waiting for admission. Returns the slots
+        (NumPy). When there are more ids than free slots (a checkpoint of a full table
+        loaded at another world size), those the policy would evict first are left out
+        (slot -1, counted in :attr:`evicted`); under ``evict="none"`` that is a
+        :class:`CapacityError`."""
+        if pending is not None and self._pending is not None:
+            self._pending.restore(*pending)
+        ids = np.ascontiguousarray(ids, np.int64)
+        last, count = np.asarray(last, np.int64), np.asarray(count, np.int64)
+        out = np.full(ids.shape[0], -1, np.int64)
+        keep = np.arange(ids.shape[0])
+        excess = ids.shape[0] - self._num_free
+        if excess > 0:
+            if self.evict == "none":
+                raise CapacityError(f"{self.name}: {ids.shape[0]} ids to restore, only "
+                                    f"{self._num_free} of its capacity {self.capacity} free "
+                                    f"(evict='none')")
+            keys = [last, ids] if self.evict == "lru" else [count, last, ids]
+            keep = np.setdiff1d(keep, smallest(np, keys, excess))
+            self.evicted += excess
+        slots = self._free[self._num_free - keep.shape[0]:self._num_free][::-1].copy()
+        self._num_free -= keep.shape[0]
+        xp = self._xp
+        on = xp.asarray(slots)
+        self._tombstones -= self._k.insert(self._family, self._index, self._reserved,
+                                           xp.asarray(ids[keep]), on, self._slot_ids, self._uses, 0)
+        self._last[on] = xp.asarray(last[keep])
+        self._count[on] = xp.asarray(count[keep])
+        self.step = max(self.step, int(step))
+        out[keep] = slots
+        return out
 
     def scores(self, ids):
         """Each id's eviction score (int64, ``ids.shape``): calls that used it under
@@ -182,7 +231,7 @@ class HashTable:
 
     def _admit(self, family, flat, out):
         """Admit the call's missing ids (step 2-4 of the module's list), filling ``out``;
-        returns the slots given to them."""
+        returns ``(the admitted ids, their slots)``."""
         xp = self._xp
         step = self.step + 1
         miss = out < 0
@@ -220,7 +269,7 @@ class HashTable:
             self._rebuild()
         if m:
             out[miss] = self._k.find(family, self._index, self._reserved, misses)
-        return slots
+        return admitted, slots
 
     def _victims(self, needed, found):
         """The ``needed`` slots to evict: the lowest scores among the live slots the call

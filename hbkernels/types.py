@@ -71,6 +71,13 @@ class TableSpec(NamedTuple):
     ids per sample of each feature (used by ``plan="auto"``). ``device="cpu"``
     keeps the table in host memory while the rest of the collection runs on
     the GPU (HybridBackend's ``emb_device``); ``None`` follows the collection.
+    ``init_scale``: rows start uniform in ``±init_scale`` (default
+    ``1/sqrt(num_rows)``, or ``1/sqrt(capacity)`` for a dynamic table).
+
+    ``num_rows=None`` makes a dynamic table: its ids are any int64 (raw hashes);
+    ``capacity`` rows in all over the ranks, given out and taken back by a
+    :class:`hbkernels.HashTable` per rank with ``evict`` (``"lru"``, ``"lfu"``,
+    ``"none"``) and ``admit_count`` (see ``docs/dynamic.md``).
 
     >>> import hbkernels as hbk
     >>> hbk.TableSpec("item", num_rows=1000, dim=16, features=("item", "clicked_item")).num_rows
@@ -78,13 +85,36 @@ class TableSpec(NamedTuple):
     """
 
     name: str
-    num_rows: int
+    num_rows: Any
     dim: int
     combiner: Any = "sum"
     dtype: str = "float32"
     features: Any = None
     hotness: float = 1.0
     device: Any = None
+    capacity: Any = None
+    evict: str = "lru"
+    admit_count: int = 1
+    init_scale: Any = None
+
+    @property
+    def dynamic(self):
+        """A dynamic table (``num_rows=None``): any int64 id, rows given out by a
+        :class:`hbkernels.HashTable` of ``capacity`` slots over all ranks."""
+        return self.num_rows is None
+
+    @property
+    def rows(self):
+        """Rows held over all ranks: ``num_rows``, or a dynamic table's ``capacity``."""
+        return self.capacity if self.dynamic else self.num_rows
+
+    @property
+    def scale(self):
+        """Initial rows are uniform in ``±scale``: ``init_scale``, by default
+        ``1/sqrt(rows)`` (TorchRec's default for a static table)."""
+        import math
+
+        return float(self.init_scale) if self.init_scale is not None else 1.0 / math.sqrt(self.rows)
 
 
 def table_spec(spec):
@@ -95,8 +125,16 @@ def table_spec(spec):
         raise TypeError(f"tables must be hbk.TableSpec, got {type(spec).__name__}")
     if not isinstance(spec.name, str) or not spec.name:
         raise ValueError(f"a table needs a non-empty name, got {spec.name!r}")
-    if int(spec.num_rows) != spec.num_rows or spec.num_rows < 1:
-        raise ValueError(f"table {spec.name!r}: num_rows must be an integer >= 1, got {spec.num_rows!r}")
+    if spec.num_rows is None:
+        _dynamic(spec)
+    elif int(spec.num_rows) != spec.num_rows or spec.num_rows < 1:
+        raise ValueError(f"table {spec.name!r}: num_rows must be an integer >= 1 (or None: a dynamic "
+                         f"table), got {spec.num_rows!r}")
+    elif spec.capacity is not None:
+        raise ValueError(f"table {spec.name!r}: capacity is for dynamic tables (num_rows=None); "
+                         f"this one has num_rows={spec.num_rows}")
+    if spec.init_scale is not None and not float(spec.init_scale) > 0:
+        raise ValueError(f"table {spec.name!r}: init_scale must be > 0, got {spec.init_scale!r}")
     if int(spec.dim) != spec.dim or spec.dim < 1:
         raise ValueError(f"table {spec.name!r}: dim must be an integer >= 1, got {spec.dim!r}")
     if spec.combiner not in ("sum", "mean", "sqrtn", None):
@@ -113,5 +151,22 @@ def table_spec(spec):
         raise ValueError(f"table {spec.name!r}: hotness must be > 0, got {spec.hotness!r}")
     if spec.device not in (None, "cpu", "cuda"):
         raise ValueError(f"table {spec.name!r}: device must be None, 'cpu' or 'cuda', got {spec.device!r}")
-    return spec._replace(num_rows=int(spec.num_rows), dim=int(spec.dim), dtype=dtype.name,
-                         features=features, hotness=float(spec.hotness))
+    return spec._replace(num_rows=None if spec.dynamic else int(spec.num_rows), dim=int(spec.dim),
+                         dtype=dtype.name, features=features, hotness=float(spec.hotness),
+                         capacity=None if spec.capacity is None else int(spec.capacity),
+                         admit_count=int(spec.admit_count),
+                         init_scale=None if spec.init_scale is None else float(spec.init_scale))
+
+
+def _dynamic(spec):
+    from ._modes import Eviction, codes
+
+    if spec.capacity is None or int(spec.capacity) != spec.capacity or spec.capacity < 1:
+        raise ValueError(f"table {spec.name!r}: a dynamic table (num_rows=None) needs a capacity, "
+                         f"an integer >= 1, got {spec.capacity!r}")
+    if spec.evict not in codes(Eviction):
+        raise ValueError(f"table {spec.name!r}: evict must be one of {sorted(codes(Eviction))}, "
+                         f"got {spec.evict!r}")
+    if int(spec.admit_count) != spec.admit_count or spec.admit_count < 1:
+        raise ValueError(f"table {spec.name!r}: admit_count must be an integer >= 1, "
+                         f"got {spec.admit_count!r}")

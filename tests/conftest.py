@@ -105,7 +105,7 @@ def rng(request):
 
 
 LAST_MODULE = "test_compile_kernels.py"  # compiles what the tests before it launched
-SESSION = {"deselected": 0, "whole_suite": False, "compiler": None}
+SESSION = {"deselected": 0, "whole_suite": False, "compiler": None, "kernel_model": None}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -130,6 +130,14 @@ def pytest_collection_finish(session):
     if (SIMULATOR and HAVE_NUMBA_CUDA and LAST_MODULE in collected
             and compile_kernels.have_cuda_compilers()):  # compile launches as the suite runs
         SESSION["compiler"] = compile_kernels.Background(tempfile.mkdtemp(prefix="hbk-compile-"))
+    if HAVE_NUMBA_CUDA and "test_kernel_model.py" in collected:  # the model, beside the suite
+        report = os.path.join(tempfile.mkdtemp(prefix="hbk-model-"), "model.json")
+        here = os.path.dirname(os.path.abspath(__file__))
+        proc = subprocess.Popen(
+            [sys.executable, os.path.join(here, "kernel_model.py"), "--report", report, "--write",
+             report[:-4] + "csv"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            env=dict(os.environ, PYTHONPATH=os.path.dirname(here)), preexec_fn=lambda: os.nice(19))
+        SESSION["kernel_model"] = (proc, report)
 
 
 def pytest_runtest_logfinish(nodeid, location):
@@ -141,6 +149,12 @@ def pytest_sessionfinish(session, exitstatus):
     if SESSION.get("compiler"):
         SESSION["compiler"].close()
         shutil.rmtree(SESSION["compiler"].workdir, ignore_errors=True)
+    if SESSION.get("kernel_model"):
+        proc, report = SESSION["kernel_model"]
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(os.path.dirname(report), ignore_errors=True)
 
 
 # One tolerance table per dtype: (rtol, atol) for results computed in a

@@ -95,19 +95,59 @@ def check(manifest, where, slots):
         name = _field(where, t, "name", str)
         if name in tables:
             _fail(where, f"table {name!r} is listed twice")
-        _int(where, t, "num_rows", 1)
+        if t.get("num_rows") is None:  # a dynamic table: its ids are saved with its rows
+            _int(where, t, "capacity", 1)
+        else:
+            _int(where, t, "num_rows", 1)
         _int(where, t, "dim", 1)
         _int(where, t, "step", 0)
         if t.get("dtype") not in TABLE_DTYPES:
             _fail(where, f"table {name!r}: dtype must be one of {TABLE_DTYPES}, got {t.get('dtype')!r}")
         tables[name] = t
     arrays = dict(slots(optimizer), weights=False)
+    parent = manifest.get("parent")
+    if parent is not None:  # an incremental save: changed rows, named in "rows" files
+        _field(where, parent, "path", str)
+        _int(where, parent, "crc32", 0, _U32 - 1)
+        arrays["rows"] = True
     for f in _field(where, manifest, "files", list):
-        _check_file(where, f, save, tables, arrays)
+        _check_file(where, f, save, tables, arrays, parent is not None)
+    for name, t in tables.items():
+        if t.get("num_rows") is None:
+            _check_dynamic(where, name, [f for f in manifest["files"] if f["table"] == name],
+                           parent is not None)
     return tables
 
 
-def _check_file(where, f, save, tables, arrays):
+DYNAMIC_ARRAYS = {name: True for name in ("ids", "last", "count", "pending_ids", "pending_last",
+                                           "pending_count")}  # one value per row
+
+
+def _check_dynamic(where, name, files, incremental):
+    """A dynamic table's files: for each rank that wrote some, ``ids``, ``weights``,
+    ``last`` and ``count``; the arrays of one kind of row with the same number of rows
+    (live ids; pending ids; in an incremental save, the changed ids of ``rows``)."""
+    by_rank = {}
+    for f in files:
+        by_rank.setdefault(f["row_start"], {})[f["array"]] = f["num_rows"]
+    for rank, arrays in by_rank.items():
+        missing = sorted({"ids", "weights", "last", "count"} - set(arrays))
+        if missing:
+            _fail(where, f"table {name!r}: rank {rank}'s files lack {missing}")
+
+        def kind(array):
+            if array.startswith("pending_"):
+                return "pending"
+            return "changed" if incremental and array not in DYNAMIC_ARRAYS else "live"
+
+        for part in ("live", "pending", "changed"):
+            rows = {a: n for a, n in arrays.items() if kind(a) == part}
+            if len(set(rows.values())) > 1:
+                _fail(where, f"table {name!r}: rank {rank}'s files hold different numbers of "
+                             f"rows {rows}")
+
+
+def _check_file(where, f, save, tables, arrays, incremental):
     rel = _field(where, f, "file", str)
     parts = rel.split("/")
     if len(parts) != 2 or parts[0] != save or not FILE_NAME.fullmatch(parts[1]):
@@ -115,21 +155,30 @@ def _check_file(where, f, save, tables, arrays):
     table = tables.get(_field(where, f, "table", str))
     if table is None:
         _fail(where, f"file {rel!r} belongs to no table of the manifest ({f['table']!r})")
+    dynamic = table.get("num_rows") is None
+    if dynamic:
+        arrays = dict(arrays, **DYNAMIC_ARRAYS)
     array = _field(where, f, "array", str)
     if array not in arrays:
         _fail(where, f"file {rel!r}: no array {array!r} in a table (expected one of "
                      f"{sorted(arrays)})")
     _int(where, f, "slice", 0)
-    start = _int(where, f, "row_start", 0, table["num_rows"] - 1)
-    step = _int(where, f, "row_step", 1, table["num_rows"])
-    rows = _int(where, f, "num_rows", 0)
-    if rows and start + step * (rows - 1) >= table["num_rows"]:
-        _fail(where, f"file {rel!r}: rows {start} + {step} * k for k < {rows} run past the "
-                     f"table's {table['num_rows']} rows")
+    if dynamic:  # rows are ids, saved by rank row_start of row_step ranks
+        step = _int(where, f, "row_step", 1)
+        _int(where, f, "row_start", 0, step - 1)
+        rows = _int(where, f, "num_rows", 0, table["capacity"])
+    else:  # an incremental save names its rows in a "rows" file
+        start = _int(where, f, "row_start", 0, table["num_rows"] - 1)
+        step = _int(where, f, "row_step", 1, table["num_rows"])
+        rows = _int(where, f, "num_rows", 0, table["num_rows"] if incremental else None)
+        if rows and not incremental and start + step * (rows - 1) >= table["num_rows"]:
+            _fail(where, f"file {rel!r}: rows {start} + {step} * k for k < {rows} run past the "
+                         f"table's {table['num_rows']} rows")
     c0 = _int(where, f, "c0", 0, table["dim"] - 1)
     c1 = _int(where, f, "c1", c0 + 1, table["dim"])
     dtype = _field(where, f, "dtype", str)
-    allowed = (table["dtype"],) if array == "weights" else STATE_DTYPES
+    allowed = ((table["dtype"],) if array == "weights" else
+               ("int64",) if array in DYNAMIC_ARRAYS or array == "rows" else STATE_DTYPES)
     if dtype not in allowed:
         _fail(where, f"file {rel!r}: dtype {dtype!r}, expected one of {allowed}")
     expected = [rows] if arrays[array] else [rows, c1 - c0]

@@ -55,12 +55,14 @@ from .._version import __version__
 from ..errors import CheckpointError
 from ..types import TableSpec, table_spec
 from . import _manifest
+from .kinds.row_wise import dynamic_owner
 from .layout import shard_rows
 
 FORMAT = "hbkernels-embedding-collection"
 VERSION = 1
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 1 << 28
+MAX_CHAIN = 1000  # incremental saves one load follows back to a full save
 _CHUNK = 1 << 22
 
 
@@ -132,8 +134,33 @@ def _optimizer_from_json(d, where):
         raise CheckpointError(f"{where}: bad {cls.__name__} options in the manifest ({e})") from None
 
 
-def save(coll, path):
-    """Write ``coll`` to directory ``path`` (collective; see the module doc)."""
+def _changed_arrays(coll, shard, changed):
+    """The rows of ``shard`` changed since the last save: ``rows`` (table rows; a dynamic
+    table's ids), then their rows of the weights and of each optimizer slot; a dynamic
+    table also writes all its ids and scores (:func:`_dynamic_arrays`)."""
+    fused = coll.arrays[shard.group]
+    family = classify(fused.weights)[0]
+    if shard.group.table is None:
+        local = np.flatnonzero(host(changed[shard.group][shard.base:shard.base + shard.num_rows]))
+        out = {"rows": shard_rows(shard)[local]}
+        at = family.put(local + shard.base)
+    else:
+        out = {k: v for k, v in _dynamic_arrays(coll, shard).items()
+               if k not in ["weights"] + [slot for slot, _ in coll.optimizer.slots]}
+        kept = coll.hash_tables[shard.table].state()
+        hit = host(changed[shard.group][family.put(kept["slots"])])
+        out["rows"] = kept["ids"][hit]
+        at = family.put(kept["slots"][hit])
+    out["weights"] = fused.weights[at]
+    out.update({slot: fused.state[slot][at] for slot, _ in coll.optimizer.slots})
+    return out
+
+
+def save(coll, path, parent=None, changed=None):
+    """Write ``coll`` to directory ``path`` (collective; see the module doc); with
+    ``parent`` (``(path, manifest crc32)`` of the previous save) only the rows marked in
+    ``changed`` (fused group -> bool per row), chained to it. Returns the manifest's
+    crc32 on rank 0 (None elsewhere)."""
     comm, me = coll.comm, coll.comm.rank
     path = os.fspath(path)
     save_id = np.array([time.time_ns(), int(uuid.uuid4().int & 0x7FFFFFFF)], np.int64)
@@ -149,13 +176,16 @@ def save(coll, path):
         for shard in coll.local_shards():
             if coll.plan[shard.table].kind == "data_parallel" and me != 0:
                 continue  # replicas are identical: rank 0 writes the table
-            for name, part in coll.shard_arrays(shard).items():
+            arrays = (_changed_arrays(coll, shard, changed) if parent is not None else
+                      _dynamic_arrays(coll, shard) if shard.group.table is not None
+                      else coll.shard_arrays(shard))
+            for name, part in arrays.items():
                 part = host(part)
                 rel = f"{save_dir}/{_manifest.file_name(index[shard.table], shard, name)}"
                 crc, size = _save_array(os.path.join(path, rel), part)
                 files.append({"file": rel, "table": shard.table, "array": name,
                               "slice": shard.slice, "row_start": shard.row_start,
-                              "row_step": shard.row_step, "num_rows": shard.num_rows,
+                              "row_step": shard.row_step, "num_rows": int(part.shape[0]),
                               "c0": shard.c0, "c1": shard.c1, "dtype": part.dtype.name,
                               "shape": list(part.shape), "crc32": crc, "bytes": size})
         fsync_dir(os.path.join(path, save_dir))
@@ -176,9 +206,12 @@ def save(coll, path):
                        for name, spec in coll.tables.items()],
             "files": [f for r in everyone for f in r["files"]],
         }
+        if parent is not None:  # where the parent is, from here, and what it must hash to
+            manifest["parent"] = {"path": os.path.relpath(parent[0], os.path.abspath(path)),
+                                  "crc32": parent[1]}
         try:
-            write_json_atomic(os.path.join(path, MANIFEST),
-                              _manifest.seal(json.loads(json.dumps(manifest, default=float))))
+            sealed = _manifest.seal(json.loads(json.dumps(manifest, default=float)))
+            write_json_atomic(os.path.join(path, MANIFEST), sealed)
             fsync_dir(path)
         except Exception as e:  # noqa: BLE001 - every rank learns of it below
             errors.append(f"rank 0 writing {MANIFEST}: {type(e).__name__}: {e}")
@@ -194,6 +227,21 @@ def save(coll, path):
         _remove_old_saves(path, save_dir)
     if comm.world_size > 1:
         comm.barrier()
+    return sealed["crc32"] if me == 0 else None
+
+
+def _dynamic_arrays(coll, shard):
+    """A dynamic table's shard by id: its live ``ids`` (ascending), their rows of the
+    weights and of each optimizer slot, and their eviction scores ``last`` and ``count``."""
+    kept = coll.hash_tables[shard.table].state()
+    fused = coll.arrays[shard.group]
+    at = classify(fused.weights)[0].put(kept["slots"])
+    out = {"ids": kept["ids"], "weights": fused.weights[at]}
+    out.update({slot: fused.state[slot][at] for slot, _ in coll.optimizer.slots})
+    out.update(last=kept["last"], count=kept["count"])
+    if kept["pending"] is not None:
+        out.update({f"pending_{k}": kept["pending"][k] for k in ("ids", "last", "count")})
+    return out
 
 
 def _remove_old_saves(path, keep):
@@ -304,6 +352,42 @@ class _Reader:
         self._open[name] = arr
         return arr
 
+    def changed_rows(self, table, array, rows, c0, c1, out):
+        """Overwrite the rows of ``out`` that this incremental save wrote: its files of
+        ``array``, each beside the ``rows`` file of its shard naming their table rows."""
+        named = {(e["slice"], e["row_start"]): e for e in self.files.get((table, "rows"), [])}
+        for entry in self.files.get((table, array), []):
+            lo, hi = max(c0, entry["c0"]), min(c1, entry["c1"])
+            per_row = len(entry["shape"]) == 1
+            if (not per_row and lo >= hi) or not entry["num_rows"]:
+                continue
+            which = named.get((entry["slice"], entry["row_start"]))
+            if which is None:
+                raise CheckpointError(f"{os.path.join(self.path, entry['file'])}: no rows file "
+                                      f"names its rows")
+            saved = np.asarray(self._array(which))
+            order = np.argsort(saved)
+            at = np.clip(np.searchsorted(saved[order], rows), 0, saved.shape[0] - 1)
+            hit = saved[order][at] == rows
+            if not hit.any():
+                continue
+            data = self._array(entry)
+            k = order[at[hit]]
+            if per_row:
+                out[hit] = data[k]
+            else:
+                out[np.flatnonzero(hit), lo - c0:hi - c0] = data[k, lo - entry["c0"]:hi - entry["c0"]]
+
+    def all_rows(self, table, array):
+        """Every saved row of a dynamic table's ``array``, its files in the order of the
+        ranks that wrote them (so the arrays of one table line up)."""
+        entries = sorted(self.files.get((table, array), []), key=lambda e: e["row_start"])
+        parts = [np.asarray(self._array(e)) for e in entries]
+        if not parts:
+            raise CheckpointError(f"{os.path.join(self.path, MANIFEST)}: no saved {array} of "
+                                  f"table {table!r}")
+        return np.concatenate(parts)
+
     def rows(self, table, array, rows, c0, c1, out):
         """Fill ``out`` ([len(rows), c1 - c0], or [len(rows)] per-row) with saved rows;
         every element must come from a file."""
@@ -336,7 +420,7 @@ class Checkpoint:
     """Checkpoint ``path``, opened: its manifest read and checked; arrays are read
     (and their crc32 checked) only as shards ask for them."""
 
-    def __init__(self, path):
+    def __init__(self, path, depth=0):
         self.path = os.fspath(path)
         self.manifest = read_manifest(path)
         where = os.path.join(self.path, MANIFEST)
@@ -358,6 +442,58 @@ class Checkpoint:
             except (TypeError, ValueError) as e:
                 raise CheckpointError(f"{where}: table {name!r}: {e}") from None
         self.steps = {name: t["step"] for name, t in entries.items()}
+        self.parent = self._open_parent(where, depth)
+
+    def _open_parent(self, where, depth):
+        """The checkpoint an incremental save chains to, checked to be the one it was
+        chained to (its manifest's crc32), or None for a full save."""
+        link = self.manifest.get("parent")
+        if link is None:
+            return None
+        if depth >= MAX_CHAIN:
+            raise CheckpointError(f"{where}: a chain of more than {MAX_CHAIN} incremental saves")
+        parent = Checkpoint(os.path.normpath(os.path.join(self.path, link["path"])), depth + 1)
+        if parent.manifest.get("crc32") != link["crc32"]:
+            raise CheckpointError(
+                f"{os.path.join(parent.path, MANIFEST)}: not the save {where} was chained to "
+                f"(crc32 {parent.manifest.get('crc32')!r}, the link says {link['crc32']}); "
+                f"it was overwritten or edited")
+        return parent
+
+    def saved(self):
+        """``{(table, array)}`` saved anywhere in the chain."""
+        mine = {(f["table"], f["array"]) for f in self.manifest["files"]}
+        return mine | (self.parent.saved() if self.parent is not None else set())
+
+    def _fill(self, table, array, rows, c0, c1, out):
+        """Rows ``rows`` of a static table's ``array`` as of this save: the full save's,
+        then each incremental save's changed rows over them, oldest first."""
+        if self.parent is None:
+            self._reader.rows(table, array, rows, c0, c1, out)
+            return
+        self.parent._fill(table, array, rows, c0, c1, out)
+        self._reader.changed_rows(table, array, rows, c0, c1, out)
+
+    def _dynamic(self, table, array, ids):
+        """Rows of a dynamic table's ``array`` for live ``ids`` as of this save: from the
+        newest save of the chain that wrote each id's row."""
+        if self.parent is None:
+            saved = self._reader.all_rows(table, "ids")
+            data = self._reader.all_rows(table, array)
+        else:
+            saved = self._reader.all_rows(table, "rows")
+            data = self._reader.all_rows(table, array)
+        order = np.argsort(saved, kind="stable")
+        at = np.clip(np.searchsorted(saved[order], ids), 0, max(saved.shape[0] - 1, 0))
+        here = (saved[order][at] == ids) if saved.shape[0] else np.zeros(ids.shape[0], bool)
+        out = np.empty((ids.shape[0],) + data.shape[1:], data.dtype)
+        out[here] = data[order[at[here]]]
+        if not here.all():
+            if self.parent is None:
+                raise CheckpointError(f"{os.path.join(self.path, MANIFEST)}: no saved {array} for "
+                                      f"id {int(ids[~here][0])} of table {table!r}")
+            out[~here] = self.parent._dynamic(table, array, ids[~here])
+        return out
 
     def constructor_args(self, **overrides):
         """The saved constructor arguments of the collection (``plan``,
@@ -374,22 +510,54 @@ class Checkpoint:
     def initial_weights(self, shard, rows):
         """The saved weights of rows ``rows`` of ``shard`` (its columns)."""
         out = np.empty((rows.shape[0], shard.c1 - shard.c0), shard.group.dtype)
-        self._reader.rows(shard.table, "weights", rows, shard.c0, shard.c1, out)
+        self._fill(shard.table, "weights", rows, shard.c0, shard.c1, out)
         return out
 
     def restore_state(self, coll):
         """Write the saved optimizer state of every shard ``coll``'s rank holds into its
         state arrays (slots the checkpoint has for the table; others keep their
-        initial values), and each fused array's step."""
-        saved = {(f["table"], f["array"]) for f in self.manifest["files"]}
+        initial values), and each fused array's step; a dynamic table's ids go to
+        the ranks that own them now, with their rows, state and scores."""
+        saved = self.saved()
         for group, fused in coll.arrays.items():
             shards = coll.local_shards(group)
+            fused.state["step"][0] = max([self.steps[s.table] for s in shards] or [0])
+            if group.table is not None:
+                self._restore_dynamic(coll, group, saved)
+                continue
             for slot, _ in coll.optimizer.slots:
                 state = host(fused.state[slot]).copy()
                 for shard in shards:
                     if (shard.table, slot) in saved:
-                        self._reader.rows(shard.table, slot, shard_rows(shard), shard.c0, shard.c1,
-                                          state[shard.base:shard.base + shard.num_rows])
+                        self._fill(shard.table, slot, shard_rows(shard), shard.c0, shard.c1,
+                                   state[shard.base:shard.base + shard.num_rows])
                 target = fused.state[slot]
                 target[...] = classify(target)[0].put(state)
-            fused.state["step"][0] = max([self.steps[s.table] for s in shards] or [0])
+
+    def _restore_dynamic(self, coll, group, saved):
+        name = group.table
+        arrays = ["ids", "weights", "last", "count"] + [
+            slot for slot, _ in coll.optimizer.slots if (name, slot) in saved]
+        data = {a: self._reader.all_rows(name, a) for a in arrays[:4]}
+        ids = data["ids"]
+        if ids.shape[0] != np.unique(ids).shape[0]:
+            raise CheckpointError(f"{os.path.join(self.path, MANIFEST)}: table {name!r} has an "
+                                  f"id saved twice")
+        n, me = coll.comm.world_size, coll.comm.rank
+        mine = dynamic_owner(np, ids, n) == me
+        step = int(data["last"].max()) if data["last"].shape[0] else 0
+        pending = None
+        if (name, "pending_ids") in saved:
+            waiting = {k: self._reader.all_rows(name, f"pending_{k}") for k in ("ids", "last", "count")}
+            theirs = dynamic_owner(np, waiting["ids"], n) == me
+            pending = tuple(waiting[k][theirs] for k in ("ids", "last", "count")) + (
+                int(waiting["last"].max()) if waiting["last"].shape[0] else 0,)
+        slots = coll.hash_tables[name].restore(ids[mine], data["last"][mine], data["count"][mine],
+                                               step, pending)
+        kept = slots >= 0  # an overfull shard leaves out what its policy evicts first
+        fused = coll.arrays[group]
+        family = classify(fused.weights)[0]
+        at = family.put(slots[kept])
+        for array in ["weights"] + arrays[4:]:
+            target = fused.weights if array == "weights" else fused.state[array]
+            target[at] = family.put(np.ascontiguousarray(self._dynamic(name, array, ids[mine][kept])))

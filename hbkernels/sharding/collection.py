@@ -52,6 +52,7 @@ from .. import optim as _optim
 from .._dispatch import device_family, host, resolve
 from .._machine import cupy, simulator_enabled
 from ..dist import _wire
+from ..hash_table import HashTable
 from ..ops import check_ragged, embedding_bag, embedding_bag_backward, lookup, partition, unique
 from ..types import JaggedRows, Ragged, SparseGrad, table_spec
 from ..memory import aligned_empty
@@ -72,13 +73,16 @@ class FusedArrays(NamedTuple):
 
 class Pool(NamedTuple):
     """One ``embedding_bag`` launch of a forward: its combiner and CSR input over the
-    fused rows, and ``pieces`` ``[(feature, c0, c1, first bag, bags)]`` of the output."""
+    fused rows, and ``pieces`` ``[(feature, c0, c1, first bag, bags)]`` of the output;
+    ``bounds``: ``"zero"`` for a dynamic table's rows (an id not admitted is row -1),
+    else ``"unchecked"``."""
 
     combiner: Any
     values: Any
     offsets: Any
     psw: Any
     pieces: list
+    bounds: str = "unchecked"
 
 
 class ExchangeContext(NamedTuple):
@@ -209,9 +213,21 @@ class EmbeddingCollection:
         self.feature_table = {f: t.name for t in self.tables.values() for f in t.features}
         self._feature_order = {f: i for i, f in enumerate(self.feature_table)}
         self._families = {}
+        for spec in self.tables.values():
+            if spec.dynamic and spec.capacity < self.comm.world_size:
+                raise ValueError(f"table {spec.name!r}: capacity {spec.capacity} is less than one "
+                                 f"slot for each of the {self.comm.world_size} ranks")
         self.layout = make_layout(self.tables, self.plan, self.comm.world_size, self._table_device)
         self.arrays = self._allocate(initializer)
+        #: a dynamic table's id -> row map on this rank (its slots are the rows of its fused array)
+        self.hash_tables = {
+            s.table: HashTable(s.num_rows, evict=self.tables[s.table].evict, device=s.group.device,
+                               admit_count=self.tables[s.table].admit_count, name=s.table)
+            for s in self.local_shards() if s.group.table is not None}
         self._saved = None
+        self._changed = None  # group -> bool per fused row: changed since the last save
+        self._last_save = None  # (path, manifest crc32) of the last save
+        self._chain = []  # directories of the last full save and the incremental ones after it
         self.stats = {}
         self.timings = defaultdict(float)
         self._timing = False
@@ -232,6 +248,9 @@ class EmbeddingCollection:
         for group in self.layout.groups(self.comm.rank):
             weights = aligned_empty((self.layout.rows[self.comm.rank, group], group.width), group.dtype)
             for shard in self.local_shards(group):
+                if group.table is not None:  # a dynamic table's rows are made as ids arrive
+                    weights[shard.base:shard.base + shard.num_rows] = 0
+                    continue
                 rows = shard_rows(shard)
                 block = (initializer(shard, rows) if initializer is not None else
                          initial_weights(self.tables[shard.table], self.seed, rows, shard.c0, shard.c1))
@@ -310,7 +329,10 @@ class EmbeddingCollection:
             check.ids(f"{f}.values", values, ndim=1)
             check.offsets(offsets)
             check.per_sample_weights(psw, values)
-            check_ragged(values, offsets, spec.num_rows)
+            if spec.dynamic:  # any int64 id: only the offsets are checked
+                check_ragged(values, offsets, spec.capacity, bounds="zero")
+            else:
+                check_ragged(values, offsets, spec.num_rows)
             values = values.astype(np.int64, copy=False)
             sequence_offsets = None
             if spec.combiner is None:  # a sequence table: each id is a bag of its own
@@ -378,7 +400,7 @@ class EmbeddingCollection:
         return [(f, route) for f, feature in inputs.items() for route in self.layout.routes[feature.table]
                 if route.group == group and SHARDINGS[route.kind].replicated == replicated]
 
-    def _pool(self, space, group_rows, requests, starts, inputs, ids_of, outputs):
+    def _pool(self, space, group_rows, requests, starts, inputs, ids_of, outputs, bounds="unchecked"):
         """One ``embedding_bag`` per combiner over ``group_rows`` for the ``requests``
         (the ids of request k are ``ids_of(k) + starts[k]``); pieces go to ``outputs``."""
         xp = space.xp
@@ -401,10 +423,10 @@ class EmbeddingCollection:
                 pieces.append((f, route.c0, route.c1, bag, feature.batch))
                 bag += feature.batch
             pool = Pool(combiner, xp.concatenate(values), xp.concatenate(offsets),
-                        xp.concatenate(psws) if any_psw else None, pieces)
+                        xp.concatenate(psws) if any_psw else None, pieces, bounds)
             with self._phase("kernels"):
                 out = embedding_bag(group_rows, pool.values, pool.offsets, combiner=combiner,
-                                    per_sample_weights=pool.psw, bounds="unchecked")
+                                    per_sample_weights=pool.psw, bounds=bounds)
             for f, c0, c1, b0, batch in pieces:
                 outputs.setdefault(f, []).append((c0, c1, out[b0:b0 + batch]))
             pools.append(pool)
@@ -423,19 +445,33 @@ class EmbeddingCollection:
             starts.append(total)
             total += int(uniq.shape[0])
         keys = xp.concatenate(keys) if keys else xp.zeros(0, np.int64)
+        dests = xp.concatenate(dests) if dests else keys
         with self._phase("kernels"):
-            parted = partition(keys * n + (xp.concatenate(dests) if dests else keys), n)
-        keys, send_counts, order = parted.ids // n, host(parted.counts), parted.order
+            if group.table is None:  # a row and its rank in one key: one partition moves both
+                parted = partition(keys * n + dests, n)
+                keys = parted.ids // n
+            else:  # raw ids: any int64
+                parted = partition(dests, n)
+                keys = keys[parted.order]
+        send_counts, order = host(parted.counts), parted.order
         recv_keys, recv_counts = self._exchange(keys, send_counts)
         table = self.arrays[group].weights if group in self.arrays else None
         with self._phase("kernels"):
+            bounds = "unchecked"
+            if group.table is not None:  # the owner turns ids into rows (-1: not admitted)
+                bounds = "zero"
+                if self.dedup:
+                    owned, again = unique(recv_keys, return_inverse=True)
+                    recv_keys = self._rows_of_ids(group, owned)[again]
+                else:
+                    recv_keys = self._rows_of_ids(group, recv_keys)
             if recv_keys.shape[0] == 0:
                 rows = xp.empty((0, group.width), group.dtype)
-            elif self.dedup:
+            elif self.dedup and group.table is None:
                 owned, again = unique(recv_keys, return_inverse=True)
-                rows = lookup(lookup(table, owned, bounds="unchecked"), again, bounds="unchecked")
+                rows = lookup(lookup(table, owned, bounds=bounds), again, bounds="unchecked")
             else:
-                rows = lookup(table, recv_keys, bounds="unchecked")
+                rows = lookup(table, recv_keys, bounds=bounds)
         rows, _ = self._exchange(rows, recv_counts, wire=True)
         with self._phase("kernels"):
             rows = lookup(rows, self._inverse_permutation(xp, order), bounds="unchecked")
@@ -453,9 +489,32 @@ class EmbeddingCollection:
         space = self._family(group.device)
         requests = self._requests(group, inputs, replicated)
         starts = [int(route.bases[self.comm.rank]) for _, route in requests]
+        ids = [inputs[f].values for f, _ in requests]
+        bounds = "unchecked"
+        if group.table is not None and requests:  # one call of the table for all its features
+            bounds = "zero"
+            rows = self._rows_of_ids(group, space.xp.concatenate(ids))
+            cuts = np.cumsum([0] + [int(v.shape[0]) for v in ids])
+            ids = [rows[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
         pools = self._pool(space, self.arrays[group].weights, requests, starts, inputs,
-                           lambda k: inputs[requests[k][0]].values, outputs)
+                           lambda k: ids[k], outputs, bounds)
         return LocalContext(group, pools)
+
+    def _rows_of_ids(self, group, ids):
+        """A dynamic table's rows for ``ids`` (one call of its hash table: every id is a
+        use; -1 for an id not admitted yet). Slots given out in the call get the rows
+        their ids start with and fresh optimizer state."""
+        spec, fused = self.tables[group.table], self.arrays[group]
+        space = self._family(group.device)
+        slots, new_ids, new_slots = self.hash_tables[group.table].slots(ids, return_new=True)
+        if new_slots.shape[0]:
+            self._mark_changed(group, new_slots)
+            rows = initial_weights(spec, self.seed, host(new_ids))
+            fused.weights[new_slots] = space.put(rows)
+            fresh = self.optimizer.init_state(rows)
+            for slot, _ in self.optimizer.slots:
+                fused.state[slot][new_slots] = space.put(fresh[slot])
+        return slots
 
     @staticmethod
     def _inverse_permutation(xp, order):
@@ -527,15 +586,26 @@ class EmbeddingCollection:
                 with self._phase("kernels"):
                     self.optimizer.fused_step(fused.weights, fused.state, grad, pool.values, pool.offsets,
                                               combiner=pool.combiner, per_sample_weights=pool.psw,
-                                              bounds="unchecked")
+                                              bounds=pool.bounds)
+                self._mark_changed(group, pool.values)
                 continue
             xp = self._family(group.device).xp
             parts = updates.get(group, [])
             ids = xp.concatenate([p[0] for p in parts]) if parts else xp.zeros(0, np.int64)
             rows = (xp.concatenate([p[1] for p in parts]) if parts
                     else xp.zeros((0, group.width), np.float32))
+            if group.table is not None:  # ids not admitted (-1) get no update
+                kept = ids >= 0
+                ids, rows = ids[kept], rows[kept]
             with self._phase("kernels"):
                 self.optimizer.step(fused.weights, fused.state, SparseGrad(ids, rows))
+            self._mark_changed(group, ids)
+
+    def _mark_changed(self, group, rows):
+        """Note ``rows`` (of ``group``'s fused array; -1 ignored) as changed since the last
+        save, once a save has started the count (for ``save(incremental=True)``)."""
+        if self._changed is not None and rows.shape[0]:
+            self._changed[group][rows[rows >= 0]] = True
 
     def _read_grads(self, grads, inputs):
         if not isinstance(grads, dict):
@@ -570,7 +640,7 @@ class EmbeddingCollection:
             with self._phase("kernels"):
                 sg = embedding_bag_backward(self._pool_grad(space, pool, grads), pool.values,
                                             pool.offsets, num_rows=num_rows, combiner=pool.combiner,
-                                            per_sample_weights=pool.psw, bounds="unchecked")
+                                            per_sample_weights=pool.psw, bounds=pool.bounds)
             parts.append((sg.ids, sg.rows))
         return parts
 
@@ -596,7 +666,8 @@ class EmbeddingCollection:
 
     def full_weights(self, name):
         """Table ``name`` gathered whole ([num_rows, dim]), the same on every rank: a
-        new array (later steps do not change it). Collective.
+        new array (later steps do not change it); for a dynamic table ``(ids, rows)``,
+        its live ids ascending and their rows. Collective.
 
         >>> import hbkernels as hbk
         >>> coll = hbk.EmbeddingCollection([hbk.TableSpec("t", num_rows=5, dim=2)],
@@ -604,15 +675,44 @@ class EmbeddingCollection:
         >>> coll.full_weights("t").shape
         (5, 2)
         """
+        if name in self.tables and self.tables[name].dynamic:
+            return self._gather_dynamic(name, lambda fused: fused.weights)
         return self._gather(
             name, lambda s: self._rows_of(s, self.arrays[s.group].weights), True,
             self.tables.get(name, self.tables[next(iter(self.tables))]).dtype)
 
+    def _gather_dynamic(self, name, pick):
+        """``(ids, rows)`` of dynamic table ``name``: its live ids over all ranks, ascending,
+        and their rows of ``pick(fused arrays)``, the same on every rank. Collective."""
+        shard = next(s for s in self.layout.shards[name] if s.rank == self.comm.rank)
+        space = self._family(shard.group.device)
+        ids, slots = self.hash_tables[name].items()
+        rows = pick(self.arrays[shard.group])[slots]
+        if self.comm.world_size > 1:
+            ids, _ = self.comm.allgatherv(ids)
+            rows, _ = self.comm.allgatherv(rows)
+            order = space.xp.argsort(ids)
+            ids, rows = ids[order], rows[order]
+        return ids, rows
+
+    def dynamic_counts(self, name):
+        """``{"size", "admitted", "evicted"}`` of dynamic table ``name``, summed over the
+        ranks: live ids, and ids given a row or evicted so far. Collective."""
+        table = self.hash_tables[name]
+        counts = np.array([table.size, table.admitted, table.evicted], np.int64)
+        if self.comm.world_size > 1:
+            counts = host(self.comm.allreduce(counts))
+        return dict(zip(("size", "admitted", "evicted"), counts.tolist()))
+
     def full_state(self, name):
         """The optimizer state of table ``name`` gathered whole (slot -> array shaped
-        as ``init_state`` of the whole table) plus ``"step"`` (int). Collective."""
+        as ``init_state`` of the whole table) plus ``"step"`` (int); for a dynamic
+        table each slot's rows of its live ids, and those ``"ids"`` (ascending). Collective."""
         out = {}
         for slot, per_row in self.optimizer.slots:
+            if name in self.tables and self.tables[name].dynamic:
+                out["ids"], out[slot] = self._gather_dynamic(name, lambda f, slot=slot: f.state[slot])
+                continue
             out[slot] = self._gather(
                 name, lambda s, slot=slot: self._rows_of(s, self.arrays[s.group].state[slot]),
                 not per_row, np.float32)
@@ -624,10 +724,26 @@ class EmbeddingCollection:
         return out
 
     # -- checkpoints ----------------------------------------------------------------------------------
-    def save(self, path):
+    def save(self, path, incremental=False):
         """Write a checkpoint directory (see :mod:`hbkernels.sharding.checkpoint`):
-        arrays plus a JSON manifest, atomically; collective."""
-        checkpoint.save(self, path)
+        arrays plus a JSON manifest, atomically; collective. ``incremental``: only the
+        rows changed since this collection's previous save, into a new directory
+        ``path`` chained to that save (``load`` replays the chain)."""
+        where = os.path.abspath(os.fspath(path))
+        parent = None
+        if incremental:
+            if self._last_save is None:
+                raise ValueError("save(incremental=True) needs an earlier save of this collection")
+            if where in self._chain:
+                raise ValueError(f"{path} holds a save this incremental save chains to; save it "
+                                 f"to a new directory")
+            parent = self._last_save
+        crc = checkpoint.save(self, path, parent=parent,
+                              changed=self._changed if incremental else None)
+        self._chain = self._chain + [where] if incremental else [where]
+        self._last_save = (where, crc)
+        self._changed = {group: self._family(group.device).xp.zeros(int(f.weights.shape[0]), bool)
+                         for group, f in self.arrays.items()}
 
     @classmethod
     def load(cls, path, comm=None, **overrides):

@@ -26,11 +26,14 @@ _INIT_CHUNK = 1 << 22  # elements generated at a time by initial_weights
 
 
 class FusedGroup(NamedTuple):
-    """Slices stacked into one array per rank: their width, dtype name and device."""
+    """Slices stacked into one array per rank: their width, dtype name and device; a
+    dynamic table's rows make an array of their own (``table``: its name), which
+    the collection addresses through the rank's hash table instead of by id."""
 
     width: int
     dtype: str
     device: str
+    table: Any = None
 
 
 class Shard(NamedTuple):
@@ -116,7 +119,8 @@ def make_layout(tables, plan, world_size, device_of=lambda spec: "cpu"):
         shards[name], routes[name] = [], []
         for i in range(len(cuts) - 1):
             c0, c1 = int(cuts[i]), int(cuts[i + 1])
-            group = FusedGroup(c1 - c0, spec.dtype, device_of(spec))
+            group = FusedGroup(c1 - c0, spec.dtype, device_of(spec),
+                               spec.name if spec.dynamic else None)
             holders = sharding.holders(spec, place, i, world_size)
             bases = np.full(world_size, -1, np.int64)
             for rank, start, step, rows in holders:
@@ -136,9 +140,11 @@ def shard_rows(shard):
 
 def initial_weights(spec, seed, rows=None, c0=0, c1=None):
     """Initial values of rows ``rows`` (default all) and columns ``[c0, c1)`` of
-    table ``spec``: uniform in ``±1/sqrt(num_rows)`` (TorchRec's default), from a
-    splitmix64 hash of ``(seed, crc32(name), row * dim + column)``. Any shard is
-    made alone, so every plan and world size starts from the same table.
+    table ``spec``: uniform in ``±spec.scale`` (by default ``1/sqrt(num_rows)``,
+    TorchRec's), from a splitmix64 hash of ``(seed, crc32(name), row * dim +
+    column)`` (wrapping). Any shard is made alone, so every plan and world size
+    starts from the same table. A dynamic table's rows are its ids (any int64),
+    so id ``i`` starts as a static table's row ``i`` with the same scale would.
 
     >>> import hbkernels as hbk
     >>> from hbkernels.sharding import initial_weights
@@ -148,16 +154,18 @@ def initial_weights(spec, seed, rows=None, c0=0, c1=None):
     """
     spec = table_spec(spec)
     c1 = spec.dim if c1 is None else c1
+    if rows is None and spec.dynamic:
+        raise ValueError(f"table {spec.name!r} is dynamic: name the ids whose rows to make")
     rows = np.arange(spec.num_rows, dtype=np.int64) if rows is None else np.asarray(rows, np.int64)
     with np.errstate(over="ignore"):
         key = splitmix64(np.uint64(((int(seed) & 0xFFFFFFFF) << 32) | zlib.crc32(spec.name.encode())))
-    scale = 1.0 / np.sqrt(spec.num_rows)
+    scale = spec.scale
     cols = np.arange(c0, c1, dtype=np.uint64)
     out = np.empty((rows.shape[0], c1 - c0), spec.dtype)
     step = max(1, _INIT_CHUNK // max(1, c1 - c0))
     for s in range(0, rows.shape[0], step):
-        counter = rows[s:s + step].astype(np.uint64)[:, None] * np.uint64(spec.dim) + cols[None, :]
         with np.errstate(over="ignore"):
+            counter = rows[s:s + step].view(np.uint64)[:, None] * np.uint64(spec.dim) + cols[None, :]
             bits = splitmix64(counter ^ key)
         unit = (bits >> np.uint64(40)).astype(np.float64) * (1.0 / (1 << 24))
         out[s:s + step] = (2.0 * unit - 1.0) * scale

@@ -136,7 +136,8 @@ class Plan(collections.abc.Mapping):
         rows = [("table", "rows", "dim", "hotness", "placement", "ranks", "wire MB/step", "memory MB/rank")]
         for name, p in self.items():
             spec, est = self.tables[name], self.estimates[name]
-            rows.append((name, str(spec.num_rows), str(spec.dim), f"{spec.hotness:g}", p.kind, ranks(p),
+            held = f"<={spec.capacity} (dynamic)" if spec.dynamic else str(spec.num_rows)
+            rows.append((name, held, str(spec.dim), f"{spec.hotness:g}", p.kind, ranks(p),
                          f"{max(est.wire_bytes) / 1e6:.3f}", f"{max(est.memory_bytes) / 1e6:.3f}"))
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
@@ -185,7 +186,7 @@ def estimate(spec, placement, world_size, assumptions):
     n, a = world_size, assumptions
     s = np.dtype(spec.dtype).itemsize
     draws = a["batch_size"] * spec.hotness * len(spec.features)
-    u, u_all = _distinct(spec.num_rows, draws), _distinct(spec.num_rows, n * draws)
+    u, u_all = _distinct(spec.rows, draws), _distinct(spec.rows, n * draws)
 
     def row_bytes(cols):
         return cols * (s + 4 * a["state_floats_per_element"]) + 4 * a["state_floats_per_row"]
@@ -193,12 +194,12 @@ def estimate(spec, placement, world_size, assumptions):
     if placement.kind == "data_parallel":
         return TableEstimate(((n - 1) * u * (_ID_BYTES + 4 * spec.dim),) * n,
                              (u * spec.dim * s + 2 * u_all * row_bytes(spec.dim),) * n,
-                             (spec.num_rows * row_bytes(spec.dim),) * n)
+                             (spec.rows * row_bytes(spec.dim),) * n)
     if placement.kind == "row_wise":
-        shards = [(r, spec.dim, 1 / n, -(-spec.num_rows // n)) for r in range(n)]
+        shards = [(r, spec.dim, 1 / n, -(-spec.rows // n)) for r in range(n)]
     else:
         cols = np.diff(placement.columns)
-        shards = [(r, int(c), 1.0, spec.num_rows) for r, c in zip(placement.ranks, cols)]
+        shards = [(r, int(c), 1.0, spec.rows) for r, c in zip(placement.ranks, cols)]
     sent, received, lookup, memory = ([0.0] * n for _ in range(4))
     w = a["wire_itemsize"]
     for owner, cols, fraction, rows in shards:
@@ -307,6 +308,12 @@ def make_plan(tables, world_size, request="auto", *, batch_size_hint=None, memor
                      state_floats_per_row, wire_itemsize, cost)
     n, limit = int(world_size), memory_per_rank
     kinds = _requested_kinds(request, list(specs))
+    for name, kind in kinds.items():  # a dynamic table is cut by a hash of its ids
+        if specs[name].dynamic:
+            if kind not in ("auto", "row_wise"):
+                raise ValueError(f"table {name!r} is dynamic (num_rows=None): it is placed "
+                                 f"row_wise, by a hash of its ids; got {kind!r}")
+            kinds[name] = "row_wise"
     if n == 1:
         kinds = {name: "table_wise" if kind == "auto" else kind for name, kind in kinds.items()}
     load, held = [0.0] * n, [0.0] * n   # seconds and bytes per rank of the tables placed so far
@@ -314,7 +321,7 @@ def make_plan(tables, world_size, request="auto", *, batch_size_hint=None, memor
 
     def footprint(name):
         spec = specs[name]
-        return spec.num_rows * spec.dim * np.dtype(spec.dtype).itemsize
+        return spec.rows * spec.dim * np.dtype(spec.dtype).itemsize
 
     def peak_memory(est, replacing=None):
         """(bytes, rank) of the fullest rank once ``est`` is added (and ``replacing`` removed)."""

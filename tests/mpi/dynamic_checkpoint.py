@@ -1,0 +1,99 @@
+"""Checkpoints of a dynamic table across world sizes (run by
+tests/test_dynamic_collection.py as a chain in one work directory WORK):
+
+``dynamic_checkpoint.py save WORK`` (n=2): raw 64-bit ids, LRU eviction, admission
+at the second call, Adam: trains 12 steps, saves to WORK/ckpt; rank 0 writes
+WORK/expected.npz (ids, rows, state, counts); 3 more steps, an incremental save to
+WORK/incr chained to WORK/ckpt, and WORK/expected_incr.npz.
+
+``dynamic_checkpoint.py load WORK`` (n=3): ``load(WORK/incr)`` replays the chain;
+``load(WORK/ckpt)``: the ids re-hashed to
+their new owners, a shard given more ids than its 4 slots leaving out those its
+policy evicts first, the others with the same rows and state bit for bit;
+trains a step on live ids, saves to WORK/again and writes
+WORK/expected_again.npz.
+
+``dynamic_checkpoint.py load-again WORK`` (n=1): ``load(WORK/again)`` equals
+expected_again.npz. Prints ``OK rank r`` at the end."""
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+import hbkernels as hbk
+from harness import finish, rng_for
+
+MODE, WORK = sys.argv[1], Path(sys.argv[2])
+comm = hbk.dist.init()
+R, W = comm.rank, comm.world_size
+POOL = rng_for("pool").integers(-2**63, 2**63 - 1, 24, dtype=np.int64, endpoint=True)
+
+
+def train(coll, steps, key, ids, per_rank):
+    """Steps of one bag of ``per_rank`` ids from ``ids`` on each rank: a call sees at most
+    ``per_rank * W`` distinct ids, which every shard has room for."""
+    for step in range(steps):
+        rng = rng_for(key, step, R)
+        values = rng.choice(ids, per_rank)
+        out = coll.forward({"t": hbk.Ragged(values, np.array([0, per_rank]))})
+        coll.backward({"t": rng.standard_normal(out["t"].shape).astype(np.float32)})
+
+
+def snapshot(coll):
+    ids, rows = coll.full_weights("t")
+    state = coll.full_state("t")
+    counts = coll.dynamic_counts("t")
+    return {"ids": ids, "rows": rows, "size": np.array(counts["size"]),
+            **{f"state_{k}": np.asarray(v) for k, v in state.items() if k not in ("ids", "step")}}
+
+
+def write_expected(coll, path):
+    arrays = snapshot(coll)
+    if R == 0:
+        tmp = str(path) + ".tmp.npz"
+        np.savez(tmp, **arrays)
+        os.replace(tmp, path)
+    comm.barrier()
+
+
+def compare(coll, path, dropped=0):
+    """The loaded table equals the saved one, but for the ``dropped`` ids that shards
+    with more ids than slots left out (the rows of the others unchanged)."""
+    got = snapshot(coll)
+    with np.load(path, allow_pickle=False) as z:
+        assert set(z.files) == set(got), (z.files, list(got))
+        kept = np.isin(z["ids"], got["ids"])
+        assert int((~kept).sum()) == dropped == int(z["size"]) - int(got["size"]), (
+            int((~kept).sum()), dropped)
+        for k in z.files:
+            if k != "size":
+                np.testing.assert_array_equal(got[k], z[k][kept], err_msg=k)
+
+
+if MODE == "save":
+    spec = hbk.TableSpec("t", num_rows=None, capacity=12, dim=4, evict="lru", admit_count=2)
+    coll = hbk.EmbeddingCollection([spec], comm=comm, optimizer=hbk.optim.Adam(lr=0.1), seed=6)
+    train(coll, 12, "before", POOL, 3)
+    assert coll.dynamic_counts("t")["evicted"] > 0, coll.dynamic_counts("t")
+    coll.save(WORK / "ckpt")
+    write_expected(coll, WORK / "expected.npz")
+    train(coll, 3, "more", POOL, 3)
+    coll.save(WORK / "incr", incremental=True)
+    write_expected(coll, WORK / "expected_incr.npz")
+elif MODE == "load":
+    incr = hbk.EmbeddingCollection.load(WORK / "incr", comm=comm)
+    compare(incr, WORK / "expected_incr.npz", incr.dynamic_counts("t")["evicted"])
+    coll = hbk.EmbeddingCollection.load(WORK / "ckpt", comm=comm)
+    dropped = coll.dynamic_counts("t")["evicted"]  # 12 slots as 4 + 4 + 4: some shard overflows
+    assert dropped > 0, "no shard overflowed: the test checks nothing of it"
+    compare(coll, WORK / "expected.npz", dropped)
+    pending = sum(comm.allgatherv(np.array([coll.hash_tables["t"].state()["pending"]["ids"].size]))[0])
+    assert pending > 0, "no id was waiting for admission: the test checks nothing of them"
+    train(coll, 1, "after", coll.full_weights("t")[0], 1)
+    coll.save(WORK / "again")
+    write_expected(coll, WORK / "expected_again.npz")
+else:
+    coll = hbk.EmbeddingCollection.load(WORK / "again", comm=comm)
+    compare(coll, WORK / "expected_again.npz")
+finish(comm)

@@ -1,0 +1,229 @@
+"""Dynamic tables (TableSpec(num_rows=None)) in an EmbeddingCollection: one rank here,
+2 and 3 ranks under mpiexec (tests/mpi/dynamic.py)."""
+import numpy as np
+import pytest
+from mpirun import assert_ok, mpirun, needs_mpi
+
+import hbkernels as hbk
+from hbkernels.sharding import initial_weights
+from hbkernels.sharding.checkpoint import read_manifest
+
+LOCAL = hbk.dist.init("local")
+SCALE = 0.05
+
+
+def static(name="t", num_rows=64, **kw):
+    return hbk.TableSpec(name, num_rows=num_rows, dim=kw.pop("dim", 5), init_scale=SCALE, **kw)
+
+
+def dynamic(name="t", capacity=64, **kw):
+    kw.setdefault("evict", "none")
+    return hbk.TableSpec(name, num_rows=None, dim=kw.pop("dim", 5), capacity=capacity,
+                         init_scale=SCALE, **kw)
+
+
+def batch(rng, ids, bags=6, max_len=4):
+    lengths = rng.integers(0, max_len + 1, bags)
+    values = rng.choice(ids, int(lengths.sum()))
+    return hbk.Ragged(values, np.concatenate([[0], np.cumsum(lengths)]))
+
+
+@pytest.mark.parametrize("optimizer", ["Adagrad", "Adam", "RowWiseAdagrad"])
+@pytest.mark.parametrize("combiner", ["sum", "mean"])
+def test_trains_bit_for_bit_like_a_static_table(rng, optimizer, combiner):
+    """evict="none", admit_count=1: the same outputs and rows, bit for bit, as a static
+    table whose row i is id i, beside another table sharing the fused array."""
+    opt = lambda: getattr(hbk.optim, optimizer)(lr=0.1)  # noqa: E731
+    other = hbk.TableSpec("u", num_rows=7, dim=5)
+    twin = hbk.EmbeddingCollection([static(combiner=combiner), other], comm=LOCAL, optimizer=opt(),
+                                   seed=3)
+    dyn = hbk.EmbeddingCollection([dynamic(combiner=combiner), other], comm=LOCAL,
+                                  optimizer=opt(), seed=3)
+    for step in range(4):
+        feats = {"t": batch(rng, np.arange(64)), "u": rng.integers(0, 7, 6)}
+        a, b = twin.forward(feats), dyn.forward(feats)
+        for f in feats:
+            np.testing.assert_array_equal(a[f], b[f])
+        grads = {f: rng.standard_normal(a[f].shape).astype(np.float32) for f in feats}
+        twin.backward(grads)
+        dyn.backward(grads)
+    ids, rows = dyn.full_weights("t")
+    assert ids.tolist() == sorted(set(ids.tolist()))
+    np.testing.assert_array_equal(rows, twin.full_weights("t")[ids])
+    np.testing.assert_array_equal(dyn.full_weights("u"), twin.full_weights("u"))
+    assert dyn.dynamic_counts("t") == {"size": len(ids), "admitted": len(ids), "evicted": 0}
+
+
+def test_raw_hashes_start_from_their_id(rng):
+    """Any int64 id (negative, the edges) gets the row initial_weights gives that id."""
+    spec = dynamic(capacity=16)
+    coll = hbk.EmbeddingCollection([spec], comm=LOCAL, optimizer=hbk.optim.SGD(lr=0.1), seed=9)
+    edges = np.array([-2**63, 2**63 - 1, -1, 0, 12345678901234567], np.int64)
+    out = coll.forward({"t": hbk.Ragged(edges, np.arange(6))})
+    np.testing.assert_array_equal(out["t"], initial_weights(spec, 9, edges))
+    ids, rows = coll.full_weights("t")
+    assert ids.tolist() == sorted(edges.tolist())
+    np.testing.assert_array_equal(rows, initial_weights(spec, 9, ids))
+
+
+def test_admission_and_eviction_reset_rows_and_state():
+    """admit_count=2: an id adds nothing and gets no update until its second call; an
+    evicted id that comes back starts again from its initial row and fresh state."""
+    spec = dynamic(capacity=2, evict="lru", admit_count=2, dim=3)
+    coll = hbk.EmbeddingCollection([spec], comm=LOCAL, optimizer=hbk.optim.Adagrad(lr=0.5), seed=1)
+    one = lambda *ids: {"t": hbk.Ragged(np.array(ids, np.int64), np.array([0, len(ids)]))}  # noqa: E731
+    start = initial_weights(spec, 1, [10, 20, 30])
+    out = coll.forward(one(10, 20))
+    np.testing.assert_array_equal(out["t"], 0)  # seen once: not admitted, nothing added
+    coll.backward({"t": np.ones((1, 3), np.float32)})
+    assert coll.full_weights("t")[0].size == 0
+    out = coll.forward(one(10, 20))  # second call: both admitted, from their initial rows
+    np.testing.assert_allclose(out["t"][0], start[0] + start[1], rtol=1e-6)
+    coll.backward({"t": np.ones((1, 3), np.float32)})
+    trained = coll.full_weights("t")[1][0].copy()
+    assert not np.allclose(trained, start[0])
+    coll.forward(one(30))
+    coll.backward({"t": np.ones((1, 3), np.float32)})
+    coll.forward(one(30))  # admitted: evicts 10 (call 2, smaller id than 20)
+    coll.backward({"t": np.zeros((1, 3), np.float32)})
+    assert coll.full_weights("t")[0].tolist() == [20, 30]
+    coll.forward(one(10))
+    coll.forward(one(10))  # back, evicting 20: its initial row again
+    ids, rows = coll.full_weights("t")
+    assert ids.tolist() == [10, 30]
+    np.testing.assert_array_equal(rows[0], start[0])
+    coll.backward({"t": np.ones((1, 3), np.float32)})  # fresh Adagrad state: the first step's size
+    np.testing.assert_allclose(coll.full_weights("t")[1][0], trained, rtol=1e-6)
+    assert coll.dynamic_counts("t") == {"size": 2, "admitted": 4, "evicted": 2}
+
+
+def test_a_full_table_raises_capacity_error():
+    coll = hbk.EmbeddingCollection([dynamic(capacity=3)], comm=LOCAL)
+    coll.forward({"t": np.array([1, 2, 3])})
+    with pytest.raises(hbk.CapacityError, match="t is full: capacity 3"):
+        coll.forward({"t": np.array([4])})
+
+
+def test_bad_specs():
+    with pytest.raises(ValueError, match="needs a capacity"):
+        hbk.TableSpec("t", num_rows=None, dim=4)
+        hbk.EmbeddingCollection([hbk.TableSpec("t", num_rows=None, dim=4)], comm=LOCAL)
+    with pytest.raises(ValueError, match="capacity is for dynamic tables"):
+        hbk.EmbeddingCollection([hbk.TableSpec("t", num_rows=4, dim=4, capacity=9)], comm=LOCAL)
+    with pytest.raises(ValueError, match="evict must be one of"):
+        hbk.EmbeddingCollection([dynamic(evict="fifo")], comm=LOCAL)
+    with pytest.raises(ValueError, match="placed row_wise"):
+        hbk.EmbeddingCollection([dynamic()], comm=LOCAL, plan="data_parallel")
+
+
+@needs_mpi
+@pytest.mark.parametrize("n", [2, 3])
+def test_dynamic_tables_across_ranks(n):
+    """At n ranks: bit for bit like a static row_wise and table_wise twin, and equal to
+    one rank fed the whole batch up to summation order (raw 64-bit ids)."""
+    rc, out, _ = mpirun(n, "dynamic.py", timeout=300)
+    assert_ok(rc, out, range(n))
+
+
+def _train(coll, rng, pool, steps):
+    for _ in range(steps):
+        out = coll.forward({"t": batch(rng, pool)})
+        coll.backward({"t": rng.standard_normal(out["t"].shape).astype(np.float32)})
+
+
+def test_checkpoint_keeps_ids_rows_state_and_scores(rng, tmp_path):
+    """save -> load: the same ids, rows, Adam state and LRU scores; the two then train
+    alike, evicting the same ids."""
+    pool = rng.integers(-2**63, 2**63 - 1, 60, dtype=np.int64)
+    spec = dynamic(capacity=24, evict="lru", admit_count=2)
+    coll = hbk.EmbeddingCollection([spec, static("u")], comm=LOCAL, optimizer=hbk.optim.Adam(lr=0.1))
+    _train(coll, rng, pool, 6)
+    coll.save(tmp_path / "ckpt")
+    back = hbk.EmbeddingCollection.load(tmp_path / "ckpt", comm=LOCAL)
+    ids, rows = coll.full_weights("t")
+    np.testing.assert_array_equal(back.full_weights("t")[0], ids)
+    np.testing.assert_array_equal(back.full_weights("t")[1], rows)
+    for table in ("t", "u"):
+        a, b = coll.full_state(table), back.full_state(table)
+        assert a.keys() == b.keys()
+        for k in a:
+            np.testing.assert_array_equal(a[k], b[k])
+    np.testing.assert_array_equal(back.hash_tables["t"].scores(ids), coll.hash_tables["t"].scores(ids))
+    assert back.dynamic_counts("t")["size"] == coll.dynamic_counts("t")["size"]
+    seed = int(rng.integers(1 << 30))
+    _train(coll, np.random.default_rng(seed), pool, 3)
+    _train(back, np.random.default_rng(seed), pool, 3)
+    for a, b in zip(coll.full_weights("t"), back.full_weights("t")):
+        np.testing.assert_array_equal(a, b)
+
+
+@needs_mpi
+def test_checkpoint_across_world_sizes(tmp_path):
+    """save at 2 ranks -> load at 3 (bit-equal, ids re-hashed to their owners, trains on)
+    -> save -> load at 1."""
+    for n, mode in [(2, "save"), (3, "load"), (1, "load-again")]:
+        rc, out, _ = mpirun(n, "dynamic_checkpoint.py", mode, str(tmp_path), timeout=150)
+        assert_ok(rc, out, range(n))
+
+
+def _same(a, b):
+    """Two collections hold the same tables, state and dynamic scores, bit for bit."""
+    for name, spec in a.tables.items():
+        wa, wb = a.full_weights(name), b.full_weights(name)
+        for x, y in zip(wa, wb) if spec.dynamic else [(wa, wb)]:
+            np.testing.assert_array_equal(x, y)
+        sa, sb = a.full_state(name), b.full_state(name)
+        assert sa.keys() == sb.keys()
+        for k in sa:
+            np.testing.assert_array_equal(sa[k], sb[k], err_msg=f"{name} {k}")
+        if spec.dynamic:
+            ka, kb = a.hash_tables[name].state(), b.hash_tables[name].state()
+            for k in ("ids", "last", "count"):
+                np.testing.assert_array_equal(ka[k], kb[k])
+                np.testing.assert_array_equal(ka["pending"][k], kb["pending"][k])
+
+
+def test_incremental_saves_chain_and_replay(rng, tmp_path):
+    """full save, then two incremental ones holding only the changed rows (static and
+    dynamic tables, Adagrad state); loading the last replays the chain bit for bit."""
+    pool = rng.integers(-2**63, 2**63 - 1, 50, dtype=np.int64)
+    specs = [dynamic(capacity=20, evict="lfu", admit_count=2), static("u", num_rows=500)]
+    coll = hbk.EmbeddingCollection(specs, comm=LOCAL, optimizer=hbk.optim.Adagrad(lr=0.2))
+
+    def train(steps):
+        for _ in range(steps):
+            feats = {"t": batch(rng, pool), "u": rng.integers(0, 20, 6)}  # u: rows < 20 change
+            out = coll.forward(feats)
+            coll.backward({f: rng.standard_normal(o.shape).astype(np.float32) for f, o in out.items()})
+
+    train(4)
+    coll.save(tmp_path / "a")
+    for name in ("b", "c"):
+        train(3)
+        coll.forward({"t": batch(rng, pool), "u": rng.integers(0, 20, 6)})  # admits, no update
+        coll.save(tmp_path / name, incremental=True)
+        manifest = read_manifest(tmp_path / name)
+        assert manifest["parent"]["path"] == ("../a" if name == "b" else "../b")
+        u_rows = [f["num_rows"] for f in manifest["files"] if f["table"] == "u" and f["array"] == "weights"]
+        assert 0 < sum(u_rows) <= 20, u_rows  # the changed rows only, not all 500
+    back = hbk.EmbeddingCollection.load(tmp_path / "c", comm=LOCAL)
+    _same(coll, back)
+    with pytest.raises(ValueError, match="new directory"):
+        coll.save(tmp_path / "b", incremental=True)
+    fresh = hbk.EmbeddingCollection(specs, comm=LOCAL)
+    with pytest.raises(ValueError, match="needs an earlier save"):
+        fresh.save(tmp_path / "d", incremental=True)
+
+
+def test_a_broken_link_is_refused_naming_its_file(rng, tmp_path):
+    coll = hbk.EmbeddingCollection([dynamic(capacity=20), static("u")], comm=LOCAL)
+    feats = {"t": batch(rng, np.arange(30)), "u": rng.integers(0, 64, 6)}
+    coll.forward(feats)
+    coll.save(tmp_path / "a")
+    coll.forward(feats)
+    coll.save(tmp_path / "b", incremental=True)
+    other = hbk.EmbeddingCollection([dynamic(capacity=20), static("u")], comm=LOCAL, seed=5)
+    other.forward(feats)
+    other.save(tmp_path / "a")  # a different save where b's parent was
+    with pytest.raises(hbk.CheckpointError, match=r"a/manifest.json: not the save .*b/manifest.json"):
+        hbk.EmbeddingCollection.load(tmp_path / "b", comm=LOCAL)
