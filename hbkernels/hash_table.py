@@ -100,10 +100,26 @@ class HashTable:
         slot in this call and their slots (int64, 1-D), whose rows and optimizer
         state the caller resets."""
         family, flat, shape = self._flat(ids)
-        out = self._k.find(family, self._index, self._reserved, flat)
         new_ids = new_slots = self._xp.empty(0, np.int64)
-        if insert and flat.shape[0]:
-            new_ids, new_slots = self._admit(family, flat, out)
+        small = getattr(self._k, "admit_small", None)  # the CPU's one-pass path
+        if (insert and small is not None and self.admit_count == 1
+                and 0 < flat.shape[0] < self._k.SERIAL_BELOW):
+            out, admitted, given, reused = small(family, self._index, self._reserved, flat,
+                                                 self._slot_ids, self._uses, self._free,
+                                                 self._num_free, self.step + 1)
+            if admitted is None:  # not all fit: eviction or CapacityError
+                new_ids, new_slots = self._admit(family, flat, out)
+            else:
+                new_ids, new_slots = admitted, given
+                self.step += 1
+                self._num_free -= admitted.shape[0]
+                self.admitted += admitted.shape[0]
+                self._tombstones -= reused
+                self._maybe_rebuild()
+        else:
+            out = self._k.find(family, self._index, self._reserved, flat)
+            if insert and flat.shape[0]:
+                new_ids, new_slots = self._admit(family, flat, out)
         out = self._k.to_family(family, out.reshape(shape))
         if not return_new:
             return out
@@ -235,8 +251,12 @@ class HashTable:
         xp = self._xp
         step = self.step + 1
         miss = out < 0
-        misses = flat[miss] if bool(miss.any()) else flat[:0]
-        new = self._distinct(misses) if misses.shape[0] else misses.astype(np.int64)
+        if not bool(miss.any()):  # every id is live: a use of each, nothing to admit
+            self.step = step
+            self._k.touch(family, out, self._uses, step)
+            return xp.empty(0, np.int64), xp.empty(0, np.int64)
+        misses = flat[miss]
+        new = self._distinct(misses)
         admitted, waiting = new, new[:0]
         if self._pending is not None and new.shape[0]:
             seen = self._pending._score_of(new, self._pending._count)
@@ -255,9 +275,10 @@ class HashTable:
             self._tombstones += tombstoned
             self.evicted += int(victims.shape[0])
         take = m - int(reuse.shape[0])
-        popped = self._free[self._num_free - take:self._num_free][::-1]
+        slots = xp.asarray(self._free[self._num_free - take:self._num_free][::-1].copy())
         self._num_free -= take
-        slots = xp.concatenate([xp.asarray(popped), reuse])
+        if reuse.shape[0]:
+            slots = xp.concatenate([slots, reuse])
         self._tombstones -= self._k.insert(family, self._index, self._reserved, admitted,
                                            slots, self._slot_ids, self._uses, step)
         self.admitted += m
@@ -265,8 +286,7 @@ class HashTable:
             if m:
                 self._pending.erase(self._k.to_family(self._family, admitted))
             self._pending._see(waiting)
-        if self.size + self._tombstones > MAX_FILL * (self._index.shape[0] // 2):
-            self._rebuild()
+        self._maybe_rebuild()
         if m:
             out[miss] = self._k.find(family, self._index, self._reserved, misses)
         return admitted, slots
@@ -312,6 +332,10 @@ class HashTable:
         if new.shape[0] > room:
             ids = xp.concatenate([ids[known], xp.sort(new)[:room]])
         self.slots(self._k.to_family(self._family, ids))
+
+    def _maybe_rebuild(self):
+        if self.size + self._tombstones > MAX_FILL * (self._index.shape[0] // 2):
+            self._rebuild()
 
     def _rebuild(self):
         """Index the live ids afresh: no tombstones left."""

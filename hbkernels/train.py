@@ -8,6 +8,7 @@ import math
 import os
 import shutil
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +19,8 @@ from .threads import Governor, pool_limit, set_num_threads, usable_cores
 
 CONFIG_KEYS = ("data", "tables", "dense_features", "alpha", "label", "dense_columns",
                "sparse_columns", "num_rows", "dim", "bottom", "top", "batch_size", "seed",
-               "sparse_lr", "dense_lr", "shuffle_buffer")
+               "sparse_lr", "dense_lr", "shuffle_buffer", "dynamic", "evict", "admit_count",
+               "capacity_fraction")
 LATEST = "latest"
 
 
@@ -28,7 +30,8 @@ def parquet_clicks(args, path, rank, world_size, shuffle_buffer):
 
     if args.batch_size < world_size:
         raise CLIError(f"--batch-size {args.batch_size} is smaller than the {world_size} ranks")
-    return ParquetClicks(path, args.batch_size // world_size, num_rows=args.num_rows,
+    return ParquetClicks(path, args.batch_size // world_size,
+                         num_rows=None if args.dynamic else args.num_rows,
                          label=args.label, dense=args.dense_columns, sparse=args.sparse_columns,
                          rank=rank, world_size=world_size, shuffle_buffer=shuffle_buffer,
                          seed=args.seed)
@@ -102,9 +105,31 @@ class Trainer:
 
         a = self.args
         shape = {t.name: (t.num_rows, t.hotness) for t in a.tables} if self.synthetic else {}
-        return [TableSpec(f, num_rows=shape.get(f, (a.num_rows, 1))[0], dim=a.dim, combiner="sum",
-                          hotness=shape.get(f, (a.num_rows, 1))[1])
-                for f in self.features]
+        specs = [TableSpec(f, num_rows=shape.get(f, (a.num_rows, 1))[0], dim=a.dim, combiner="sum",
+                           hotness=shape.get(f, (a.num_rows, 1))[1])
+                 for f in self.features]
+        if a.dynamic:  # rows given out by id; the initial scale of the static table's
+            specs = [s._replace(num_rows=None, evict=a.evict, admit_count=a.admit_count,
+                                capacity=max(self.world, int(s.num_rows * a.capacity_fraction)),
+                                init_scale=s.scale) for s in specs]
+        return specs
+
+    def raw_ids(self, batch):
+        """``--dynamic`` on synthetic data: each table's ids as raw 64-bit hashes
+        (splitmix64 of the id and the table), the way hashed strings arrive."""
+        if not (self.args.dynamic and self.synthetic):
+            return batch
+        from ._bits import splitmix64
+        from .types import Ragged
+
+        def raw(name, ids):
+            with np.errstate(over="ignore"):
+                key = np.uint64(zlib.crc32(name.encode()))
+                return splitmix64(ids.astype(np.int64).view(np.uint64) ^ key).view(np.int64)
+
+        sparse = {f: Ragged(raw(f, x.values), x.offsets) if isinstance(x, Ragged) else raw(f, x)
+                  for f, x in batch.sparse.items()}
+        return type(batch)(batch.label, batch.dense, sparse)
 
     def build(self):
         from . import optim
@@ -162,7 +187,7 @@ class Trainer:
         if self.synthetic:
             lo, hi = self.local_slice(a.batch_size)
             for step in range(self.step, self.steps):
-                yield step, self.train_data.batch(step, a.batch_size).rows(lo, hi), a.batch_size
+                yield step, self.raw_ids(self.train_data.batch(step, a.batch_size).rows(lo, hi)), a.batch_size
             return
         per_epoch = len(self.train_data)
         if per_epoch == 0 and self.step < self.steps:
@@ -192,7 +217,7 @@ class Trainer:
 
         for index in range(math.ceil(a.eval_samples / a.batch_size)):
             size = min(a.batch_size, a.eval_samples - index * a.batch_size)
-            yield self.train_data.batch(index, size, stream=EVAL).rows(*self.local_slice(size))
+            yield self.raw_ids(self.train_data.batch(index, size, stream=EVAL).rows(*self.local_slice(size)))
 
     # -- steps --------------------------------------------------------------------------------
     def train_step(self, batch, global_count):
@@ -279,12 +304,16 @@ class Trainer:
             self.record_eval()
         if a.checkpoint:
             self.save_checkpoint()
+        dynamic = {name: self.collection.dynamic_counts(name)  # collective
+                   for name, spec in self.collection.tables.items() if spec.dynamic}
         if self.root:
-            self.report()
+            self.report(dynamic)
         return 0
 
     # -- output ---------------------------------------------------------------------------------
-    def report(self):
+    def report(self, dynamic):
+        """Write the metrics JSON and the curve, print the summary; ``dynamic``: each
+        dynamic table's live, admitted and evicted ids over all ranks."""
         a = self.args
         rate = self.timed_samples / self.timed_seconds if self.timed_seconds > 0 else float("nan")
         last = self.evals[-1]
@@ -300,6 +329,11 @@ class Trainer:
                       "eval_samples": last["samples"], "eval_split": self.eval_split},
             "train": self.history, "eval": self.evals, "config": self.config,
         }
+        if dynamic:
+            metrics["dynamic"] = dynamic
+            totals = {k: sum(c[k] for c in dynamic.values()) for k in ("size", "admitted", "evicted")}
+            print(f"dynamic tables: {totals['admitted']:,} ids admitted, {totals['evicted']:,} "
+                  f"evicted, {totals['size']:,} live in {len(dynamic)} tables", flush=True)
         write_json(a.metrics, metrics)
         chart = Path(a.metrics).with_suffix(".png")
         drawn = draw_curve(chart, self.history, self.evals, self.eval_split)

@@ -161,7 +161,8 @@ def test_train_against_torchrec_smoke(tmp_path, capsys):
     module = importlib.import_module("hbkernels.bench.bench_train")
     module.main(["--device", "cpu", "--smoke", "--out", str(tmp_path / "train.csv")])
     rows = [r for r in read_rows(tmp_path / "train.csv") if r["op"] == "train"]
-    assert {r["provider"] for r in rows} == {"hbkernels", "torchrec"}
+    assert {r["provider"] for r in rows} == {"hbkernels", "torchrec", "hbkernels-dynamic"}
     assert all(float(r["median_ms"]) > 0 for r in rows)
     out = capsys.readouterr().out
     assert "hbkernels / torchrec samples/s" in out and "mean loss" in out
+    assert "dynamic / static step time" in out

@@ -316,3 +316,31 @@ def test_warmup_runs_every_op(tmp_path):
                          capture_output=True, text=True, timeout=600, cwd=tmp_path, env=_env())
     assert res.returncode == 0, res.stderr
     assert "ops D=16 float32" in res.stdout and res.stdout.rstrip().splitlines()[-1].startswith("done")
+
+
+DYNAMIC = ["--dynamic", "--table", "a:2000:2", "--table", "b:5000:1:var", "--batch-size", "256",
+           "--eval-samples", "256", "--dim", "7", "--bottom", "16", "--top", "16", "--threads", "1",
+           "--capacity-fraction", "0.2", "--admit-count", "2", "--evict", "lfu"]
+
+
+def test_dynamic_tables_train_evict_and_resume_exactly(tmp_path):
+    """--dynamic: raw 64-bit ids into hash tables that admit at the second sight and
+    evict; the metrics count both; a resumed run follows the straight one exactly."""
+    def run(name, *args):
+        metrics = tmp_path / f"{name}.json"
+        assert main(["train", *DYNAMIC, *map(str, args), "--metrics", str(metrics)]) == 0
+        return json.loads(metrics.read_text())
+
+    straight = run("straight", "--steps", 16)
+    counts = straight["dynamic"]
+    assert set(counts) == {"a", "b"} and counts["a"]["size"] <= 400
+    assert all(c["admitted"] > 0 for c in counts.values()) and counts["a"]["evicted"] > 0
+    assert counts["a"]["admitted"] - counts["a"]["evicted"] == counts["a"]["size"]
+    assert np.isfinite(losses(straight)).all()
+    ckpt = tmp_path / "ckpt"
+    run("first", "--steps", 8, "--checkpoint", ckpt)
+    resumed = run("resumed", "--steps", 16, "--checkpoint", ckpt, "--resume")
+    np.testing.assert_array_equal(losses(resumed), losses(straight))
+    assert resumed["final"] == straight["final"]
+    assert {t: c["size"] for t, c in resumed["dynamic"].items()} == {
+        t: c["size"] for t, c in counts.items()}

@@ -31,16 +31,22 @@ def batch(rng, ids, bags=6, max_len=4):
 @pytest.mark.parametrize("optimizer", ["Adagrad", "Adam", "RowWiseAdagrad"])
 @pytest.mark.parametrize("combiner", ["sum", "mean"])
 def test_trains_bit_for_bit_like_a_static_table(rng, optimizer, combiner):
-    """evict="none", admit_count=1: the same outputs and rows, bit for bit, as a static
-    table whose row i is id i, beside another table sharing the fused array."""
+    """evict="none", admit_count=1: the same outputs and rows, bit for bit, as static
+    tables whose row i is id i; two dynamic tables share one fused array, beside a
+    static one."""
     opt = lambda: getattr(hbk.optim, optimizer)(lr=0.1)  # noqa: E731
     other = hbk.TableSpec("u", num_rows=7, dim=5)
-    twin = hbk.EmbeddingCollection([static(combiner=combiner), other], comm=LOCAL, optimizer=opt(),
-                                   seed=3)
-    dyn = hbk.EmbeddingCollection([dynamic(combiner=combiner), other], comm=LOCAL,
+    third = hbk.TableSpec("w", num_rows=9, dim=5, combiner="sqrtn")
+    dyn_other = other._replace(num_rows=None, capacity=8, init_scale=other.scale, evict="none")
+    twin = hbk.EmbeddingCollection([static(combiner=combiner), other, third], comm=LOCAL,
+                                   optimizer=opt(), seed=3)
+    dyn = hbk.EmbeddingCollection([dynamic(combiner=combiner), dyn_other, third], comm=LOCAL,
                                   optimizer=opt(), seed=3)
+    groups = {g for g in dyn.arrays if g.dynamic}
+    assert len(groups) == 1 and len(dyn.local_shards(groups.pop())) == 2
     for step in range(4):
-        feats = {"t": batch(rng, np.arange(64)), "u": rng.integers(0, 7, 6)}
+        feats = {"t": batch(rng, np.arange(64)), "u": rng.integers(0, 7, 6),
+                 "w": batch(rng, np.arange(9))}
         a, b = twin.forward(feats), dyn.forward(feats)
         for f in feats:
             np.testing.assert_array_equal(a[f], b[f])
@@ -50,7 +56,9 @@ def test_trains_bit_for_bit_like_a_static_table(rng, optimizer, combiner):
     ids, rows = dyn.full_weights("t")
     assert ids.tolist() == sorted(set(ids.tolist()))
     np.testing.assert_array_equal(rows, twin.full_weights("t")[ids])
-    np.testing.assert_array_equal(dyn.full_weights("u"), twin.full_weights("u"))
+    u_ids, u_rows = dyn.full_weights("u")
+    np.testing.assert_array_equal(u_rows, twin.full_weights("u")[u_ids])
+    np.testing.assert_array_equal(dyn.full_weights("w"), twin.full_weights("w"))
     assert dyn.dynamic_counts("t") == {"size": len(ids), "admitted": len(ids), "evicted": 0}
 
 
@@ -227,3 +235,41 @@ def test_a_broken_link_is_refused_naming_its_file(rng, tmp_path):
     other.save(tmp_path / "a")  # a different save where b's parent was
     with pytest.raises(hbk.CheckpointError, match=r"a/manifest.json: not the save .*b/manifest.json"):
         hbk.EmbeddingCollection.load(tmp_path / "b", comm=LOCAL)
+
+
+def test_torch_state_dict_round_trip(rng):
+    """EmbeddingCollectionModule.state_dict() holds a dynamic table's ids, scores, rows
+    and state; load_state_dict into a fresh module gives the same tables; eval mode
+    admits nothing."""
+    torch = pytest.importorskip("torch")
+    from hbkernels.adapters.torch import EmbeddingCollectionModule
+
+    def module():
+        return EmbeddingCollectionModule(hbk.EmbeddingCollection(
+            [dynamic(capacity=16, evict="lru"), static("u")], comm=LOCAL,
+            optimizer=hbk.optim.Adam(lr=0.1)))
+
+    src = module()
+    pool = rng.integers(-2**63, 2**63 - 1, 30, dtype=np.int64)
+    for _ in range(4):
+        b = batch(rng, pool)
+        out = src({"t": (torch.from_numpy(b.values), torch.from_numpy(b.offsets)),
+                   "u": torch.from_numpy(rng.integers(0, 64, 6))})
+        sum(o.sum() for o in out.values()).backward()
+    state = src.state_dict()
+    size = src.collection.dynamic_counts("t")["size"]
+    assert state["tables.t.ids"].shape == state["tables.t.last"].shape == (size,)
+    dst = module()
+    dst.load_state_dict(state)
+    a, b = src.collection, dst.collection
+    for x, y in zip(a.full_weights("t") + a.dynamic_scores("t"), b.full_weights("t") + b.dynamic_scores("t")):
+        np.testing.assert_array_equal(x, y)
+    np.testing.assert_array_equal(a.full_weights("u"), b.full_weights("u"))
+    for k, v in a.full_state("t").items():
+        np.testing.assert_array_equal(v, b.full_state("t")[k])
+    dst.eval()
+    before = dst.collection.dynamic_counts("t")
+    new = torch.tensor([123456789, 987654321])
+    with torch.no_grad():
+        out = dst({"t": (new, torch.tensor([0, 2])), "u": torch.tensor([1])})
+    assert float(out["t"].abs().sum()) == 0 and dst.collection.dynamic_counts("t") == before

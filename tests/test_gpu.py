@@ -170,3 +170,34 @@ def test_hash_table_on_the_gpu_matches_the_cpu(rng, evict):
         np.testing.assert_array_equal(cupy.asnumpy(gpu.scores(cupy.asarray(probe))), cpu.scores(probe))
         assert (gpu.size, gpu.admitted, gpu.evicted) == (cpu.size, cpu.admitted, cpu.evicted)
     assert cpu.evicted > 0
+
+
+def test_dynamic_table_on_the_gpu_matches_the_cpu(rng):
+    """A device="cuda" collection with a dynamic table (raw 64-bit ids, LFU eviction,
+    admission at the second sight) trains like the CPU one: outputs, live ids, rows."""
+    needs_cupy()
+    tables = [hbk.TableSpec("d", num_rows=None, dim=16, capacity=300, evict="lfu", admit_count=2),
+              hbk.TableSpec("a", 5000, 16, "sum")]
+    local = hbk.dist.init("local")
+
+    def make(device):
+        return hbk.EmbeddingCollection(tables, comm=local, optimizer=hbk.optim.Adagrad(lr=0.05),
+                                       device=device, seed=3)
+    gpu, cpu = make("cuda"), make("cpu")
+    pool = rng.integers(np.iinfo(np.int64).min, np.iinfo(np.int64).max, 600, dtype=np.int64)
+    for _ in range(10):  # about 160 distinct ids a step, 600 in all: 300 slots evict
+        offsets = random_offsets(rng, 64, 6)
+        ids = rng.choice(pool, int(offsets[-1]))
+        a = rng.integers(0, 5000, 64)
+        out_g = gpu.forward({"d": hbk.Ragged(cupy.asarray(ids), cupy.asarray(offsets)),
+                             "a": cupy.asarray(a)})
+        out_c = cpu.forward({"d": hbk.Ragged(ids, offsets), "a": a})
+        for f in out_c:
+            assert_close(cupy.asnumpy(out_g[f]), out_c[f].astype(np.float64), np.float32)
+        grads = {f: rng.standard_normal(o.shape).astype(np.float32) for f, o in out_c.items()}
+        gpu.backward({f: cupy.asarray(g) for f, g in grads.items()})
+        cpu.backward(grads)
+    (ids_g, rows_g), (ids_c, rows_c) = gpu.full_weights("d"), cpu.full_weights("d")
+    np.testing.assert_array_equal(cupy.asnumpy(ids_g), ids_c)
+    assert_close(cupy.asnumpy(rows_g), rows_c.astype(np.float64), np.float32)
+    assert gpu.dynamic_counts("d") == cpu.dynamic_counts("d") and cpu.dynamic_counts("d")["evicted"] > 0

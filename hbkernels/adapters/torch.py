@@ -561,7 +561,7 @@ class _CollectionStep(torch.autograd.Function):
         coll = module.collection
         module._generation += 1
         ctx.module, ctx.names, ctx.generation = module, names, module._generation
-        out = coll.forward(features, per_sample_weights=per_sample_weights)
+        out = coll.forward(features, per_sample_weights=per_sample_weights, insert=module.training)
         return tuple(from_kernel_array(_rows(out[f])) for f in names)
 
     @staticmethod
@@ -597,6 +597,9 @@ def _torch_dtype(dtype):
     return next(t for t, n in _TORCH_DTYPES.items() if np.dtype(n) == np.dtype(dtype))
 
 
+DYNAMIC_ITEMS = ("ids", "last", "count")  # a dynamic table's state_dict entries beside its rows
+
+
 class EmbeddingCollectionModule(torch.nn.Module):
     """``nn.Module`` over an :class:`hbkernels.EmbeddingCollection` (DLRM's sparse
     part): ``forward(features)`` returns ``{feature: [B, dim]}`` pooled tensors
@@ -614,10 +617,14 @@ class EmbeddingCollectionModule(torch.nn.Module):
     on a GPU collection) and cross without copies. ``features`` may instead be a
     TorchRec ``KeyedJaggedTensor`` (keys are features, split as
     :func:`features_from_kjt` does); its weights, when it has some, are the
-    per-sample weights (then ``per_sample_weights`` must be ``None``).
+    per-sample weights (then ``per_sample_weights`` must be ``None``). In
+    ``eval()`` mode dynamic tables (``TableSpec(num_rows=None)``) only look ids up:
+    nothing is admitted or counted as a use (``forward(..., insert=False)``).
 
     ``state_dict()`` holds every table gathered whole (collective: every rank
-    calls it): ``tables.<name>.weight`` ``[num_rows, dim]``,
+    calls it): ``tables.<name>.weight`` ``[num_rows, dim]`` (a dynamic table: the rows
+    of its live ids, ascending, with ``tables.<name>.ids``, ``.last`` and ``.count``,
+    their scores; ids waiting for admission are not kept),
     ``tables.<name>.optimizer.<slot>`` for each slot of the collection's
     optimizer (``[num_rows, dim]``, or ``[num_rows]`` for a per-row slot) and
     ``tables.<name>.optimizer.step`` (int64 scalar), so
@@ -683,7 +690,7 @@ class EmbeddingCollectionModule(torch.nn.Module):
             if torch.is_grad_enabled():
                 outs = _CollectionStep.apply(self._anchor, self, names, arrays, psws)
             else:  # evaluation: no backward will come
-                out = self.collection.forward(arrays, per_sample_weights=psws)
+                out = self.collection.forward(arrays, per_sample_weights=psws, insert=self.training)
                 outs = tuple(from_kernel_array(_rows(out[f])) for f in names)
         return dict(zip(names, outs))
 
@@ -696,7 +703,9 @@ class EmbeddingCollectionModule(torch.nn.Module):
         """``{state_dict key (without prefix): (table, item)}``, item ``"weight"``, an
         optimizer slot or ``"step"``, in the collection's table order."""
         keys = {}
-        for name in self.collection.tables:
+        for name, spec in self.collection.tables.items():
+            if spec.dynamic:
+                keys.update({f"tables.{name}.{item}": (name, item) for item in DYNAMIC_ITEMS})
             keys[f"tables.{name}.weight"] = (name, "weight")
             for slot, _ in self.collection.optimizer.slots:
                 keys[f"tables.{name}.optimizer.{slot}"] = (name, slot)
@@ -706,8 +715,14 @@ class EmbeddingCollectionModule(torch.nn.Module):
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         coll = self.collection
-        for name in coll.tables:  # collective: every rank gathers every table
-            destination[f"{prefix}tables.{name}.weight"] = from_kernel_array(coll.full_weights(name))
+        for name, spec in coll.tables.items():  # collective: every rank gathers every table
+            weights = coll.full_weights(name)
+            if spec.dynamic:  # rows of the live ids, ascending, and their scores
+                scores = dict(zip(DYNAMIC_ITEMS, coll.dynamic_scores(name)))
+                for item in DYNAMIC_ITEMS:
+                    destination[f"{prefix}tables.{name}.{item}"] = torch.from_numpy(scores[item])
+                weights = weights[1]
+            destination[f"{prefix}tables.{name}.weight"] = from_kernel_array(weights)
             state = coll.full_state(name)
             for slot, _ in coll.optimizer.slots:
                 destination[f"{prefix}tables.{name}.optimizer.{slot}"] = from_kernel_array(state[slot])
@@ -729,12 +744,18 @@ class EmbeddingCollectionModule(torch.nn.Module):
                 missing_keys.append(key)
                 continue
             value = state_dict[key]
+            rows = coll.tables[name].num_rows
+            if coll.tables[name].dynamic:  # as many rows as the saved table had live ids
+                ids = state_dict.get(f"{ours}{name}.ids")
+                rows = int(ids.shape[0]) if isinstance(ids, torch.Tensor) and ids.ndim == 1 else -1
             if item == "step":
                 shape = ()
+            elif item in DYNAMIC_ITEMS:
+                shape = (rows,)
             elif item == "weight" or not dict(coll.optimizer.slots)[item]:
-                shape = (coll.tables[name].num_rows, coll.tables[name].dim)
+                shape = (rows, coll.tables[name].dim)
             else:  # one state value per row
-                shape = (coll.tables[name].num_rows,)
+                shape = (rows,)
             if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
                 errors.append(f"size mismatch for {key}: copying a param with shape "
                                   f"{tuple(getattr(value, 'shape', ()))} from checkpoint, the shape "
@@ -746,6 +767,16 @@ class EmbeddingCollectionModule(torch.nn.Module):
             return
         steps = {}  # fused array -> step of its loaded tables
         for name, items in found.items():
+            if coll.tables[name].dynamic:
+                if len(items) < len(DYNAMIC_ITEMS) + 2:  # ids, scores, weight and step needed
+                    continue
+                host = {k: v.detach().cpu().numpy() for k, v in items.items() if k != "step"}
+                coll.restore_dynamic(name, host["ids"], host["last"], host["count"],
+                                     {("weights" if k == "weight" else k): v for k, v in host.items()
+                                      if k not in DYNAMIC_ITEMS})
+                group = next(s.group for s in coll.local_shards() if s.table == name)
+                steps[group] = max(steps.get(group, 0), int(items["step"]))
+                continue
             for shard in coll.local_shards():
                 if shard.table != name:
                     continue

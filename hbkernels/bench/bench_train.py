@@ -15,7 +15,9 @@ multi-hot), the same learning rates, BCE on logits; the calls alternate in
 a fresh order each round (:meth:`Context.measure_together`), so both meet
 the same machine. The table reports ms per step (samples/s = batch / that)
 and the mean loss of each provider's last steps (same batches, different
-initial weights: close, not equal).
+initial weights: close, not equal). ``hbkernels-dynamic`` is ``hbkernels train
+--dynamic``: the same model with every table a dynamic one (as many rows, raw
+64-bit ids: the batches' ids hashed before the clock starts).
 
     python3 -m hbkernels.bench.bench_train --device cpu --reps 100
 """
@@ -30,6 +32,7 @@ import numpy as np
 from .common import HBK, Provider, cli_main, optional_module
 
 OP = "train"
+DYNAMIC = HBK + "-dynamic"
 BATCH_SIZE = 2048
 BATCHES = 64
 SPARSE_LR, DENSE_LR, EPS = 0.05, 1e-3, 1e-10
@@ -120,7 +123,19 @@ def run(ctx):
             adam.step()
             losses["torchrec"].append(loss.item())
 
-        providers = [Provider(HBK, hbk_step), Provider("torchrec", torchrec_step)]
+        dyn_args = trainer_args(batch_size, os.path.join(tmp, "dynamic.json"))
+        dyn_args.dynamic = True
+        dynamic = Trainer(dyn_args, init("local"), "cpu")
+        raw = {id(b): dynamic.raw_ids(b) for b in batches}  # hashed ids, made before the clock
+        losses[DYNAMIC] = []
+
+        def dynamic_step(batch):
+            losses[DYNAMIC].append(dynamic.train_step(raw[id(batch)], batch_size))
+            if dynamic.governor is not None:
+                dynamic.governor.tick()
+
+        providers = [Provider(HBK, hbk_step), Provider("torchrec", torchrec_step),
+                     Provider(DYNAMIC, dynamic_step)]
         providers = [p for p in providers if ctx.selected(p.name)]
         timings = ctx.measure_together([(p.run, batches, None) for p in providers])
     size = (f"B={batch_size} tables={len(args.tables)} D={args.dim} "
@@ -131,8 +146,11 @@ def run(ctx):
         tail = losses[p.name][-min(20, len(losses[p.name])):]
         print(f"  {p.name}: {batch_size / timing.median_ms * 1e3:,.0f} samples/s, "
               f"mean loss of its last {len(tail)} steps {np.mean(tail):.4f}")
-    if len(timings) == 2 and all(math.isfinite(t.median_ms) for t in timings):
-        print(f"  hbkernels / torchrec samples/s = {timings[1].median_ms / timings[0].median_ms:.2f}")
+    ms = {p.name: t.median_ms for p, t in zip(providers, timings) if math.isfinite(t.median_ms)}
+    if HBK in ms and "torchrec" in ms:
+        print(f"  hbkernels / torchrec samples/s = {ms['torchrec'] / ms[HBK]:.2f}")
+    if HBK in ms and DYNAMIC in ms:
+        print(f"  dynamic / static step time = {ms[DYNAMIC] / ms[HBK]:.2f}")
 
 
 def main(argv=None):

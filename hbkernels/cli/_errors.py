@@ -3,7 +3,7 @@ import argparse
 import os
 
 from ..dist import CommError
-from ..errors import BoundsError, CheckpointError, DataError, MissingDependencyError
+from ..errors import BoundsError, CapacityError, CheckpointError, DataError, MissingDependencyError
 
 
 class CLIError(Exception):
@@ -11,8 +11,8 @@ class CLIError(Exception):
 
 
 #: exceptions shown as one line (anything else is a bug: full traceback)
-USER_ERRORS = (CLIError, OSError, BoundsError, CheckpointError, CommError, DataError,
-               MissingDependencyError)
+USER_ERRORS = (CLIError, OSError, BoundsError, CapacityError, CheckpointError, CommError,
+               DataError, MissingDependencyError)
 
 
 def error_line(exc):

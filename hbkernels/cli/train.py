@@ -2,6 +2,7 @@
 
     hbkernels train                                     # synthetic clicks, CPU or the GPU
     hbkernels train --data criteo.parquet --epochs 5    # e.g. from `hbkernels data convert criteo`
+    hbkernels train --dynamic --admit-count 2           # raw 64-bit ids, hash tables, eviction
     mpiexec -n 2 hbkernels train --steps 200            # 2 ranks: NCCL with a GPU each, else MPI
     torchrun --nproc-per-node 2 -m hbkernels train      # 2 ranks through torch.distributed
 
@@ -93,6 +94,17 @@ def add_command(subparsers):
     data.add_argument("--num-rows", type=at_least(1), default=100_000,
                       help="Parquet: rows per table; ids are taken modulo this (hashing trick)")
     data.add_argument("--shuffle-buffer", type=at_least(0), default=0, help="Parquet: shuffle window in rows")
+    data.add_argument("--dynamic", action="store_true",
+                      help="dynamic tables (hbk.HashTable per rank): raw 64-bit ids (Parquet: the "
+                           "column values, no modulo; synthetic: the ids hashed), each table "
+                           "holding at most its rows (--num-rows for Parquet)")
+    data.add_argument("--evict", default="lru", choices=("lru", "lfu", "none"),
+                      help="--dynamic: which id a full table evicts")
+    data.add_argument("--admit-count", type=at_least(1), default=1,
+                      help="--dynamic: an id gets a row in the n-th step that sees it")
+    data.add_argument("--capacity-fraction", type=at_least(0.0, float, strictly=True), default=1.0,
+                      help="--dynamic: rows a table holds, as a fraction of its rows (<= 1; "
+                           "below 1 the tables evict)")
     model = p.add_argument_group("model and training")
     model.add_argument("--steps", type=at_least(1), default=300, help="training steps (global batches)")
     model.add_argument("--epochs", type=at_least(1), default=None,
@@ -133,6 +145,8 @@ def check_args(args):
         writable_dir(args.checkpoint)
     if args.resume and not args.checkpoint:
         raise CLIError("--resume needs --checkpoint DIR")
+    if args.capacity_fraction > 1:
+        raise CLIError(f"--capacity-fraction must be in (0, 1], got {args.capacity_fraction}")
     synthetic = args.data == "synthetic"
     if not synthetic:
         for path in filter(None, (args.data, args.eval_data)):

@@ -179,6 +179,7 @@ def _widen(value):
 
 
 fib_hash = njit(inline="always")(_bits.fib_hash)
+splitmix64 = njit(inline="always")(_bits.splitmix64)
 fmix32 = njit(inline="always")(_bits.fmix32)
 bfloat16_bits = njit(inline="always")(_bits.bfloat16_bits)
 

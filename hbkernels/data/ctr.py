@@ -20,7 +20,8 @@ with ``v ~ N(0, 0.25 / K)`` and ``h_t ~ N(0, 2 / T)`` per row, drawn from the se
 :class:`hbkernels.data.ParquetDataset`: a label column, float columns as dense
 features (nulls and NaN 0, then ``log1p(max(x, 0))`` as DLRM does for Criteo) and
 integer, string or list columns as ids taken modulo ``num_rows`` (the hashing
-trick: hashed Criteo ids are 63-bit).
+trick: hashed Criteo ids are 63-bit), or as they are with ``num_rows=None`` (for
+dynamic tables).
 
 >>> from hbkernels.data.synthetic import SyntheticTable
 >>> clicks = SyntheticClicks([SyntheticTable("user", 1000), SyntheticTable("hist", 500, 4, True)],
@@ -157,7 +158,7 @@ class ParquetClicks:
         if not self.sparse:
             raise DataError(f"no categorical (integer, string or list) columns in "
                              f"{first}; columns: {listing}")
-        self.num_rows = int(num_rows)
+        self.num_rows = None if num_rows is None else int(num_rows)
         strings = {c for c in self.sparse if "string" in str(schema.field(c).type)}
         fill = {c: 0.0 for c in self.dense}
         fill.update({c: ("" if c in strings else 0) for c in self.sparse})
@@ -177,7 +178,10 @@ class ParquetClicks:
         return list(names)
 
     def _bucket(self, ids):
-        """``ids % num_rows`` as int64, exact for unsigned ids too."""
+        """``ids % num_rows`` as int64, exact for unsigned ids too; the ids themselves
+        as int64 (unsigned ones wrapped) with ``num_rows=None``."""
+        if self.num_rows is None:
+            return ids.astype(np.int64) if ids.dtype.kind != "u" else ids.astype(np.uint64).view(np.int64)
         if ids.dtype.kind == "u":
             return (ids.astype(np.uint64) % np.uint64(self.num_rows)).astype(np.int64)
         return ids.astype(np.int64) % self.num_rows

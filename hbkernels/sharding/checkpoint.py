@@ -140,7 +140,7 @@ def _changed_arrays(coll, shard, changed):
     table also writes all its ids and scores (:func:`_dynamic_arrays`)."""
     fused = coll.arrays[shard.group]
     family = classify(fused.weights)[0]
-    if shard.group.table is None:
+    if not shard.group.dynamic:
         local = np.flatnonzero(host(changed[shard.group][shard.base:shard.base + shard.num_rows]))
         out = {"rows": shard_rows(shard)[local]}
         at = family.put(local + shard.base)
@@ -148,9 +148,9 @@ def _changed_arrays(coll, shard, changed):
         out = {k: v for k, v in _dynamic_arrays(coll, shard).items()
                if k not in ["weights"] + [slot for slot, _ in coll.optimizer.slots]}
         kept = coll.hash_tables[shard.table].state()
-        hit = host(changed[shard.group][family.put(kept["slots"])])
+        hit = host(changed[shard.group][family.put(kept["slots"] + shard.base)])
         out["rows"] = kept["ids"][hit]
-        at = family.put(kept["slots"][hit])
+        at = family.put(kept["slots"][hit] + shard.base)
     out["weights"] = fused.weights[at]
     out.update({slot: fused.state[slot][at] for slot, _ in coll.optimizer.slots})
     return out
@@ -177,7 +177,7 @@ def save(coll, path, parent=None, changed=None):
             if coll.plan[shard.table].kind == "data_parallel" and me != 0:
                 continue  # replicas are identical: rank 0 writes the table
             arrays = (_changed_arrays(coll, shard, changed) if parent is not None else
-                      _dynamic_arrays(coll, shard) if shard.group.table is not None
+                      _dynamic_arrays(coll, shard) if shard.group.dynamic
                       else coll.shard_arrays(shard))
             for name, part in arrays.items():
                 part = host(part)
@@ -235,7 +235,7 @@ def _dynamic_arrays(coll, shard):
     weights and of each optimizer slot, and their eviction scores ``last`` and ``count``."""
     kept = coll.hash_tables[shard.table].state()
     fused = coll.arrays[shard.group]
-    at = classify(fused.weights)[0].put(kept["slots"])
+    at = classify(fused.weights)[0].put(kept["slots"] + shard.base)
     out = {"ids": kept["ids"], "weights": fused.weights[at]}
     out.update({slot: fused.state[slot][at] for slot, _ in coll.optimizer.slots})
     out.update(last=kept["last"], count=kept["count"])
@@ -522,8 +522,9 @@ class Checkpoint:
         for group, fused in coll.arrays.items():
             shards = coll.local_shards(group)
             fused.state["step"][0] = max([self.steps[s.table] for s in shards] or [0])
-            if group.table is not None:
-                self._restore_dynamic(coll, group, saved)
+            if group.dynamic:
+                for shard in shards:
+                    self._restore_dynamic(coll, shard.table, saved)
                 continue
             for slot, _ in coll.optimizer.slots:
                 state = host(fused.state[slot]).copy()
@@ -534,30 +535,19 @@ class Checkpoint:
                 target = fused.state[slot]
                 target[...] = classify(target)[0].put(state)
 
-    def _restore_dynamic(self, coll, group, saved):
-        name = group.table
-        arrays = ["ids", "weights", "last", "count"] + [
-            slot for slot, _ in coll.optimizer.slots if (name, slot) in saved]
-        data = {a: self._reader.all_rows(name, a) for a in arrays[:4]}
+    def _restore_dynamic(self, coll, name, saved):
+        """Dynamic table ``name``'s ids, scores, pending ids, rows and state as of this
+        save, the ids this rank owns now handed to
+        :meth:`EmbeddingCollection.restore_dynamic`."""
+        data = {a: self._reader.all_rows(name, a) for a in ("ids", "last", "count")}
         ids = data["ids"]
         if ids.shape[0] != np.unique(ids).shape[0]:
             raise CheckpointError(f"{os.path.join(self.path, MANIFEST)}: table {name!r} has an "
                                   f"id saved twice")
-        n, me = coll.comm.world_size, coll.comm.rank
-        mine = dynamic_owner(np, ids, n) == me
-        step = int(data["last"].max()) if data["last"].shape[0] else 0
+        mine = dynamic_owner(np, ids, coll.comm.world_size) == coll.comm.rank
+        arrays = ["weights"] + [slot for slot, _ in coll.optimizer.slots if (name, slot) in saved]
+        rows = {a: self._dynamic(name, a, ids[mine]) for a in arrays}  # only the rows it keeps
         pending = None
         if (name, "pending_ids") in saved:
-            waiting = {k: self._reader.all_rows(name, f"pending_{k}") for k in ("ids", "last", "count")}
-            theirs = dynamic_owner(np, waiting["ids"], n) == me
-            pending = tuple(waiting[k][theirs] for k in ("ids", "last", "count")) + (
-                int(waiting["last"].max()) if waiting["last"].shape[0] else 0,)
-        slots = coll.hash_tables[name].restore(ids[mine], data["last"][mine], data["count"][mine],
-                                               step, pending)
-        kept = slots >= 0  # an overfull shard leaves out what its policy evicts first
-        fused = coll.arrays[group]
-        family = classify(fused.weights)[0]
-        at = family.put(slots[kept])
-        for array in ["weights"] + arrays[4:]:
-            target = fused.weights if array == "weights" else fused.state[array]
-            target[at] = family.put(np.ascontiguousarray(self._dynamic(name, array, ids[mine][kept])))
+            pending = tuple(self._reader.all_rows(name, f"pending_{k}") for k in ("ids", "last", "count"))
+        coll.restore_dynamic(name, ids[mine], data["last"][mine], data["count"][mine], rows, pending)

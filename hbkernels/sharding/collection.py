@@ -52,6 +52,7 @@ from .. import optim as _optim
 from .._dispatch import device_family, host, resolve
 from .._machine import cupy, simulator_enabled
 from ..dist import _wire
+from ..errors import CapacityError
 from ..hash_table import HashTable
 from ..ops import check_ragged, embedding_bag, embedding_bag_backward, lookup, partition, unique
 from ..types import JaggedRows, Ragged, SparseGrad, table_spec
@@ -59,7 +60,8 @@ from ..memory import aligned_empty
 from . import checkpoint
 from .kjt import features_from_kjt, is_keyed_jagged_tensor
 from .kinds import SHARDINGS
-from .layout import initial_weights, make_layout, shard_rows
+from .kinds.row_wise import dynamic_owner
+from .layout import initial_rows, initial_weights, make_layout, shard_rows
 from .plan import make_plan
 
 
@@ -223,9 +225,11 @@ class EmbeddingCollection:
         self.hash_tables = {
             s.table: HashTable(s.num_rows, evict=self.tables[s.table].evict, device=s.group.device,
                                admit_count=self.tables[s.table].admit_count, name=s.table)
-            for s in self.local_shards() if s.group.table is not None}
+            for s in self.local_shards() if s.group.dynamic}
         self._saved = None
         self._changed = None  # group -> bool per fused row: changed since the last save
+        self._insert = True  # the current forward's: dynamic tables admit ids
+        self._fresh = {}  # group -> optimizer state of a row never updated
         self._last_save = None  # (path, manifest crc32) of the last save
         self._chain = []  # directories of the last full save and the incremental ones after it
         self.stats = {}
@@ -248,7 +252,7 @@ class EmbeddingCollection:
         for group in self.layout.groups(self.comm.rank):
             weights = aligned_empty((self.layout.rows[self.comm.rank, group], group.width), group.dtype)
             for shard in self.local_shards(group):
-                if group.table is not None:  # a dynamic table's rows are made as ids arrive
+                if group.dynamic:  # a dynamic table's rows are made as ids arrive
                     weights[shard.base:shard.base + shard.num_rows] = 0
                     continue
                 rows = shard_rows(shard)
@@ -349,7 +353,7 @@ class EmbeddingCollection:
                                  uniq, inverse, sequence_offsets)
         return inputs
 
-    def forward(self, features, *, per_sample_weights=None):
+    def forward(self, features, *, per_sample_weights=None, insert=True):
         """Pooled embeddings of this rank's batch: ``{feature: [B, dim]}`` (table dtype);
         for a sequence table (``combiner=None``) a :class:`hbkernels.types.JaggedRows`
         ``([N, dim] rows of every id, the input's offsets)``.
@@ -359,8 +363,11 @@ class EmbeddingCollection:
         features, its weights the ``per_sample_weights``); ``per_sample_weights``:
         optional ``{feature: weights}`` (one per value). Collective: every rank calls it (with its own batch).
         Ids outside a table raise :class:`hbkernels.BoundsError` here and
-        :class:`hbkernels.dist.CommError` on the other ranks.
+        :class:`hbkernels.dist.CommError` on the other ranks. ``insert=False``
+        (evaluation): dynamic tables only look their ids up, an id they do not hold
+        reads as a zero row, and nothing is admitted or counted as a use.
         """
+        self._insert = bool(insert)
         self.stats = {"ids_bytes": 0, "rows_bytes": 0, "grads_bytes": 0, "replica_grads_bytes": 0}
         try:
             inputs = self._read_inputs(features, per_sample_weights)
@@ -447,7 +454,7 @@ class EmbeddingCollection:
         keys = xp.concatenate(keys) if keys else xp.zeros(0, np.int64)
         dests = xp.concatenate(dests) if dests else keys
         with self._phase("kernels"):
-            if group.table is None:  # a row and its rank in one key: one partition moves both
+            if not group.dynamic:  # a row and its rank in one key: one partition moves both
                 parted = partition(keys * n + dests, n)
                 keys = parted.ids // n
             else:  # raw ids: any int64
@@ -458,16 +465,20 @@ class EmbeddingCollection:
         table = self.arrays[group].weights if group in self.arrays else None
         with self._phase("kernels"):
             bounds = "unchecked"
-            if group.table is not None:  # the owner turns ids into rows (-1: not admitted)
+            if group.dynamic:  # the owner turns ids into rows (-1: not admitted)
                 bounds = "zero"
-                if self.dedup:
-                    owned, again = unique(recv_keys, return_inverse=True)
-                    recv_keys = self._rows_of_ids(group, owned)[again]
-                else:
-                    recv_keys = self._rows_of_ids(group, recv_keys)
+                try:
+                    if self.dedup:
+                        owned, again = unique(recv_keys, return_inverse=True)
+                        recv_keys = self._rows_of_ids(group.table, owned)[again]
+                    else:  # (the table's own array on this rank: its slots are its rows)
+                        recv_keys = self._rows_of_ids(group.table, recv_keys)
+                except CapacityError as error:  # the peers are in the rows' exchange
+                    self.comm.fail_collectively("alltoallv", error)
+                    raise
             if recv_keys.shape[0] == 0:
                 rows = xp.empty((0, group.width), group.dtype)
-            elif self.dedup and group.table is None:
+            elif self.dedup and not group.dynamic:
                 owned, again = unique(recv_keys, return_inverse=True)
                 rows = lookup(lookup(table, owned, bounds=bounds), again, bounds="unchecked")
             else:
@@ -491,30 +502,51 @@ class EmbeddingCollection:
         starts = [int(route.bases[self.comm.rank]) for _, route in requests]
         ids = [inputs[f].values for f, _ in requests]
         bounds = "unchecked"
-        if group.table is not None and requests:  # one call of the table for all its features
+        if group.dynamic:  # one call of each table for all its features; rows with -1 kept
             bounds = "zero"
-            rows = self._rows_of_ids(group, space.xp.concatenate(ids))
-            cuts = np.cumsum([0] + [int(v.shape[0]) for v in ids])
-            ids = [rows[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
+            for table in dict.fromkeys(route.table for _, route in requests):
+                ks = [k for k, (_, route) in enumerate(requests) if route.table == table]
+                rows = self._rows_of_ids(table, ids[ks[0]] if len(ks) == 1 else
+                                         space.xp.concatenate([ids[k] for k in ks]))
+                if starts[ks[0]]:
+                    rows = space.xp.where(rows >= 0, rows + starts[ks[0]], -1)
+                cuts = np.cumsum([0] + [int(ids[k].shape[0]) for k in ks])
+                for k, a, b in zip(ks, cuts[:-1], cuts[1:]):
+                    ids[k] = rows[a:b]
+            starts = [0] * len(requests)
         pools = self._pool(space, self.arrays[group].weights, requests, starts, inputs,
                            lambda k: ids[k], outputs, bounds)
         return LocalContext(group, pools)
 
-    def _rows_of_ids(self, group, ids):
-        """A dynamic table's rows for ``ids`` (one call of its hash table: every id is a
-        use; -1 for an id not admitted yet). Slots given out in the call get the rows
-        their ids start with and fresh optimizer state."""
-        spec, fused = self.tables[group.table], self.arrays[group]
-        space = self._family(group.device)
-        slots, new_ids, new_slots = self.hash_tables[group.table].slots(ids, return_new=True)
+    def _dynamic_shard(self, name):
+        """This rank's shard of dynamic table ``name``."""
+        return next(s for s in self.layout.shards[name] if s.rank == self.comm.rank)
+
+    def _rows_of_ids(self, name, ids):
+        """Dynamic table ``name``'s slots for ``ids`` (one call of its hash table: every
+        id is a use; -1 for an id not admitted yet). Slots given out in the call get the
+        rows their ids start with and fresh optimizer state."""
+        if not self._insert:
+            return self.hash_tables[name].slots(ids, insert=False)
+        slots, new_ids, new_slots = self.hash_tables[name].slots(ids, return_new=True)
         if new_slots.shape[0]:
-            self._mark_changed(group, new_slots)
-            rows = initial_weights(spec, self.seed, host(new_ids))
-            fused.weights[new_slots] = space.put(rows)
-            fresh = self.optimizer.init_state(rows)
-            for slot, _ in self.optimizer.slots:
-                fused.state[slot][new_slots] = space.put(fresh[slot])
+            shard = self._dynamic_shard(name)
+            fused, space = self.arrays[shard.group], self._family(shard.group.device)
+            at = new_slots + shard.base
+            self._mark_changed(shard.group, at)
+            fused.weights[at] = space.put(initial_rows(self.tables[name], self.seed, host(new_ids)))
+            for slot, value in self._fresh_state(shard.group).items():
+                fused.state[slot][at] = value
         return slots
+
+    def _fresh_state(self, group):
+        """Each optimizer slot's value in a row of ``group`` that no update has touched
+        (``init_state``'s: a row for a per-element slot, a number for a per-row one)."""
+        if group not in self._fresh:
+            space = self._family(group.device)
+            state = self.optimizer.init_state(space.zeros((1, group.width), group.dtype))
+            self._fresh[group] = {slot: state[slot][0] for slot, _ in self.optimizer.slots}
+        return self._fresh[group]
 
     @staticmethod
     def _inverse_permutation(xp, order):
@@ -594,7 +626,7 @@ class EmbeddingCollection:
             ids = xp.concatenate([p[0] for p in parts]) if parts else xp.zeros(0, np.int64)
             rows = (xp.concatenate([p[1] for p in parts]) if parts
                     else xp.zeros((0, group.width), np.float32))
-            if group.table is not None:  # ids not admitted (-1) get no update
+            if group.dynamic:  # ids not admitted (-1) get no update
                 kept = ids >= 0
                 ids, rows = ids[kept], rows[kept]
             with self._phase("kernels"):
@@ -684,16 +716,55 @@ class EmbeddingCollection:
     def _gather_dynamic(self, name, pick):
         """``(ids, rows)`` of dynamic table ``name``: its live ids over all ranks, ascending,
         and their rows of ``pick(fused arrays)``, the same on every rank. Collective."""
-        shard = next(s for s in self.layout.shards[name] if s.rank == self.comm.rank)
+        shard = self._dynamic_shard(name)
         space = self._family(shard.group.device)
         ids, slots = self.hash_tables[name].items()
-        rows = pick(self.arrays[shard.group])[slots]
+        rows = pick(self.arrays[shard.group])[slots + shard.base]
         if self.comm.world_size > 1:
             ids, _ = self.comm.allgatherv(ids)
             rows, _ = self.comm.allgatherv(rows)
             order = space.xp.argsort(ids)
             ids, rows = ids[order], rows[order]
         return ids, rows
+
+    def dynamic_scores(self, name):
+        """``(ids, last, count)`` of dynamic table ``name`` over all ranks, ascending by
+        id: each live id's last use and its uses, as its rank's hash table counts
+        them. Collective."""
+        state = self.hash_tables[name].state()
+        ids, last, count = state["ids"], state["last"], state["count"]
+        if self.comm.world_size > 1:
+            ids, last, count = (host(self.comm.allgatherv(a)[0]) for a in (ids, last, count))
+            order = np.argsort(ids)
+            ids, last, count = ids[order], last[order], count[order]
+        return ids, last, count
+
+    def restore_dynamic(self, name, ids, last, count, rows, pending=None):
+        """Put the saved ids of dynamic table ``name`` back (NumPy arrays over all
+        ranks; this rank takes the ids it owns), replacing what the table held here:
+        ``last`` and ``count`` their scores, ``rows`` ``{"weights" or an optimizer slot:
+        rows}`` aligned with ``ids``, ``pending`` ``(ids, last, count)`` of ids waiting
+        for admission. A shard given more ids than its slots leaves out those its policy
+        evicts first (:meth:`hbkernels.HashTable.restore`). Not collective."""
+        shard = self._dynamic_shard(name)
+        n, me = self.comm.world_size, self.comm.rank
+        table = self.hash_tables[name]
+        table.erase(table.ids())
+        mine = dynamic_owner(np, ids, n) == me
+        waiting = None
+        if pending is not None:
+            theirs = dynamic_owner(np, pending[0], n) == me
+            waiting = tuple(a[theirs] for a in pending) + (
+                int(pending[1].max()) if pending[1].shape[0] else 0,)
+        step = int(last.max()) if last.shape[0] else 0
+        slots = table.restore(ids[mine], last[mine], count[mine], step, waiting)
+        kept = slots >= 0
+        fused = self.arrays[shard.group]
+        space = self._family(shard.group.device)
+        at = space.put(slots[kept] + shard.base)
+        for array, values in rows.items():
+            target = fused.weights if array == "weights" else fused.state[array]
+            target[at] = space.put(np.ascontiguousarray(np.asarray(values)[mine][kept]))
 
     def dynamic_counts(self, name):
         """``{"size", "admitted", "evicted"}`` of dynamic table ``name``, summed over the

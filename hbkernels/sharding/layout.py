@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .._bits import splitmix64
+from ..cpu.initializer import uniform_rows
 from ..types import table_spec
 from .kinds import SHARDINGS
 
@@ -26,13 +27,16 @@ _INIT_CHUNK = 1 << 22  # elements generated at a time by initial_weights
 
 
 class FusedGroup(NamedTuple):
-    """Slices stacked into one array per rank: their width, dtype name and device; a
-    dynamic table's rows make an array of their own (``table``: its name), which
-    the collection addresses through the rank's hash table instead of by id."""
+    """Slices stacked into one array per rank: their width, dtype name and device.
+    Dynamic tables' rows (``dynamic``) are addressed through each rank's hash tables,
+    not by id, and are not stacked with static ones: on one rank those of one width,
+    dtype and device share an array; on several each has its own (``table``: its
+    name), so that the ids its exchange carries need no table tag."""
 
     width: int
     dtype: str
     device: str
+    dynamic: bool = False
     table: Any = None
 
 
@@ -119,8 +123,8 @@ def make_layout(tables, plan, world_size, device_of=lambda spec: "cpu"):
         shards[name], routes[name] = [], []
         for i in range(len(cuts) - 1):
             c0, c1 = int(cuts[i]), int(cuts[i + 1])
-            group = FusedGroup(c1 - c0, spec.dtype, device_of(spec),
-                               spec.name if spec.dynamic else None)
+            group = FusedGroup(c1 - c0, spec.dtype, device_of(spec), spec.dynamic,
+                               spec.name if spec.dynamic and world_size > 1 else None)
             holders = sharding.holders(spec, place, i, world_size)
             bases = np.full(world_size, -1, np.int64)
             for rank, start, step, rows in holders:
@@ -152,21 +156,19 @@ def initial_weights(spec, seed, rows=None, c0=0, c1=None):
     >>> bool((initial_weights(spec, 0)[2:, 1:] == initial_weights(spec, 0, [2, 3], 1, 3)).all())
     True
     """
-    spec = table_spec(spec)
+    return initial_rows(table_spec(spec), seed, rows, c0, c1)
+
+
+def initial_rows(spec, seed, rows=None, c0=0, c1=None):
+    """:func:`initial_weights` of a checked ``spec`` (:func:`~hbkernels.types.table_spec`)."""
     c1 = spec.dim if c1 is None else c1
     if rows is None and spec.dynamic:
         raise ValueError(f"table {spec.name!r} is dynamic: name the ids whose rows to make")
     rows = np.arange(spec.num_rows, dtype=np.int64) if rows is None else np.asarray(rows, np.int64)
     with np.errstate(over="ignore"):
         key = splitmix64(np.uint64(((int(seed) & 0xFFFFFFFF) << 32) | zlib.crc32(spec.name.encode())))
-    scale = spec.scale
-    cols = np.arange(c0, c1, dtype=np.uint64)
     out = np.empty((rows.shape[0], c1 - c0), spec.dtype)
     step = max(1, _INIT_CHUNK // max(1, c1 - c0))
-    for s in range(0, rows.shape[0], step):
-        with np.errstate(over="ignore"):
-            counter = rows[s:s + step].view(np.uint64)[:, None] * np.uint64(spec.dim) + cols[None, :]
-            bits = splitmix64(counter ^ key)
-        unit = (bits >> np.uint64(40)).astype(np.float64) * (1.0 / (1 << 24))
-        out[s:s + step] = (2.0 * unit - 1.0) * scale
+    for s in range(0, rows.shape[0], step):  # float64, rounded to the table's dtype
+        out[s:s + step] = uniform_rows(key, rows[s:s + step], spec.dim, c0, c1, spec.scale)
     return out

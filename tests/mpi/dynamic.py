@@ -8,11 +8,16 @@
 2. Raw 64-bit ids: the N-rank collection against one rank (a local collection on
    every rank) fed the whole batch: outputs and rows equal up to summation order,
    and the same live ids and counts.
+3. Rank 0's shard given more new ids than it has slots: CapacityError there, CommError
+   on the other ranks, without waiting for the communicator's timeout.
 Prints ``OK rank r`` at the end."""
+import time
+
 import numpy as np
 
 import hbkernels as hbk
 from harness import finish, rng_for
+from hbkernels.sharding.kinds.row_wise import dynamic_owner
 
 comm = hbk.dist.init()
 R, W = comm.rank, comm.world_size
@@ -84,4 +89,18 @@ np.testing.assert_array_equal(ids, ref_ids)
 np.testing.assert_allclose(rows, ref_rows, rtol=1e-5, atol=1e-6)
 assert dyn.dynamic_counts("t") == one.dynamic_counts("t"), (dyn.dynamic_counts("t"),
                                                             one.dynamic_counts("t"))
+
+# 3. one owner's shard cannot take its ids: CapacityError there, CommError on the others,
+#    at once (not after the communicator's timeout)
+candidates = np.arange(1000, dtype=np.int64)
+theirs = candidates[dynamic_owner(np, candidates, W) == 0][:5]
+tiny = hbk.EmbeddingCollection([hbk.TableSpec("t", num_rows=None, capacity=W, dim=2, evict="none")],
+                               comm=comm)
+start = time.monotonic()
+try:
+    tiny.forward({"t": theirs if R == 1 else theirs[:0]})
+    raise AssertionError("a shard took 5 ids in 1 slot")
+except (hbk.CapacityError, hbk.dist.CommError) as error:
+    assert isinstance(error, hbk.CapacityError) == (R == 0), (R, error)
+assert time.monotonic() - start < 60
 finish(comm)

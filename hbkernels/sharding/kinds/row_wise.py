@@ -35,7 +35,7 @@ class RowWiseSharding(EmbeddingSharding):
         return [(rank, rank, n, max(0, -(-(spec.num_rows - rank) // n))) for rank in range(n)]
 
     def route_ids(self, xp, ids, route, world_size):
-        if route.group.table is not None:  # a dynamic table: the owner maps ids to rows
+        if route.group.dynamic:  # the owner maps the ids to rows
             return dynamic_owner(xp, ids, world_size), ids
         dest = ids % world_size
         return dest, xp.asarray(route.bases)[dest] + ids // world_size
