@@ -12,6 +12,10 @@ stack of free slots on the host. A call with ``insert=True``:
    raises :class:`~hbkernels.CapacityError` before changing anything if not;
 4. notes the use of every hit slot, evicts, and indexes the admitted ids.
 
+On the CPU a call of fewer than ``SERIAL_BELOW`` ids that admits every new id
+(``admit_count=1``) does all four in one serial pass (``admit_small``), falling
+back to these steps only when its new ids do not fit in the free slots.
+
 Eviction is global and exact: the victims are the live ids not used in the
 call with the lowest ``(last use, id)`` (LRU) or ``(uses, last use, id)``
 (LFU), found by selection (``partition``), not by sorting; both backends
