@@ -834,9 +834,10 @@ def missing_tools():
 
     if importlib.util.find_spec("numba") is None or importlib.util.find_spec("numba.cuda") is None:
         missing.append("numba-cuda")
-    probe = ("from cuda.pathfinder import load_nvidia_dynamic_lib as load\n"
-             "for lib in ('nvvm', 'nvrtc', 'nvJitLink'): load(lib)")
-    if subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode != 0:
+    sys.path.insert(0, str(HERE))
+    import compile_kernels
+
+    if not compile_kernels.have_cuda_compilers():
         missing.append("the NVVM, NVRTC or nvJitLink library")
     if find_nvdisasm() is None:
         missing.append("nvdisasm")
