@@ -146,6 +146,29 @@ class HashTable:
         self._num_free += freed.shape[0]
         return int(freed.shape[0])
 
+    def evict_lowest(self, count, keep=None):
+        """Evict the ``count`` live ids the policy picks first (as a full call would),
+        never one of ``keep`` (ids); returns ``(ids, slots)`` evicted (in the table's
+        array family). :class:`CapacityError` when fewer are evictable; under
+        ``evict="none"`` always (when ``count > 0``)."""
+        xp = self._xp
+        if count <= 0:
+            return xp.empty(0, np.int64), xp.empty(0, np.int64)
+        found = xp.empty(0, np.int64)
+        if keep is not None:
+            family, flat, _ = self._flat(keep)
+            found = self._k.find(family, self._index, self._reserved, flat)
+        victims = self._victims(int(count), found)
+        ids = self._slot_ids[victims].copy()
+        _, tombstoned = self._k.erase(self._family, self._index, self._reserved, ids, self._uses)
+        self._tombstones += tombstoned
+        self.evicted += int(victims.shape[0])
+        freed = host(victims)
+        self._free[self._num_free:self._num_free + freed.shape[0]] = freed
+        self._num_free += freed.shape[0]
+        self._maybe_rebuild()
+        return self._k.to_family(self._family, ids), self._k.to_family(self._family, victims)
+
     def ids(self):
         """The live ids, ascending."""
         return self.items()[0]

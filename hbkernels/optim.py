@@ -260,8 +260,8 @@ class RowWiseAdagrad(Adagrad):
     rule = rules.ROWWISE_ADAGRAD
     slots = (("momentum", True),)
 
-    def __init__(self, lr, eps=1e-10, **options):
-        super().__init__(lr, eps=eps, initial_accumulator_value=0.0, **options)
+    def __init__(self, lr, eps=1e-10, initial_accumulator_value=0.0, **options):
+        super().__init__(lr, eps=eps, initial_accumulator_value=initial_accumulator_value, **options)
 
 
 class Adam(SparseOptimizer):

@@ -1,4 +1,5 @@
 """Small containers of the public contract."""
+import os
 from typing import Any, NamedTuple
 
 
@@ -74,6 +75,14 @@ class TableSpec(NamedTuple):
     ``init_scale``: rows start uniform in ``±init_scale`` (default
     ``1/sqrt(num_rows)``, or ``1/sqrt(capacity)`` for a dynamic table).
 
+    ``storage``: where the rows and their optimizer state live: ``"device"``
+    (the collection's device), ``"host"`` (host memory) or ``"mmap"`` (files in
+    the directory ``path``, rows made on first touch: tables larger than RAM).
+    ``cache_rows=K`` keeps up to K hot rows of a ``"host"``/``"mmap"`` table in
+    the fast tier (the collection's device; RAM for ``"mmap"`` on the CPU),
+    evicted by ``cache_policy`` (``"lru"``, ``"lfu"``); without a cache the
+    kernels read the slow tier on the CPU (see ``docs/tiered.md``).
+
     ``num_rows=None`` makes a dynamic table: its ids are any int64 (raw hashes);
     ``capacity`` rows in all over the ranks, given out and taken back by a
     :class:`hbkernels.HashTable` per rank with ``evict`` (``"lru"``, ``"lfu"``,
@@ -96,6 +105,24 @@ class TableSpec(NamedTuple):
     evict: str = "lru"
     admit_count: int = 1
     init_scale: Any = None
+    storage: str = "device"
+    path: Any = None
+    cache_rows: Any = None
+    cache_policy: str = "lru"
+
+    @property
+    def tiered(self):
+        """Rows kept outside the collection's device (``storage`` ``"host"`` or ``"mmap"``)."""
+        return self.storage != "device"
+
+    @property
+    def resident_rows(self):
+        """Rows (with their optimizer state) the collection's memory holds: all of them
+        on ``"device"`` or uncached ``"host"``, the cache's for a cached tier, none for an
+        uncached ``"mmap"`` table."""
+        if self.cache_rows is not None:
+            return min(self.cache_rows, self.rows)
+        return 0 if self.storage == "mmap" else self.rows
 
     @property
     def dynamic(self):
@@ -151,11 +178,40 @@ def table_spec(spec):
         raise ValueError(f"table {spec.name!r}: hotness must be > 0, got {spec.hotness!r}")
     if spec.device not in (None, "cpu", "cuda"):
         raise ValueError(f"table {spec.name!r}: device must be None, 'cpu' or 'cuda', got {spec.device!r}")
+    _storage(spec)
     return spec._replace(num_rows=None if spec.dynamic else int(spec.num_rows), dim=int(spec.dim),
                          dtype=dtype.name, features=features, hotness=float(spec.hotness),
                          capacity=None if spec.capacity is None else int(spec.capacity),
                          admit_count=int(spec.admit_count),
-                         init_scale=None if spec.init_scale is None else float(spec.init_scale))
+                         init_scale=None if spec.init_scale is None else float(spec.init_scale),
+                         path=None if spec.path is None else os.fspath(spec.path),
+                         cache_rows=None if spec.cache_rows is None else int(spec.cache_rows))
+
+
+def _storage(spec):
+    from ._modes import Eviction, codes
+
+    if spec.storage not in ("device", "host", "mmap"):
+        raise ValueError(f"table {spec.name!r}: storage must be 'device', 'host' or 'mmap', "
+                         f"got {spec.storage!r}")
+    if (spec.storage == "mmap") != (spec.path is not None):
+        raise ValueError(f"table {spec.name!r}: " + (
+            "storage='mmap' needs a path (a directory for the table's files)"
+            if spec.path is None else f"path is for storage='mmap'; this table's storage is "
+                                      f"{spec.storage!r}"))
+    if spec.cache_rows is not None:
+        if not spec.tiered:
+            raise ValueError(f"table {spec.name!r}: cache_rows is for storage='host' or 'mmap' "
+                             f"(a cache in front of the slow tier)")
+        if int(spec.cache_rows) != spec.cache_rows or spec.cache_rows < 1:
+            raise ValueError(f"table {spec.name!r}: cache_rows must be an integer >= 1 (or None: "
+                             f"no cache), got {spec.cache_rows!r}")
+    if spec.cache_policy not in set(codes(Eviction)) - {"none"}:
+        raise ValueError(f"table {spec.name!r}: cache_policy must be 'lru' or 'lfu', "
+                         f"got {spec.cache_policy!r}")
+    if spec.tiered and spec.device is not None:
+        raise ValueError(f"table {spec.name!r}: give storage={spec.storage!r} or device="
+                         f"{spec.device!r}, not both (device='cpu' is storage='host' without a cache)")
 
 
 def _dynamic(spec):

@@ -87,8 +87,20 @@ def test_run_all_smoke(tmp_path):
     assert run_all.main(["--device", "cpu", "--smoke", "--out", str(out), "--reps", "1"]) == 0
     rows = read_rows(out)
     anchored = ({"fused_step"} if HAVE_TBE else set()) | ({"train"} if HAVE_TORCHREC else set())
-    assert {r["op"] for r in rows} == {"copy", "hash_table", *SCRIPTS} | anchored
+    assert {r["op"] for r in rows} == {"copy", "hash_table", "tiered", *SCRIPTS} | anchored
     assert sum(r["op"] == "copy" for r in rows) == 1
+
+
+def test_tiered_bench_smoke(tmp_path):
+    """Every provider: the table in RAM, in files with no cache, and the three caches,
+    with their hit rates and peak anonymous memory."""
+    rows = [r for r in smoke("tiered", tmp_path / "bench.csv") if r["op"] == "tiered"]
+    assert [r["provider"] for r in rows] == ["in-ram", "mmap-no-cache", "hbkernels-cache-1%",
+                                             "hbkernels-cache-5%", "hbkernels-cache-20%"]
+    for r in rows:
+        assert 0 < float(r["p20_ms"]) <= float(r["median_ms"]) <= float(r["p80_ms"])
+        assert "anon_peak_MB=" in r["size"] and "mean_ms=" in r["size"]
+        assert ("hit=" in r["size"]) == r["provider"].startswith("hbkernels-cache")
 
 
 @pytest.mark.skipif(not HAVE_TBE, reason="FBGEMM's TBE (fbgemm-gpu-cpu) is not installed")

@@ -21,6 +21,7 @@ from . import (
     bench_per_sample_weights_backward,
     bench_segment_reduce,
     bench_segment_sum,
+    bench_tiered,
     bench_train,
     bench_unique,
 )
@@ -38,6 +39,7 @@ BENCHMARKS = {
     "partition": bench_partition,
     "per_sample_weights_backward": bench_per_sample_weights_backward,
     "train": bench_train,
+    "tiered": bench_tiered,
 }
 
 

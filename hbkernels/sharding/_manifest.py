@@ -158,6 +158,8 @@ def _check_file(where, f, save, tables, arrays, incremental):
     dynamic = table.get("num_rows") is None
     if dynamic:
         arrays = dict(arrays, **DYNAMIC_ARRAYS)
+    elif table.get("storage") == "mmap":  # saved sparse: the rows it holds, named in "rows"
+        arrays, incremental = dict(arrays, rows=True), True
     array = _field(where, f, "array", str)
     if array not in arrays:
         _fail(where, f"file {rel!r}: no array {array!r} in a table (expected one of "

@@ -16,7 +16,11 @@ Layout of a checkpoint directory::
 Each ``.npy`` holds one shard of one array (``weights`` or an optimizer slot):
 rows ``row_start + row_step * k`` (``k < num_rows``), columns ``[c0, c1)`` of
 the table. A replicated table is written once, by rank 0. File names never
-contain a table's name, so no name can form a path.
+contain a table's name, so no name can form a path. A table in files
+(``storage="mmap"``) is saved sparse, never as a copy of its files: the rows its
+files hold (rows ever touched), named in a ``rows`` file beside them; its other
+rows are remade on load by :func:`~hbkernels.sharding.initial_weights` of the
+seed. An incremental save holds the rows changed since its parent, the same way.
 
 Saving (collective): every rank writes its shards into a fresh save directory
 (each file through a temp name, fsync, rename), the ranks agree, then rank 0
@@ -56,7 +60,7 @@ from ..errors import CheckpointError
 from ..types import TableSpec, table_spec
 from . import _manifest
 from .kinds.row_wise import dynamic_owner
-from .layout import shard_rows
+from .layout import initial_rows, shard_rows
 
 FORMAT = "hbkernels-embedding-collection"
 VERSION = 1
@@ -135,13 +139,18 @@ def _optimizer_from_json(d, where):
 
 
 def _changed_arrays(coll, shard, changed):
-    """The rows of ``shard`` changed since the last save: ``rows`` (table rows; a dynamic
-    table's ids), then their rows of the weights and of each optimizer slot; a dynamic
-    table also writes all its ids and scores (:func:`_dynamic_arrays`)."""
+    """The rows of ``shard`` changed since the last save (``changed`` None: those a
+    table in files holds): ``rows`` (table rows; a dynamic table's ids), then their
+    rows of the weights and of each optimizer slot; a dynamic table also writes all
+    its ids and scores (:func:`_dynamic_arrays`)."""
     fused = coll.arrays[shard.group]
     family = classify(fused.weights)[0]
     if not shard.group.dynamic:
-        local = np.flatnonzero(host(changed[shard.group][shard.base:shard.base + shard.num_rows]))
+        if changed is None:
+            held = coll.tiers[shard.group].store.touched_rows()
+            local = held[(held >= shard.base) & (held < shard.base + shard.num_rows)] - shard.base
+        else:
+            local = np.flatnonzero(host(changed[shard.group][shard.base:shard.base + shard.num_rows]))
         out = {"rows": shard_rows(shard)[local]}
         at = family.put(local + shard.base)
     else:
@@ -177,7 +186,8 @@ def save(coll, path, parent=None, changed=None):
             if coll.plan[shard.table].kind == "data_parallel" and me != 0:
                 continue  # replicas are identical: rank 0 writes the table
             arrays = (_changed_arrays(coll, shard, changed) if parent is not None else
-                      _dynamic_arrays(coll, shard) if shard.group.dynamic
+                      _dynamic_arrays(coll, shard) if shard.group.dynamic else
+                      _changed_arrays(coll, shard, None) if shard.group.storage == "mmap"
                       else coll.shard_arrays(shard))
             for name, part in arrays.items():
                 part = host(part)
@@ -365,10 +375,9 @@ class _Reader:
             if which is None:
                 raise CheckpointError(f"{os.path.join(self.path, entry['file'])}: no rows file "
                                       f"names its rows")
-            saved = np.asarray(self._array(which))
-            order = np.argsort(saved)
-            at = np.clip(np.searchsorted(saved[order], rows), 0, saved.shape[0] - 1)
-            hit = saved[order][at] == rows
+            saved, order = self._sorted(which)
+            at = np.clip(np.searchsorted(saved, rows), 0, saved.shape[0] - 1)
+            hit = saved[at] == rows
             if not hit.any():
                 continue
             data = self._array(entry)
@@ -377,6 +386,15 @@ class _Reader:
                 out[hit] = data[k]
             else:
                 out[np.flatnonzero(hit), lo - c0:hi - c0] = data[k, lo - entry["c0"]:hi - entry["c0"]]
+
+    def _sorted(self, entry):
+        """``(rows ascending, their order)`` of a ``rows`` file (computed once)."""
+        key = ("sorted", entry["file"])
+        if key not in self._open:
+            saved = np.asarray(self._array(entry))
+            order = np.argsort(saved)
+            self._open[key] = (saved[order], order)
+        return self._open[key]
 
     def all_rows(self, table, array):
         """Every saved row of a dynamic table's ``array``, its files in the order of the
@@ -465,11 +483,22 @@ class Checkpoint:
         mine = {(f["table"], f["array"]) for f in self.manifest["files"]}
         return mine | (self.parent.saved() if self.parent is not None else set())
 
+    def _sparse(self, table):
+        """Table ``table`` was saved sparse (a table in files: rows named in ``rows``)."""
+        return self.spec(table).storage == "mmap"
+
+    def spec(self, table):
+        return next(t for t in self.tables if t.name == table)
+
     def _fill(self, table, array, rows, c0, c1, out):
         """Rows ``rows`` of a static table's ``array`` as of this save: the full save's,
-        then each incremental save's changed rows over them, oldest first."""
+        then each incremental save's changed rows over them, oldest first (a sparse
+        save's rows over what ``out`` holds)."""
         if self.parent is None:
-            self._reader.rows(table, array, rows, c0, c1, out)
+            if self._sparse(table):
+                self._reader.changed_rows(table, array, rows, c0, c1, out)
+            else:
+                self._reader.rows(table, array, rows, c0, c1, out)
             return
         self.parent._fill(table, array, rows, c0, c1, out)
         self._reader.changed_rows(table, array, rows, c0, c1, out)
@@ -508,10 +537,22 @@ class Checkpoint:
         return kwargs
 
     def initial_weights(self, shard, rows):
-        """The saved weights of rows ``rows`` of ``shard`` (its columns)."""
-        out = np.empty((rows.shape[0], shard.c1 - shard.c0), shard.group.dtype)
+        """The saved weights of rows ``rows`` of ``shard`` (its columns); a sparse
+        table's rows it did not save are remade from the seed."""
+        if self._sparse(shard.table):
+            out = initial_rows(self.spec(shard.table), self.manifest["seed"], rows, shard.c0, shard.c1)
+        else:
+            out = np.empty((rows.shape[0], shard.c1 - shard.c0), shard.group.dtype)
         self._fill(shard.table, "weights", rows, shard.c0, shard.c1, out)
         return out
+
+    def saved_rows(self, table):
+        """The rows of sparse table ``table`` some save of the chain holds, ascending."""
+        rows = [np.asarray(self._reader.all_rows(table, "rows"))] if (
+            (table, "rows") in {(f["table"], f["array"]) for f in self.manifest["files"]}) else []
+        if self.parent is not None:
+            rows.append(self.parent.saved_rows(table))
+        return np.unique(np.concatenate(rows)) if rows else np.zeros(0, np.int64)
 
     def restore_state(self, coll):
         """Write the saved optimizer state of every shard ``coll``'s rank holds into its
@@ -526,6 +567,10 @@ class Checkpoint:
                 for shard in shards:
                     self._restore_dynamic(coll, shard.table, saved)
                 continue
+            if group.storage == "mmap":
+                for shard in shards:
+                    self._restore_files(coll, shard, saved)
+                continue
             for slot, _ in coll.optimizer.slots:
                 state = host(fused.state[slot]).copy()
                 for shard in shards:
@@ -534,6 +579,23 @@ class Checkpoint:
                                    state[shard.base:shard.base + shard.num_rows])
                 target = fused.state[slot]
                 target[...] = classify(target)[0].put(state)
+
+    def _restore_files(self, coll, shard, saved):
+        """Write the saved rows of sparse ``shard`` (weights and state) into its store;
+        its other rows are made as they are touched."""
+        rows = self.saved_rows(shard.table)
+        k, rem = np.divmod(rows - shard.row_start, shard.row_step)
+        rows = rows[(rem == 0) & (k >= 0) & (k < shard.num_rows)]
+        local = (rows - shard.row_start) // shard.row_step
+        store = coll.tiers[shard.group].store
+        state = {}
+        for slot, per_row in coll.optimizer.slots:
+            shape = (rows.shape[0],) if per_row else (rows.shape[0], shard.c1 - shard.c0)
+            state[slot] = np.empty(shape, np.float32)
+            state[slot][...] = store.fresh[slot]
+            if (shard.table, slot) in saved:
+                self._fill(shard.table, slot, rows, shard.c0, shard.c1, state[slot])
+        store.write(local + shard.base, self.initial_weights(shard, rows), state)
 
     def _restore_dynamic(self, coll, name, saved):
         """Dynamic table ``name``'s ids, scores, pending ids, rows and state as of this

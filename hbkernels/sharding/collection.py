@@ -63,14 +63,7 @@ from .kinds import SHARDINGS
 from .kinds.row_wise import dynamic_owner
 from .layout import initial_rows, initial_weights, make_layout, shard_rows
 from .plan import make_plan
-
-
-class FusedArrays(NamedTuple):
-    """This rank's array of one :class:`~hbkernels.sharding.layout.FusedGroup` and its
-    optimizer state (``init_state`` of the weights)."""
-
-    weights: Any
-    state: dict
+from .tier import FusedArrays, Store, Tier
 
 
 class Pool(NamedTuple):
@@ -220,6 +213,7 @@ class EmbeddingCollection:
                 raise ValueError(f"table {spec.name!r}: capacity {spec.capacity} is less than one "
                                  f"slot for each of the {self.comm.world_size} ranks")
         self.layout = make_layout(self.tables, self.plan, self.comm.world_size, self._table_device)
+        self._fresh = {}  # (group, on the host) -> optimizer state of a row never updated
         self.arrays = self._allocate(initializer)
         #: a dynamic table's id -> row map on this rank (its slots are the rows of its fused array)
         self.hash_tables = {
@@ -229,7 +223,6 @@ class EmbeddingCollection:
         self._saved = None
         self._changed = None  # group -> bool per fused row: changed since the last save
         self._insert = True  # the current forward's: dynamic tables admit ids
-        self._fresh = {}  # group -> optimizer state of a row never updated
         self._last_save = None  # (path, manifest crc32) of the last save
         self._chain = []  # directories of the last full save and the incremental ones after it
         self.stats = {}
@@ -244,12 +237,22 @@ class EmbeddingCollection:
         return self._families[device]
 
     def _table_device(self, spec):
+        """Where a table's kernels run: its ``device``; the CPU for an uncached slow
+        tier; else the collection's device (a cache lives there)."""
+        if spec.tiered and spec.cache_rows is None:
+            return "cpu"
         return spec.device or self.device
 
     def _allocate(self, initializer):
-        """This rank's fused arrays: weights (initial values) and optimizer state."""
+        """This rank's fused arrays: weights (initial values) and optimizer state; a
+        tiered group's are its store's, its :class:`~hbkernels.sharding.tier.Tier` in
+        :attr:`tiers`."""
         arrays = {}
+        self.tiers = {}
         for group in self.layout.groups(self.comm.rank):
+            if group.storage == "mmap":
+                arrays[group] = self._tier(group, initializer)
+                continue
             weights = aligned_empty((self.layout.rows[self.comm.rank, group], group.width), group.dtype)
             for shard in self.local_shards(group):
                 if group.dynamic:  # a dynamic table's rows are made as ids arrive
@@ -259,9 +262,57 @@ class EmbeddingCollection:
                 block = (initializer(shard, rows) if initializer is not None else
                          initial_weights(self.tables[shard.table], self.seed, rows, shard.c0, shard.c1))
                 weights[shard.base:shard.base + shard.num_rows] = block
+            if group.storage == "host":
+                arrays[group] = self._tier(group, initializer, weights)
+                continue
             weights = self._family(group.device).put(weights)
             arrays[group] = FusedArrays(weights, self.optimizer.init_state(weights))
         return arrays
+
+    def _tier(self, group, initializer, weights=None):
+        """The store of tiered ``group`` (``weights``: its rows in host memory; else
+        files, rows made on first touch), its tier put in :attr:`tiers`."""
+        spec = self.tables[group.table]
+        if weights is not None:
+            store = Store(FusedArrays(weights, self.optimizer.init_state(weights)), self.optimizer.slots)
+        else:
+            shards, seed = self.local_shards(group), self.seed
+
+            def make(rows):  # (no reference to the collection: its files' lock goes with it)
+                out = np.empty((rows.shape[0], group.width), group.dtype)
+                for shard in shards:
+                    inside = (rows >= shard.base) & (rows < shard.base + shard.num_rows)
+                    if not inside.any():
+                        continue
+                    at = shard.row_start + shard.row_step * (rows[inside] - shard.base)
+                    out[inside] = (initializer(shard, at) if initializer is not None else
+                                   initial_weights(spec, seed, at, shard.c0, shard.c1))
+                return out
+
+            store = Store.in_files(spec.path, f"rank{self.comm.rank}.w{group.width}",
+                                   self.layout.rows[self.comm.rank, group], group.width, group.dtype,
+                                   self.optimizer.slots, None if group.dynamic else make,
+                                   self._fresh_state(group, host=True))
+        self.tiers[group] = Tier(store, group.width, group.dtype, group.device, spec.cache_rows,
+                                 spec.cache_policy, name=spec.name)
+        return store.arrays
+
+    @staticmethod
+    def _store_device(group):
+        """Where :attr:`arrays` of ``group`` live: a tiered group's on the host."""
+        return "cpu" if group.storage != "device" else group.device
+
+    def _fast(self, group):
+        """The :class:`FusedArrays` the kernels run on: a tiered group's fast tier."""
+        return self.tiers[group].fast if group in self.tiers else self.arrays[group]
+
+    def _settle(self, make=False):
+        """Write every cached row back to its store (before whole tables are read);
+        ``make``: also make the rows a file store has never touched."""
+        for group, tier in self.tiers.items():
+            tier.flush()
+            if make and not group.dynamic:
+                tier.store.ensure_all()
 
     def local_shards(self, group=None):
         """The shards this rank holds (of fused array ``group``, or all)."""
@@ -270,6 +321,11 @@ class EmbeddingCollection:
     def shard_arrays(self, shard):
         """``{"weights": rows, slot: rows}``: views of this rank's rows of ``shard`` in
         the weights and in each optimizer state slot (writes go to the collection)."""
+        if shard.group in self.tiers:  # the store's rows: written back, made, cache emptied
+            tier = self.tiers[shard.group]
+            tier.clear()
+            if not shard.group.dynamic:
+                tier.store.ensure_all()
         fused = self.arrays[shard.group]
         rows = slice(shard.base, shard.base + shard.num_rows)
         out = {"weights": fused.weights[rows]}
@@ -402,6 +458,65 @@ class EmbeddingCollection:
                 result[f] = JaggedRows(result[f], feature.sequence_offsets)
         return result
 
+    def prefetch(self, features, *, per_sample_weights=None):
+        """Start reading, in a background thread, the rows the forward of ``features``
+        (the next batch, as :meth:`forward` takes it) will fetch into the caches of
+        tables in a slow tier (``cache_rows``): those each cache lacks now. The next
+        :meth:`forward` takes them from there instead of the store; rows written to
+        the store in between are read again. Call it after a step's forward (the
+        current batch's rows are cached by then). Only looks ids up: nothing is
+        admitted, counted as a use or evicted. Collective at world size > 1 when a
+        sharded table has a cache (its ids go to their owners)."""
+        cached = {g for routes in self.layout.routes.values() for g in (r.group for r in routes)
+                  if g.table is not None and self.tables[g.table].cache_rows is not None}
+        if not cached:
+            return
+        sharded = [g for g in self.layout.exchange_groups if g in cached]
+        collective = self.comm.world_size > 1 and bool(sharded)
+        try:
+            inputs = self._read_inputs(features, per_sample_weights)
+        except Exception as error:
+            if collective:
+                self.comm.fail_collectively("alltoallv", error)
+            raise
+        insert, self._insert = self._insert, False  # dynamic tables only look up
+        try:
+            local = [(g, True) for g in self.layout.replica_groups if g in cached]
+            if self.comm.world_size == 1:
+                local += [(g, False) for g in sharded]
+            else:
+                for group in sharded:
+                    keys, counts = self._send_keys(group, inputs)[3:5]
+                    recv_keys, _ = self._exchange(keys, counts)
+                    if group in self.tiers:
+                        self.tiers[group].prefetch(self._rows_of_ids(group.table, recv_keys)
+                                                   if group.dynamic else recv_keys)
+            for group, replicated in local:
+                requests = self._requests(group, inputs, replicated)
+                if group in self.tiers and requests:
+                    ids, starts = self._local_rows(group, requests, inputs)
+                    space = self._family(group.device)
+                    self.tiers[group].prefetch(space.xp.concatenate(
+                        [space.put(ids[k]) + starts[k] for k in range(len(ids))]))
+        finally:
+            self._insert = insert
+
+    def cache_stats(self, name):
+        """``{"lookups", "misses", "evictions", "prefetched", "rows"}`` of the cache of
+        table ``name`` (``cache_rows``), summed over the ranks: distinct rows asked of it
+        per batch, those fetched from the store (``prefetched`` of them read ahead),
+        rows written back on eviction, and rows it holds now. Collective."""
+        if name not in self.tables or self.tables[name].cache_rows is None:
+            raise ValueError(f"table {name!r} has no cache (cache_rows)")
+        keys = ("lookups", "misses", "evictions", "prefetched", "rows")
+        counts = np.zeros(len(keys), np.int64)
+        for group, tier in self.tiers.items():
+            if group.table == name:
+                counts += [tier.stats[k] for k in keys[:-1]] + [tier.capacity]
+        if self.comm.world_size > 1:
+            counts = host(self.comm.allreduce(counts))
+        return dict(zip(keys, counts.tolist()))
+
     def _requests(self, group, inputs, replicated):
         """(feature, route) pairs of ``group``'s replicated (or sharded) slices, in a fixed order."""
         return [(f, route) for f, feature in inputs.items() for route in self.layout.routes[feature.table]
@@ -439,9 +554,11 @@ class EmbeddingCollection:
             pools.append(pool)
         return pools
 
-    def _forward_exchange(self, group, inputs, outputs):
+    def _send_keys(self, group, inputs):
+        """Route the ids of ``group``'s sharded requests: ``(requests, their starts in the
+        distinct ids, total, keys in send order, send counts, the partition's order)``."""
         space = self._family(group.device)
-        xp, n, me = space.xp, self.comm.world_size, self.comm.rank
+        xp, n = space.xp, self.comm.world_size
         requests = self._requests(group, inputs, replicated=False)
         keys, dests, starts, total = [], [], [], 0
         for f, route in requests:
@@ -460,9 +577,13 @@ class EmbeddingCollection:
             else:  # raw ids: any int64
                 parted = partition(dests, n)
                 keys = keys[parted.order]
-        send_counts, order = host(parted.counts), parted.order
+        return requests, starts, total, keys, host(parted.counts), parted.order
+
+    def _forward_exchange(self, group, inputs, outputs):
+        space = self._family(group.device)
+        xp, me = space.xp, self.comm.rank
+        requests, starts, total, keys, send_counts, order = self._send_keys(group, inputs)
         recv_keys, recv_counts = self._exchange(keys, send_counts)
-        table = self.arrays[group].weights if group in self.arrays else None
         with self._phase("kernels"):
             bounds = "unchecked"
             if group.dynamic:  # the owner turns ids into rows (-1: not admitted)
@@ -476,6 +597,9 @@ class EmbeddingCollection:
                 except CapacityError as error:  # the peers are in the rows' exchange
                     self.comm.fail_collectively("alltoallv", error)
                     raise
+            if group in self.tiers:  # store rows -> rows of the fast tier
+                recv_keys = self.tiers[group].rows(recv_keys)
+            table = self._fast(group).weights if group in self.arrays else None
             if recv_keys.shape[0] == 0:
                 rows = xp.empty((0, group.width), group.dtype)
             elif self.dedup and not group.dynamic:
@@ -499,11 +623,24 @@ class EmbeddingCollection:
         any world size, a sharded one at world size 1 (where this rank holds every row)."""
         space = self._family(group.device)
         requests = self._requests(group, inputs, replicated)
+        ids, starts = self._local_rows(group, requests, inputs)
+        if group in self.tiers and requests:  # one call for the group: store rows -> fast rows
+            rows = self.tiers[group].rows(space.xp.concatenate(
+                [space.put(ids[k]) + starts[k] for k in range(len(ids))]))
+            cuts = np.cumsum([0] + [int(i.shape[0]) for i in ids])
+            ids = [rows[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
+            starts = [0] * len(requests)
+        pools = self._pool(space, self._fast(group).weights, requests, starts, inputs,
+                           lambda k: ids[k], outputs, "zero" if group.dynamic else "unchecked")
+        return LocalContext(group, pools)
+
+    def _local_rows(self, group, requests, inputs):
+        """``(ids, starts)``: request k reads rows ``ids[k] + starts[k]`` of ``group``'s
+        fused array on this rank (a dynamic table's slots, -1 for an id it lacks)."""
+        space = self._family(group.device)
         starts = [int(route.bases[self.comm.rank]) for _, route in requests]
         ids = [inputs[f].values for f, _ in requests]
-        bounds = "unchecked"
         if group.dynamic:  # one call of each table for all its features; rows with -1 kept
-            bounds = "zero"
             for table in dict.fromkeys(route.table for _, route in requests):
                 ks = [k for k, (_, route) in enumerate(requests) if route.table == table]
                 rows = self._rows_of_ids(table, ids[ks[0]] if len(ks) == 1 else
@@ -514,9 +651,7 @@ class EmbeddingCollection:
                 for k, a, b in zip(ks, cuts[:-1], cuts[1:]):
                     ids[k] = rows[a:b]
             starts = [0] * len(requests)
-        pools = self._pool(space, self.arrays[group].weights, requests, starts, inputs,
-                           lambda k: ids[k], outputs, bounds)
-        return LocalContext(group, pools)
+        return ids, starts
 
     def _dynamic_shard(self, name):
         """This rank's shard of dynamic table ``name``."""
@@ -533,20 +668,25 @@ class EmbeddingCollection:
             shard = self._dynamic_shard(name)
             fused, space = self.arrays[shard.group], self._family(shard.group.device)
             at = new_slots + shard.base
-            self._mark_changed(shard.group, at)
-            fused.weights[at] = space.put(initial_rows(self.tables[name], self.seed, host(new_ids)))
+            self._mark_changed(shard.group, at, store=True)
+            rows = initial_rows(self.tables[name], self.seed, host(new_ids))
+            if shard.group in self.tiers:
+                self.tiers[shard.group].write(host(at), rows, self._fresh_state(shard.group, host=True))
+                return slots
+            fused.weights[at] = space.put(rows)
             for slot, value in self._fresh_state(shard.group).items():
                 fused.state[slot][at] = value
         return slots
 
-    def _fresh_state(self, group):
+    def _fresh_state(self, group, host=False):
         """Each optimizer slot's value in a row of ``group`` that no update has touched
-        (``init_state``'s: a row for a per-element slot, a number for a per-row one)."""
-        if group not in self._fresh:
-            space = self._family(group.device)
+        (``init_state``'s: a row for a per-element slot, a number for a per-row one), on
+        the group's device or, ``host``, in NumPy."""
+        if (group, host) not in self._fresh:
+            space = self._family("cpu" if host else group.device)
             state = self.optimizer.init_state(space.zeros((1, group.width), group.dtype))
-            self._fresh[group] = {slot: state[slot][0] for slot, _ in self.optimizer.slots}
-        return self._fresh[group]
+            self._fresh[group, host] = {slot: state[slot][0] for slot, _ in self.optimizer.slots}
+        return self._fresh[group, host]
 
     @staticmethod
     def _inverse_permutation(xp, order):
@@ -595,7 +735,7 @@ class EmbeddingCollection:
             if self.comm.world_size == 1 and len(ctx.pools) == 1:
                 fused_steps[group] = (ctx.pools[0], self._pool_grad(space, ctx.pools[0], grads))
                 continue
-            num_rows = int(self.arrays[group].weights.shape[0])
+            num_rows = int(self._fast(group).weights.shape[0])
             parts = self._pool_backward(space, ctx.pools, grads, num_rows)
             if parts:
                 ids = space.xp.concatenate([p[0].astype(np.int64) for p in parts])
@@ -608,11 +748,16 @@ class EmbeddingCollection:
                     wire = self._wire_itemsize(np.float32)
                     self.stats["replica_grads_bytes"] += ((self.comm.world_size - 1) * int(ids.shape[0])
                                                           * (8 + group.width * wire))
+                    if group in self.tiers:  # rows of each rank's own cache: send store rows
+                        ids = space.put(self.tiers[group].store_rows(ids))
                     ids, _ = self.comm.allgatherv(ids)
                     rows, _ = self.comm.allgatherv(rows, wire_dtype=self.wire_dtype)
+                    if group in self.tiers:
+                        ids = self.tiers[group].rows(ids)
             updates[group].append((ids, rows))
         self._saved = None
-        for group, fused in self.arrays.items():
+        for group in self.arrays:
+            fused = self._fast(group)
             if group in fused_steps:
                 pool, grad = fused_steps[group]
                 with self._phase("kernels"):
@@ -633,10 +778,13 @@ class EmbeddingCollection:
                 self.optimizer.step(fused.weights, fused.state, SparseGrad(ids, rows))
             self._mark_changed(group, ids)
 
-    def _mark_changed(self, group, rows):
-        """Note ``rows`` (of ``group``'s fused array; -1 ignored) as changed since the last
-        save, once a save has started the count (for ``save(incremental=True)``)."""
+    def _mark_changed(self, group, rows, store=False):
+        """Note ``rows`` (of ``group``'s fused array, or its fast tier's unless ``store``;
+        -1 ignored) as changed since the last save, once a save has started the count
+        (for ``save(incremental=True)``)."""
         if self._changed is not None and rows.shape[0]:
+            if group in self.tiers and not store:
+                rows = self._family(group.device).put(self.tiers[group].store_rows(rows))
             self._changed[group][rows[rows >= 0]] = True
 
     def _read_grads(self, grads, inputs):
@@ -689,7 +837,7 @@ class EmbeddingCollection:
         if name not in self.tables:
             raise KeyError(f"no table {name!r}; tables: {sorted(self.tables)}")
         shards = sorted(self.layout.shards[name], key=lambda s: s.slice)
-        xp = self._family(shards[0].group.device).xp
+        xp = self._family(self._store_device(shards[0].group)).xp
         return SHARDINGS[self.plan[name].kind].gather(self.comm, self.tables[name], shards, pick,
                                                       per_column, dtype, xp)
 
@@ -707,6 +855,7 @@ class EmbeddingCollection:
         >>> coll.full_weights("t").shape
         (5, 2)
         """
+        self._settle(make=True)
         if name in self.tables and self.tables[name].dynamic:
             return self._gather_dynamic(name, lambda fused: fused.weights)
         return self._gather(
@@ -717,8 +866,8 @@ class EmbeddingCollection:
         """``(ids, rows)`` of dynamic table ``name``: its live ids over all ranks, ascending,
         and their rows of ``pick(fused arrays)``, the same on every rank. Collective."""
         shard = self._dynamic_shard(name)
-        space = self._family(shard.group.device)
-        ids, slots = self.hash_tables[name].items()
+        space = self._family(self._store_device(shard.group))
+        ids, slots = (space.put(a) for a in self.hash_tables[name].items())
         rows = pick(self.arrays[shard.group])[slots + shard.base]
         if self.comm.world_size > 1:
             ids, _ = self.comm.allgatherv(ids)
@@ -761,6 +910,9 @@ class EmbeddingCollection:
         kept = slots >= 0
         fused = self.arrays[shard.group]
         space = self._family(shard.group.device)
+        if shard.group in self.tiers:  # into the store, the cache emptied
+            self.tiers[shard.group].clear()
+            space = self._family(self._store_device(shard.group))
         at = space.put(slots[kept] + shard.base)
         for array, values in rows.items():
             target = fused.weights if array == "weights" else fused.state[array]
@@ -780,6 +932,7 @@ class EmbeddingCollection:
         as ``init_state`` of the whole table) plus ``"step"`` (int); for a dynamic
         table each slot's rows of its live ids, and those ``"ids"`` (ascending). Collective."""
         out = {}
+        self._settle(make=True)
         for slot, per_row in self.optimizer.slots:
             if name in self.tables and self.tables[name].dynamic:
                 out["ids"], out[slot] = self._gather_dynamic(name, lambda f, slot=slot: f.state[slot])
@@ -809,6 +962,7 @@ class EmbeddingCollection:
                 raise ValueError(f"{path} holds a save this incremental save chains to; save it "
                                  f"to a new directory")
             parent = self._last_save
+        self._settle()
         crc = checkpoint.save(self, path, parent=parent,
                               changed=self._changed if incremental else None)
         self._chain = self._chain + [where] if incremental else [where]
@@ -817,11 +971,19 @@ class EmbeddingCollection:
                          for group, f in self.arrays.items()}
 
     @classmethod
-    def load(cls, path, comm=None, **overrides):
+    def load(cls, path, comm=None, *, paths=None, **overrides):
         """The collection saved at ``path``, sharded for ``comm`` (any world size);
-        ``overrides`` replace saved constructor arguments (``plan``, ``optimizer``, ...)."""
+        ``overrides`` replace saved constructor arguments (``plan``, ``optimizer``, ...);
+        ``paths``: ``{table: directory}`` for the files of ``storage="mmap"`` tables
+        (default: the saved ``TableSpec.path``)."""
         saved = checkpoint.Checkpoint(path)
-        coll = cls(saved.tables, comm=comm, initializer=saved.initial_weights,
+        paths = paths or {}
+        unknown = sorted(set(paths) - {t.name for t in saved.tables if t.storage == "mmap"})
+        if unknown:
+            raise ValueError(f"paths names {unknown}, not tables of storage='mmap' in {path}")
+        tables = [t._replace(path=os.fspath(paths[t.name])) if t.name in paths else t
+                  for t in saved.tables]
+        coll = cls(tables, comm=comm, initializer=saved.initial_weights,
                    **saved.constructor_args(**overrides))
         saved.restore_state(coll)
         return coll

@@ -31,13 +31,15 @@ class FusedGroup(NamedTuple):
     Dynamic tables' rows (``dynamic``) are addressed through each rank's hash tables,
     not by id, and are not stacked with static ones: on one rank those of one width,
     dtype and device share an array; on several each has its own (``table``: its
-    name), so that the ids its exchange carries need no table tag."""
+    name), so that the ids its exchange carries need no table tag. A table kept in
+    a slow tier (``storage`` ``"host"`` or ``"mmap"``) has arrays of its own too."""
 
     width: int
     dtype: str
     device: str
     dynamic: bool = False
     table: Any = None
+    storage: str = "device"
 
 
 class Shard(NamedTuple):
@@ -123,8 +125,9 @@ def make_layout(tables, plan, world_size, device_of=lambda spec: "cpu"):
         shards[name], routes[name] = [], []
         for i in range(len(cuts) - 1):
             c0, c1 = int(cuts[i]), int(cuts[i + 1])
+            own = spec.tiered or (spec.dynamic and world_size > 1)
             group = FusedGroup(c1 - c0, spec.dtype, device_of(spec), spec.dynamic,
-                               spec.name if spec.dynamic and world_size > 1 else None)
+                               spec.name if own else None, spec.storage)
             holders = sharding.holders(spec, place, i, world_size)
             bases = np.full(world_size, -1, np.int64)
             for rank, start, step, rows in holders:

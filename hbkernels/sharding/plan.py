@@ -5,7 +5,9 @@ local batch B = ``batch_size_hint`` (default 1024), N ranks, wire itemsize
 w), the distinct ids of one rank's step and of all ranks' steps are estimated
 as ``u = R·(1 - (1 - 1/R)^(B·h·F))`` and ``U = R·(1 - (1 - 1/R)^(N·B·h·F))``. A row of c columns with its optimizer
 state takes ``row(c) = c·(s + 4·e) + 4·p`` bytes (e, p: state floats per
-element and per row). Estimates per rank and step:
+element and per row). Memory counts the rows a rank keeps resident: a table in a
+slow tier (``storage``) counts its cache's share, ``TableSpec.resident_rows / R``,
+of each shard. Estimates per rank and step:
 
 * ``data_parallel``: wire ``(N-1)·u·(8 + 4D)`` (allgatherv of ids and fp32
   gradient rows), lookup ``u·D·s + 2·U·row(D)``, memory ``R·row(D)``.
@@ -194,7 +196,7 @@ def estimate(spec, placement, world_size, assumptions):
     if placement.kind == "data_parallel":
         return TableEstimate(((n - 1) * u * (_ID_BYTES + 4 * spec.dim),) * n,
                              (u * spec.dim * s + 2 * u_all * row_bytes(spec.dim),) * n,
-                             (spec.rows * row_bytes(spec.dim),) * n)
+                             (spec.resident_rows * row_bytes(spec.dim),) * n)
     if placement.kind == "row_wise":
         shards = [(r, spec.dim, 1 / n, -(-spec.rows // n)) for r in range(n)]
     else:
@@ -211,7 +213,7 @@ def estimate(spec, placement, world_size, assumptions):
         sent[owner] += (n - 1) * ids * cols * w
         received[owner] += (n - 1) * ids * (_ID_BYTES + cols * w)
         lookup[owner] += n * ids * cols * s + 2 * fraction * u_all * row_bytes(cols)
-        memory[owner] += rows * row_bytes(cols)
+        memory[owner] += rows * spec.resident_rows / spec.rows * row_bytes(cols)
     return TableEstimate(tuple(map(max, sent, received)), tuple(lookup), tuple(memory))
 
 
