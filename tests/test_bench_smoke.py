@@ -95,7 +95,7 @@ def test_tiered_bench_smoke(tmp_path):
     """Every provider: the table in RAM, in files with no cache, and the three caches,
     with their hit rates and peak anonymous memory."""
     rows = [r for r in smoke("tiered", tmp_path / "bench.csv") if r["op"] == "tiered"]
-    assert [r["provider"] for r in rows] == ["in-ram", "mmap-no-cache", "hbkernels-cache-1%",
+    assert [r["provider"] for r in rows] == ["hbkernels-cache-1%", "in-ram", "mmap-no-cache",
                                              "hbkernels-cache-5%", "hbkernels-cache-20%"]
     for r in rows:
         assert 0 < float(r["p20_ms"]) <= float(r["median_ms"]) <= float(r["p80_ms"])

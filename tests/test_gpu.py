@@ -201,3 +201,37 @@ def test_dynamic_table_on_the_gpu_matches_the_cpu(rng):
     np.testing.assert_array_equal(cupy.asnumpy(ids_g), ids_c)
     assert_close(cupy.asnumpy(rows_g), rows_c.astype(np.float64), np.float32)
     assert gpu.dynamic_counts("d") == cpu.dynamic_counts("d") and cpu.dynamic_counts("d")["evicted"] > 0
+
+
+@pytest.mark.parametrize("storage", ["host", "mmap"])
+def test_tiered_table_on_the_gpu_equals_the_table_in_gpu_memory(rng, tmp_path, storage):
+    """A cache of 64 rows in GPU memory over a table in host memory or in files (one
+    row-wise and one prefetched): outputs, rows and state equal the same table held
+    whole in GPU memory, bit for bit."""
+    needs_cupy()
+    tier = dict(storage=storage, cache_rows=64, path=str(tmp_path / "t") if storage == "mmap" else None)
+    local = hbk.dist.init("local")
+
+    def make(**kw):
+        return hbk.EmbeddingCollection([hbk.TableSpec("t", 5000, 16, "sum", **kw),
+                                        hbk.TableSpec("a", 100, 16, "mean")], comm=local,
+                                       optimizer=hbk.optim.RowWiseAdagrad(lr=0.05), device="cuda")
+    ref, got = make(), make(**tier)
+    batches = []
+    for _ in range(9):
+        offsets = random_offsets(rng, 64, 6)
+        batches.append({"t": hbk.Ragged(cupy.asarray(rng.zipf(1.2, int(offsets[-1])) % 5000),
+                                        cupy.asarray(offsets)),
+                        "a": cupy.asarray(rng.integers(0, 100, 64))})
+    for k in range(8):
+        a, b = ref.forward(batches[k]), got.forward(batches[k])
+        got.prefetch(batches[k + 1])
+        for f in a:
+            np.testing.assert_array_equal(cupy.asnumpy(a[f]), cupy.asnumpy(b[f]))
+        grads = {f: cupy.asarray(rng.standard_normal(o.shape).astype(np.float32)) for f, o in a.items()}
+        ref.backward(grads)
+        got.backward(grads)
+    for name in ("t", "a"):
+        np.testing.assert_array_equal(cupy.asnumpy(ref.full_weights(name)),
+                                      cupy.asnumpy(got.full_weights(name)))
+    assert got.cache_stats("t")["evictions"] > 0

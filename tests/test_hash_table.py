@@ -202,3 +202,18 @@ def test_smallest_is_a_lexicographic_selection(rng):
     order = np.lexsort(keys[::-1])
     for k in (1, 7, 250, n):
         assert sorted(smallest(np, keys, k).tolist()) == sorted(order[:k].tolist())
+
+
+def test_evict_lowest_takes_the_policys_first_ids_outside_keep():
+    """LRU: the oldest calls first, then the smaller id; ``keep`` is never evicted; the
+    slots come back free; more than the evictable ones is a CapacityError."""
+    t = hbk.HashTable(6, evict="lru")
+    t.slots(np.array([10, 11]))
+    t.slots(np.array([12, 13]))
+    t.slots(np.array([14, 15]))
+    ids, slots = t.evict_lowest(3, keep=np.array([10]))
+    assert sorted(ids.tolist()) == [11, 12, 13] and t.size == 3 and t.evicted == 3
+    assert sorted(t.slots(np.array([20, 21, 22])).tolist()) == sorted(slots.tolist())
+    with pytest.raises(hbk.CapacityError):
+        t.evict_lowest(6)
+    assert t.evict_lowest(0)[0].shape == (0,)

@@ -311,7 +311,7 @@ def test_bad_specs_and_a_path_in_use(tmp_path):
             hbk.types.table_spec(hbk.TableSpec("t", num_rows=5, dim=2, **kw))
     spec = [hbk.TableSpec("t", num_rows=5, dim=2, storage="mmap", path=str(tmp_path / "x"))]
     first = collection(spec)
-    with pytest.raises(ValueError, match="store of another live collection"):
+    with pytest.raises(ValueError, match="in use"):
         collection(spec)
     del first
     collection(spec)  # the files are free again once their collection is gone
@@ -360,3 +360,27 @@ def test_shard_arrays_hand_out_the_store(tmp_path, rng):
     arrays["weights"][:] = 1.0
     out = got.forward({"t": np.arange(3)})
     assert_same(host(out["t"]), np.ones((3, 5), np.float32))
+
+
+def test_a_full_disk_is_an_error_not_a_crash(tmp_path, monkeypatch):
+    """Writes to a mapped file past a full disk would kill the process: the store checks
+    the room first, and an eviction's write-back in the background raises at the next
+    call."""
+    import errno
+
+    got = collection(tables(tmp_path, "mmap", 2))
+    real = os.statvfs
+
+    class Full:
+        def __init__(self, path):
+            self.f_frsize, self.f_bavail = real(path).f_frsize, 0
+
+    got.forward({"t": np.array([1, 2])})
+    monkeypatch.setattr(os, "statvfs", Full)
+    with pytest.raises(OSError) as error:
+        got.forward({"t": np.array([3, 4])})  # evicts rows 1 and 2: their write-back fails
+        got.forward({"t": np.array([5])})
+    assert error.value.errno == errno.ENOSPC and "free on its disk" in str(error.value)
+    uncached = collection(tables(tmp_path, "mmap", None, where="u"))
+    with pytest.raises(OSError, match="free on its disk"):
+        uncached.forward({"t": np.array([3])})

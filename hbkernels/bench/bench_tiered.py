@@ -10,7 +10,7 @@ Zipf(1.1) ids (hot rows scattered over the table), bags of 8 ids, 4096 bags a
 step; a step is ``forward``, ``prefetch`` of the next batch, ``backward``. K is
 1%, 5% and 20% of the rows. Each provider owns the machine (and its page cache)
 while it runs its steps in turn, from fresh files; a cache first fills until it
-evicts (the other providers warm up for ``--warmup`` steps).
+evicts, and the providers without a cache warm up as long as the 1% cache did.
 
 A cache evicts K/32 rows or more at once, so a step that evicts is much slower
 than one that does not: a cache is timed over at least 30 steps and until 3 steps
@@ -61,12 +61,11 @@ def anon_kb():
 
 
 def providers(rows, fits):
-    """(name, TableSpec keywords) of each provider at ``rows`` rows."""
-    out = [("in-ram", {})] if fits else []
-    out.append(("mmap-no-cache", {"storage": "mmap"}))
-    for f in FRACTIONS:
-        out.append((f"{HBK}-cache-{f:.0%}", {"storage": "mmap", "cache_rows": max(1, int(f * rows))}))
-    return out
+    """(name, TableSpec keywords) of each provider at ``rows`` rows: the smallest cache
+    first (the providers without one then warm up as long as it did)."""
+    caches = [(f"{HBK}-cache-{f:.0%}", {"storage": "mmap", "cache_rows": max(1, int(f * rows))})
+              for f in FRACTIONS]
+    return caches[:1] + ([("in-ram", {})] if fits else []) + [("mmap-no-cache", {"storage": "mmap"})] + caches[1:]
 
 
 class Batches:
@@ -92,11 +91,13 @@ def run(ctx):
     cfg = configs(ctx)
     steps = cfg["steps"]
     ctx.note(f"tiered: a cache is warmed up until it first evicts (at most {cfg['max_fill']} "
-             f"steps), the other providers for {cfg['warmup']} steps; then {steps} steps are timed")
+             f"steps), the other providers as long as the 1% cache; then at least {steps} "
+             f"steps are timed")
     for label, rows in cfg["sizes"]:
         work = Batches(rows, cfg["bags"], ctx.seed)
         grad = np.ones((cfg["bags"], DIM), np.float32)
         size = f"{label}: rows={rows} dim={DIM} zipf={ALPHA} bags={cfg['bags']}x{HOT}"
+        warmup = cfg["warmup"]
         for name, kw in providers(rows, label != "2x RAM"):
             if not ctx.selected(name):
                 continue
@@ -110,8 +111,8 @@ def run(ctx):
                 times, peak, k, cached = [], anon_kb(), 0, "cache_rows" in kw
                 start, passes, evicted = None, 0, 0
                 while len(times) < steps or (cached and passes < PASSES and len(times) < MAX_TIMED):
-                    warm = (k < cfg["warmup"] or (cached and k < cfg["max_fill"]
-                                                  and not coll.cache_stats("t")["evictions"]))
+                    warm = (k < cfg["warmup"] or (not cached and k < warmup) or (
+                        cached and k < cfg["max_fill"] and not coll.cache_stats("t")["evictions"]))
                     if not warm and start is None:
                         start = coll.cache_stats("t") if cached else {}
                         evicted, fill = start.get("evictions", 0), k
@@ -128,6 +129,8 @@ def run(ctx):
                             evicted = now_evicted
                     peak = max(peak, anon_kb())
                     k += 1
+                if name == providers(rows, False)[0][0]:
+                    warmup = max(warmup, fill)  # the smallest cache's warm-up, for the others
                 extra = f" warmup={fill} timed={len(times)} mean_ms={np.mean(times):.3f}"
                 if cached:
                     end = coll.cache_stats("t")

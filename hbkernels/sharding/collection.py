@@ -292,7 +292,8 @@ class EmbeddingCollection:
             store = Store.in_files(spec.path, f"rank{self.comm.rank}.w{group.width}",
                                    self.layout.rows[self.comm.rank, group], group.width, group.dtype,
                                    self.optimizer.slots, None if group.dynamic else make,
-                                   self._fresh_state(group, host=True))
+                                   self._fresh_state(group, host=True),
+                                   records=spec.cache_rows is not None)
         self.tiers[group] = Tier(store, group.width, group.dtype, group.device, spec.cache_rows,
                                  spec.cache_policy, name=spec.name)
         return store.arrays
@@ -838,8 +839,9 @@ class EmbeddingCollection:
             raise KeyError(f"no table {name!r}; tables: {sorted(self.tables)}")
         shards = sorted(self.layout.shards[name], key=lambda s: s.slice)
         xp = self._family(self._store_device(shards[0].group)).xp
-        return SHARDINGS[self.plan[name].kind].gather(self.comm, self.tables[name], shards, pick,
-                                                      per_column, dtype, xp)
+        return SHARDINGS[self.plan[name].kind].gather(
+            self.comm, self.tables[name], shards, lambda s: xp.ascontiguousarray(pick(s)),
+            per_column, dtype, xp)  # (a store's records hold its arrays' rows a record apart)
 
     def _rows_of(self, shard, array):
         return array[shard.base:shard.base + shard.num_rows]
@@ -868,7 +870,7 @@ class EmbeddingCollection:
         shard = self._dynamic_shard(name)
         space = self._family(self._store_device(shard.group))
         ids, slots = (space.put(a) for a in self.hash_tables[name].items())
-        rows = pick(self.arrays[shard.group])[slots + shard.base]
+        rows = space.xp.ascontiguousarray(pick(self.arrays[shard.group])[slots + shard.base])
         if self.comm.world_size > 1:
             ids, _ = self.comm.allgatherv(ids)
             rows, _ = self.comm.allgatherv(rows)

@@ -29,6 +29,7 @@ smaller than the largest batch seen. The values are those of the uncached
 table bit for bit: a row's weights and state move between tiers unchanged, and
 every kernel sees the same rows in the same order.
 """
+import errno
 import fcntl
 import mmap
 import os
@@ -63,21 +64,25 @@ class Store:
         self.arrays, self.slots = arrays, [name for name, _ in slots]
         self.touched, self.make, self.fresh = touched, make, fresh
         self.lock = None  # a file store's lock on its files, held while it lives
+        self.directory = None  # a file store's directory
 
     @classmethod
-    def in_files(cls, directory, prefix, rows, width, dtype, slots, make, fresh):
-        """A store of ``rows`` rows in files ``directory/prefix.<array>`` (created empty:
-        sparse files whose rows are made on first touch; ``make`` None: rows are
-        written before they are read, as a dynamic table's slots are)."""
+    def in_files(cls, directory, prefix, rows, width, dtype, slots, make, fresh, records=False):
+        """A store of ``rows`` rows in files ``directory/prefix.*``, created empty: sparse
+        files whose rows are made on first touch (``make`` None: rows are written before
+        they are read, as a dynamic table's slots are), a byte per row in
+        ``prefix.touched``. The rows are ``prefix.weights`` and a file per optimizer slot,
+        or with ``records`` one file, ``prefix.rows``, of a record per row (the weights,
+        then each slot's values), for a store only a cache reads and writes."""
         os.makedirs(directory, exist_ok=True)
         lock = open(os.path.join(directory, f"{prefix}.lock"), "wb")  # noqa: SIM115 - held while the store lives
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             lock.close()
-            raise ValueError(f"{directory}: the files {prefix}.* are the store of another live "
-                             f"collection (here or in another process); give this table "
-                             f"another path") from None
+            raise ValueError(f"{directory}: the files {prefix}.* are in use (by another table "
+                             f"of this width, or another live collection here or in another "
+                             f"process); give this table another path") from None
 
         def mapped(array, shape, dt):
             size = int(np.prod(shape)) * np.dtype(dt).itemsize
@@ -89,13 +94,26 @@ class Store:
             view.madvise(mmap.MADV_RANDOM)  # rows are read at random: no read-ahead
             return np.frombuffer(view, dt).reshape(shape)
 
-        weights = mapped("weights", (rows, width), dtype)
         state = {"step": np.zeros(1, np.int64)}
-        for name, per_row in slots:
-            state[name] = mapped(name, (rows,) if per_row else (rows, width), np.float32)
+        if not records:  # an array per file, each C-contiguous: the kernels update them in place
+            weights = mapped("weights", (rows, width), dtype)
+            for name, per_row in slots:
+                state[name] = mapped(name, (rows,) if per_row else (rows, width), np.float32)
+        else:  # a record per row: a row written back dirties one page of the files, not one per array
+            itemsize, offsets = np.dtype(dtype).itemsize, {}
+            end = -(-width * itemsize // 4) * 4  # each slot's values 4-byte aligned
+            for name, per_row in slots:
+                offsets[name] = (end, 1 if per_row else width)
+                end += 4 * offsets[name][1]
+            table = mapped("rows", (rows, end), np.uint8)
+            weights = table[:, :width * itemsize].view(dtype)
+            for name, per_row in slots:
+                start, n = offsets[name]
+                values = table[:, start:start + 4 * n].view(np.float32)
+                state[name] = values[:, 0] if per_row else values
         touched = None if make is None else mapped("touched", (rows,), np.uint8)
         store = cls(FusedArrays(weights, state), slots, touched, make, fresh)
-        store.lock = lock
+        store.lock, store.directory = lock, directory
         return store
 
     @property
@@ -128,14 +146,28 @@ class Store:
         return weights, state
 
     def write(self, rows, weights, state):
-        """Put rows ``rows`` (distinct, NumPy int64) of the weights and of each slot."""
+        """Put rows ``rows`` (distinct, NumPy int64) of the weights and of each slot; a
+        file store first checks that the disk can take them (a write to a mapped file
+        past a full disk would kill the process)."""
         if not rows.shape[0]:
             return
+        if self.directory is not None:
+            self._check_space(rows.shape[0])
         self.arrays.weights[rows] = weights
         for s in self.slots:
             self.arrays.state[s][rows] = state[s]
         if self.touched is not None:
             self.touched[rows] = 1
+
+    def _check_space(self, rows):
+        """``OSError(ENOSPC)`` unless the disk has room for ``rows`` rows, each on a page
+        of its own in every file (the most a write can allocate)."""
+        disk = os.statvfs(self.directory)
+        need = rows * mmap.PAGESIZE * (2 + len(self.slots))
+        if disk.f_bavail * disk.f_frsize < need:
+            raise OSError(errno.ENOSPC, f"{self.directory}: {disk.f_bavail * disk.f_frsize} bytes "
+                                        f"free on its disk, {need} needed to write {rows} rows "
+                                        f"of the table's files")
 
     def ensure(self, rows):
         """Make and write the rows of distinct ``rows`` never touched."""
@@ -165,6 +197,7 @@ class Tier:
         self._family = device_family(device)
         self._staged = None  # (rows ascending, weights, state, usable) read ahead by prefetch
         self._thread = None
+        self._error = None  # what the background work raised, for the next _join
         self.cache = None
         if cache_rows is not None:
             self._make_cache(min(int(cache_rows), max(1, store.num_rows)))
@@ -349,22 +382,30 @@ class Tier:
         self._background(read, "prefetch")
 
     def _background(self, work, what):
-        """Run ``work`` in a thread after the one running now (one at a time, in order)."""
+        """Run ``work`` in a thread after the one running now (one at a time, in order);
+        an error it raises is raised by the next :meth:`_join`."""
         before = self._thread
 
         def run():
             if before is not None:
                 before.join()
-            work()
+            if self._error is None:
+                try:
+                    work()
+                except BaseException as error:  # noqa: BLE001 - raised in the caller's thread
+                    self._error = error
 
         self._thread = threading.Thread(target=run, name=f"{self.name} {what}", daemon=True)
         self._thread.start()
 
     def _join(self):
-        """Wait for the background work (write-backs, reads ahead)."""
+        """Wait for the background work (write-backs, reads ahead); raise its error."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
 
     def _unstage(self, rows):
         """Staged copies of ``rows`` (written to the store now) are stale."""
