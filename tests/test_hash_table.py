@@ -215,5 +215,5 @@ def test_evict_lowest_takes_the_policys_first_ids_outside_keep():
     assert sorted(ids.tolist()) == [11, 12, 13] and t.size == 3 and t.evicted == 3
     assert sorted(t.slots(np.array([20, 21, 22])).tolist()) == sorted(slots.tolist())
     with pytest.raises(hbk.CapacityError):
-        t.evict_lowest(6)
+        t.evict_lowest(7)  # one more than it holds
     assert t.evict_lowest(0)[0].shape == (0,)

@@ -22,6 +22,8 @@ to the owners, one optimizer step per fused array on the owned rows only.
 At world size 1 nothing is exchanged: every fused array is pooled from its own
 rows (no dedup), and a fused array pooled in one launch takes
 ``optimizer.fused_step`` (backward and update in one pass over its distinct rows).
+A fused array in a slow tier first turns the rows a batch asks of it into rows of
+its cache (:mod:`hbkernels.sharding.tier`); the kernels then run on the cache.
 
 Gradients of all ranks are *summed* (the loss is a sum over the global batch):
 N ranks given their slices of a batch train exactly like one rank given the
@@ -162,7 +164,10 @@ class EmbeddingCollection:
     of ``(seed, table)``. Every rank constructs the collection with the same arguments.
 
     Who holds what is :attr:`layout` (:class:`~hbkernels.sharding.layout.Layout`);
-    this rank's arrays are :attr:`arrays` (fused group -> :class:`FusedArrays`).
+    this rank's arrays are :attr:`arrays` (fused group -> :class:`FusedArrays`). A
+    table kept in a slow tier (``TableSpec.storage``) has a fused array of its own,
+    its store's arrays in :attr:`arrays` and its cache in :attr:`tiers` (fused group ->
+    :class:`~hbkernels.sharding.tier.Tier`); ``docs/tiered.md``.
     """
 
     def __init__(self, tables, comm=None, optimizer=None, plan="auto", batch_size_hint=None,
