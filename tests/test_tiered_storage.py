@@ -204,10 +204,13 @@ def test_rows_are_made_on_first_touch(tmp_path):
     assert os.stat(weights).st_blocks * 512 < (1 << 16) * 64 * 4 // 8  # sparse on disk
 
 
-def test_checkpoints_hold_touched_rows_and_chain(rng, tmp_path):
-    """A file table's save holds the rows its files hold, not the files; incremental
-    saves the rows changed; the chain loads (into another path) and trains on like
-    the table in memory."""
+def test_checkpoints_hold_touched_rows_and_chain(rng, tmp_path, monkeypatch):
+    """A file table's save holds the rows its files hold, not the files, written and
+    restored a chunk of rows at a time; incremental saves the rows changed; the chain
+    loads (into another path) as the table in memory was."""
+    from hbkernels.sharding import checkpoint
+
+    monkeypatch.setattr(checkpoint, "CHUNK_ROWS", 7)
     ref = collection(tables(tmp_path, rows=400))
     got = collection(tables(tmp_path, "mmap", 4, rows=400))
     train_both(rng, ref, got, 3, rows=400)

@@ -68,6 +68,7 @@ MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 1 << 28
 MAX_CHAIN = 1000  # incremental saves one load follows back to a full save
 _CHUNK = 1 << 22
+CHUNK_ROWS = 1 << 16  # rows of a table's files in memory at a time, saving or loading
 
 
 class _CrcWriter:
@@ -83,11 +84,33 @@ class _CrcWriter:
         return self.f.write(view)
 
 
+class _Gathered:
+    """Rows ``at`` of a host array (a table's files), saved a chunk at a time: a
+    table larger than RAM may hold more rows than fit in memory at once."""
+
+    def __init__(self, array, at):
+        self.array, self.at = array, at
+        self.shape = (at.shape[0],) + tuple(array.shape[1:])
+        self.dtype = np.dtype(array.dtype)
+
+    def chunks(self):
+        for s in range(0, self.at.shape[0], CHUNK_ROWS):
+            yield np.ascontiguousarray(self.array[self.at[s:s + CHUNK_ROWS]])
+
+
 def _save_array(path, array):
-    """``np.save`` (no pickle) atomically; returns (crc32, bytes)."""
+    """``np.save`` (no pickle) atomically, a :class:`_Gathered` a chunk at a time;
+    returns (crc32, bytes)."""
     def write(f):
         w = _CrcWriter(f)
-        np.save(w, np.ascontiguousarray(array), allow_pickle=False)
+        if isinstance(array, _Gathered):
+            np.lib.format.write_array_header_1_0(w, {
+                "descr": np.lib.format.dtype_to_descr(array.dtype), "fortran_order": False,
+                "shape": array.shape})
+            for chunk in array.chunks():
+                w.write(chunk)
+        else:
+            np.save(w, np.ascontiguousarray(array), allow_pickle=False)
         return w.crc, w.size
     return write_atomic(path, write)
 
@@ -153,6 +176,10 @@ def _changed_arrays(coll, shard, changed):
             local = np.flatnonzero(host(changed[shard.group][shard.base:shard.base + shard.num_rows]))
         out = {"rows": shard_rows(shard)[local]}
         at = family.put(local + shard.base)
+        if shard.group.storage == "mmap":  # rows of files: gathered as they are written
+            out["weights"] = _Gathered(fused.weights, at)
+            out.update({slot: _Gathered(fused.state[slot], at) for slot, _ in coll.optimizer.slots})
+            return out
     else:
         out = {k: v for k, v in _dynamic_arrays(coll, shard).items()
                if k not in ["weights"] + [slot for slot, _ in coll.optimizer.slots]}
@@ -190,7 +217,7 @@ def save(coll, path, parent=None, changed=None):
                       _changed_arrays(coll, shard, None) if shard.group.storage == "mmap"
                       else coll.shard_arrays(shard))
             for name, part in arrays.items():
-                part = host(part)
+                part = part if isinstance(part, _Gathered) else host(part)
                 rel = f"{save_dir}/{_manifest.file_name(index[shard.table], shard, name)}"
                 crc, size = _save_array(os.path.join(path, rel), part)
                 files.append({"file": rel, "table": shard.table, "array": name,
@@ -488,6 +515,7 @@ class Checkpoint:
         return self.spec(table).storage == "mmap"
 
     def spec(self, table):
+        """The saved :class:`~hbkernels.TableSpec` of ``table``."""
         return next(t for t in self.tables if t.name == table)
 
     def _fill(self, table, array, rows, c0, c1, out):
@@ -583,19 +611,21 @@ class Checkpoint:
     def _restore_files(self, coll, shard, saved):
         """Write the saved rows of sparse ``shard`` (weights and state) into its store;
         its other rows are made as they are touched."""
-        rows = self.saved_rows(shard.table)
-        k, rem = np.divmod(rows - shard.row_start, shard.row_step)
-        rows = rows[(rem == 0) & (k >= 0) & (k < shard.num_rows)]
-        local = (rows - shard.row_start) // shard.row_step
+        every = self.saved_rows(shard.table)
+        k, rem = np.divmod(every - shard.row_start, shard.row_step)
+        every = every[(rem == 0) & (k >= 0) & (k < shard.num_rows)]
         store = coll.tiers[shard.group].store
-        state = {}
-        for slot, per_row in coll.optimizer.slots:
-            shape = (rows.shape[0],) if per_row else (rows.shape[0], shard.c1 - shard.c0)
-            state[slot] = np.empty(shape, np.float32)
-            state[slot][...] = store.fresh[slot]
-            if (shard.table, slot) in saved:
-                self._fill(shard.table, slot, rows, shard.c0, shard.c1, state[slot])
-        store.write(local + shard.base, self.initial_weights(shard, rows), state)
+        for s in range(0, every.shape[0], CHUNK_ROWS):  # a chunk of rows in memory at a time
+            rows = every[s:s + CHUNK_ROWS]
+            state = {}
+            for slot, per_row in coll.optimizer.slots:
+                shape = (rows.shape[0],) if per_row else (rows.shape[0], shard.c1 - shard.c0)
+                state[slot] = np.empty(shape, np.float32)
+                state[slot][...] = store.fresh[slot]
+                if (shard.table, slot) in saved:
+                    self._fill(shard.table, slot, rows, shard.c0, shard.c1, state[slot])
+            local = (rows - shard.row_start) // shard.row_step
+            store.write(local + shard.base, self.initial_weights(shard, rows), state)
 
     def _restore_dynamic(self, coll, name, saved):
         """Dynamic table ``name``'s ids, scores, pending ids, rows and state as of this

@@ -5,7 +5,8 @@ A :class:`Store` holds a rank's rows of a tiered table's fused group in the slow
 tier: the weights and each optimizer slot, NumPy arrays in host memory
 (``"host"``, made whole at construction) or memory-mapped files in a directory
 (``"mmap"``, sparse: a row is made by ``make`` the first time it is touched, and
-a byte per row records which rows the files hold).
+a byte per row records which rows the files hold). Behind a cache the files hold
+a record per row (weights, then state), so a row written back dirties one page.
 
 A :class:`Tier` runs the kernels on :attr:`Tier.fast`. Without a cache that is the
 store itself (the rows a batch touches are made first). With ``cache_rows=K`` it
@@ -187,8 +188,8 @@ class Store:
 
 
 class Tier:
-    """A :class:`Store` with an optional cache of ``cache_rows`` rows on ``device``
-    (module doc); ``fresh_state(width)`` ``{slot: value}`` of a row no update touched."""
+    """A :class:`Store` of ``width``-wide rows of ``dtype`` with an optional cache of
+    ``cache_rows`` rows on ``device``, evicted by ``policy`` (module doc)."""
 
     def __init__(self, store, width, dtype, device, cache_rows=None, policy="lru", name="tier"):
         self.store, self.width, self.dtype, self.device = store, width, np.dtype(dtype), device
