@@ -167,6 +167,39 @@ def test_fused_equals_backward_plus_step(backend, rng, name, combiner, dim):
     assert sp["step"][0] == sf["step"][0] == 2
 
 
+@pytest.mark.parametrize("name", ["RowWiseAdagrad", "Adam"])
+def test_fused_on_the_cpu_is_backward_plus_step_bit_for_bit_on_any_thread_count(rng, name):
+    """A Zipf batch spread over many partitions of the CPU fused step, with several
+    distinct ids in each: the fused step sums every row's gradient in input order, as
+    the backward does, so its rows and state equal backward + step exactly, at one
+    thread and at all of them."""
+    numba = pytest.importorskip("numba")
+    num_rows, dim, batch = 3000, 5, 600
+    lengths = rng.integers(0, 40, size=batch)
+    offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
+    values = (rng.zipf(1.2, size=int(offsets[-1])) - 1) % num_rows
+    values[:50] = num_rows - 1  # the last row, many times
+    grad_out = rng.standard_normal((batch, dim)).astype(np.float32)
+    w0 = rng.standard_normal((num_rows, dim)).astype(np.float32)
+    opt = make_opt(name)
+    plain = w0.copy()
+    plain_state = opt.init_state(plain)
+    opt.step(plain, plain_state, hbk.embedding_bag_backward(
+        grad_out, values, offsets, num_rows=num_rows, combiner="mean"))
+    before = numba.get_num_threads()
+    try:
+        for threads in sorted({1, numba.config.NUMBA_NUM_THREADS}):
+            numba.set_num_threads(threads)
+            fused = w0.copy()
+            state = opt.init_state(fused)
+            opt.fused_step(fused, state, grad_out, values, offsets, combiner="mean")
+            np.testing.assert_array_equal(fused, plain)
+            for key in state_names(opt):
+                np.testing.assert_array_equal(state[key], plain_state[key])
+    finally:
+        numba.set_num_threads(before)
+
+
 @pytest.mark.parametrize("grad_dtype, table_dtype", [(np.float16, np.float32),
                                                      (np.float32, np.float64)])
 def test_fused_sums_in_the_tables_precision(backend, rng, grad_dtype, table_dtype):
@@ -203,7 +236,8 @@ def test_fused_and_plain_with_bounds_zero(backend, rng, fused):
 @pytest.mark.parametrize("name", RULES)
 @pytest.mark.parametrize("fused", [False, True])
 def test_fp16_nearest_is_the_fp32_update_rounded(backend, rng, name, fused):
-    num_rows, dim, batch, max_len = (10, 3, 4, 3) if backend.small else (50, 8, 40, 5)
+    # the CPU case spans several distinct ids per partition of the fused step
+    num_rows, dim, batch, max_len = (10, 3, 4, 3) if backend.small else (800, 8, 400, 5)
     w16 = rng.standard_normal((num_rows, dim)).astype(np.float16)
     opt = make_opt(name)
     half, single = Table(backend, opt, w16), Table(backend, opt, w16.astype(np.float32))

@@ -24,6 +24,10 @@ Fibonacci hash (``bits`` grows with the batch: about
    by distinct id;
 4. the partitions' distinct ids are packed into one array.
 
+The fused optimizer step takes at least 64 partitions (its parallel work
+items) and stops after step 3's hash tables (:func:`distinct_partitions`): it
+sums each distinct id's gradient inside its partition, with no sort.
+
 Ids come out partition by partition, in first-occurrence order within one;
 the result depends on the batch alone, not on the number of threads, and
 every sum over it runs in input order: deterministic.
@@ -35,6 +39,7 @@ page fault per 4 KiB on first touch, which took longer than the grouping.
 next call; ``ids`` and ``starts`` are the caller's.
 """
 import threading
+from typing import NamedTuple
 
 import numpy as np
 from numba import njit, prange
@@ -141,6 +146,40 @@ def _scatter(values, offsets, weights, weighted, combiner, num_rows, skip_bad, b
                     s_coef[k] = scale * weights[j] if weighted else scale
 
 
+@njit(inline="always")
+def distinct_in_partition(s_ids, lo, hi, bits, t_ids, local, counts):
+    """The distinct ids of occurrences ``[lo, hi)`` (one partition, ``bits`` as in
+    :func:`_partition`) to ``t_ids[lo:lo+n]`` in first-occurrence order, each
+    occurrence's index among them to ``local[i - lo]`` and, unless ``counts`` is empty,
+    their occurrences added to ``counts[:n]``; returns ``n``. A hash table of its own,
+    at least twice the partition's size, finds them."""
+    m = hi - lo
+    table_bits = 4
+    while (1 << table_bits) < 2 * m:
+        table_bits += 1
+    mask = (1 << table_bits) - 1
+    slots = np.full(1 << table_bits, -1, np.int64)
+    n = 0
+    for i in range(m):
+        key = s_ids[lo + i]
+        h = np.int64((fib_hash(np.uint64(key)) << np.uint64(bits)) >> np.uint64(64 - table_bits))
+        while True:
+            u = slots[h]
+            if u == -1:
+                u = n
+                slots[h] = u
+                t_ids[lo + u] = key
+                n += 1
+                break
+            if t_ids[lo + u] == key:
+                break
+            h = (h + 1) & mask
+        local[i] = u
+        if counts.shape[0] != 0:
+            counts[u] += 1
+    return n
+
+
 @cached_njit(parallel=True)
 def _group_partitions(bits, part_lo, s_ids, s_bag, s_coef, t_ids, t_starts, occ_bag, occ_coef,
                       num_distinct):
@@ -152,30 +191,9 @@ def _group_partitions(bits, part_lo, s_ids, s_bag, s_coef, t_ids, t_starts, occ_
     for p in prange(part_lo.shape[0] - 1):
         lo, hi = part_lo[p], part_lo[p + 1]
         m = hi - lo
-        table_bits = 4
-        while (1 << table_bits) < 2 * m:
-            table_bits += 1
-        mask = (1 << table_bits) - 1
-        slots = np.full(1 << table_bits, -1, np.int64)
         local = np.empty(m, np.int64)
-        counts = np.zeros(m + 1, np.int64)
-        n = 0
-        for i in range(m):
-            key = s_ids[lo + i]
-            h = np.int64((fib_hash(np.uint64(key)) << np.uint64(bits)) >> np.uint64(64 - table_bits))
-            while True:
-                u = slots[h]
-                if u == -1:
-                    u = n
-                    slots[h] = u
-                    t_ids[lo + u] = key
-                    n += 1
-                    break
-                if t_ids[lo + u] == key:
-                    break
-                h = (h + 1) & mask
-            local[i] = u
-            counts[u] += 1
+        counts = np.zeros(m, np.int64)
+        n = distinct_in_partition(s_ids, lo, hi, bits, t_ids, local, counts)
         total = lo
         for u in range(n):
             c = counts[u]
@@ -190,6 +208,17 @@ def _group_partitions(bits, part_lo, s_ids, s_bag, s_coef, t_ids, t_starts, occ_
             if not unit:
                 occ_coef[s] = s_coef[lo + i]
         num_distinct[p] = n
+
+
+@cached_njit(parallel=True)
+def distinct_partitions(bits, part_lo, s_ids, t_ids, local, num_distinct):
+    """Step 3 without the sort: per partition ``p``, its distinct ids to
+    ``t_ids[lo:lo+n]``, each occurrence's index among them to ``local``, ``n`` to
+    ``num_distinct[p]``."""
+    for p in prange(part_lo.shape[0] - 1):
+        lo, hi = part_lo[p], part_lo[p + 1]
+        num_distinct[p] = distinct_in_partition(s_ids, lo, hi, bits, t_ids, local[lo:hi],
+                                                local[:0])
 
 
 @cached_njit(parallel=True)
@@ -212,14 +241,35 @@ def bag_chunks(offsets):
     return np.concatenate(([0], np.minimum(inner, num_bags), [num_bags])).astype(np.int64)
 
 
-def group_occurrences(values, offsets, per_sample_weights, combiner, num_rows, skip_bad,
-                      coef_dtype):
-    """``(ids, starts, occ_bag, occ_coef)`` as described above; coefficients in
-    ``coef_dtype``, bad ids (outside ``[0, num_rows)``) dropped when ``skip_bad``."""
+class Partitions(NamedTuple):
+    """A batch's kept occurrences scattered into hash partitions, each in input order:
+    partition ``p`` holds ``[lo[p], lo[p+1])`` of ``ids`` (the id), ``bag`` and
+    ``coef`` (``c_b·w_j``; empty when all are 1). ``bits``: log2 of their number.
+    The arrays are this thread's scratch (see the module's note)."""
+    bits: int
+    lo: np.ndarray
+    ids: np.ndarray
+    bag: np.ndarray
+    coef: np.ndarray
+
+    @property
+    def count(self):
+        return self.lo.shape[0] - 1
+
+    @property
+    def total(self):
+        return int(self.lo[-1])
+
+
+def partition_occurrences(values, offsets, per_sample_weights, combiner, num_rows, skip_bad,
+                          coef_dtype, min_bits=0):
+    """Steps 1 and 2 above: the :class:`Partitions` of a batch (at least
+    ``2**min_bits`` of them); coefficients in ``coef_dtype``, bad ids (outside
+    ``[0, num_rows)``) dropped when ``skip_bad``."""
     weighted = per_sample_weights is not None
     weights = (per_sample_weights.astype(coef_dtype, copy=False) if weighted
                else np.ones(1, coef_dtype))
-    bits = partition_bits(values.shape[0])
+    bits = max(partition_bits(values.shape[0]), min_bits)
     chunks = bag_chunks(offsets)
     hist = _histogram(values, offsets, num_rows, skip_bad, bits, chunks)
     flat = hist.T.reshape(-1)      # partition-major: a partition's chunks in input order
@@ -228,25 +278,45 @@ def group_occurrences(values, offsets, per_sample_weights, combiner, num_rows, s
     total = int(ends[-1]) if ends.shape[0] else 0
     part_lo = np.zeros(hist.shape[1] + 1, np.int64)
     part_lo[1:] = ends.reshape(hist.shape[1], hist.shape[0])[:, -1]
-    bag_dtype = np.int32 if offsets.shape[0] - 1 <= np.iinfo(np.int32).max else np.int64
     num_coefs = 0 if combiner == Combiner.SUM and not weighted else total
     s_ids = scratch("s_ids", total, values.dtype)
-    s_bag = scratch("s_bag", total, bag_dtype)
+    s_bag = scratch("s_bag", total, bag_dtype(offsets))
     s_coef = scratch("s_coef", num_coefs, weights.dtype)
     _scatter(values, offsets, weights, weighted, combiner, num_rows, skip_bad, bits, chunks,
              base, s_ids, s_bag, s_coef)
+    return Partitions(bits, part_lo, s_ids, s_bag, s_coef)
+
+
+def bag_dtype(offsets):
+    """int32 bag numbers, int64 from 2**31 bags on."""
+    return np.int32 if offsets.shape[0] - 1 <= np.iinfo(np.int32).max else np.int64
+
+
+def group_occurrences(values, offsets, per_sample_weights, combiner, num_rows, skip_bad,
+                      coef_dtype):
+    """``(ids, starts, occ_bag, occ_coef)`` as described above; coefficients in
+    ``coef_dtype``, bad ids (outside ``[0, num_rows)``) dropped when ``skip_bad``."""
+    parts = partition_occurrences(values, offsets, per_sample_weights, combiner, num_rows,
+                                  skip_bad, coef_dtype)
+    total = parts.total
     t_ids = scratch("t_ids", total, values.dtype)
     t_starts = scratch("t_starts", total, np.int64)
-    occ_bag = scratch("occ_bag", total, bag_dtype)
-    occ_coef = scratch("occ_coef", num_coefs, weights.dtype)
-    num_distinct = np.zeros(hist.shape[1], np.int64)
-    _group_partitions(bits, part_lo, s_ids, s_bag, s_coef, t_ids, t_starts, occ_bag, occ_coef,
-                      num_distinct)
-    first = np.zeros(hist.shape[1] + 1, np.int64)
-    np.cumsum(num_distinct, out=first[1:])
+    occ_bag = scratch("occ_bag", total, parts.bag.dtype)
+    occ_coef = scratch("occ_coef", parts.coef.shape[0], parts.coef.dtype)
+    num_distinct = np.zeros(parts.count, np.int64)
+    _group_partitions(parts.bits, parts.lo, parts.ids, parts.bag, parts.coef, t_ids, t_starts,
+                      occ_bag, occ_coef, num_distinct)
+    first = distinct_offsets(num_distinct)
     num_ids = int(first[-1])
     ids = np.empty(num_ids, values.dtype)
     starts = np.empty(num_ids + 1, np.int64)
     starts[num_ids] = total
-    _pack(part_lo, first, t_ids, t_starts, ids, starts)
+    _pack(parts.lo, first, t_ids, t_starts, ids, starts)
     return ids, starts, occ_bag, occ_coef
+
+
+def distinct_offsets(num_distinct):
+    """Where each partition's distinct ids start among all of them (last: their number)."""
+    first = np.zeros(num_distinct.shape[0] + 1, np.int64)
+    np.cumsum(num_distinct, out=first[1:])
+    return first

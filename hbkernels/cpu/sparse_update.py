@@ -2,10 +2,11 @@
 
 Every rule lives in one njit function, :func:`apply_rule`, inlined into both
 kernels: :func:`update_kernel` (gradient rows given: one distinct id per
-iteration of a parallel loop) and :func:`fused_kernel` (per distinct id, sum
-its occurrences' ``c_b·w_j·grad_out[b]`` in input order into a per-chunk
-scratch row, as :mod:`.grouping` groups them, and apply the rule
-right away: the gradient rows are never materialised). One kernel of each is
+iteration of a parallel loop) and :func:`fused_kernel` (one hash partition of
+the batch's occurrences per iteration, :func:`.grouping.partition_occurrences`:
+each distinct id's ``c_b·w_j·grad_out[b]`` summed in input order into a row of
+the partition's scratch block, then the rule per row; the gradient rows are never
+materialised and the occurrences never sorted). One kernel of each is
 compiled per D (cached on disk); the rule, the fp16 rounding and the
 non-finite skip are run-time switches taken once per row.
 
@@ -38,8 +39,9 @@ from ._common import (accumulator_dtype, add_row, cached_njit, fmix32, kernel_ta
                       narrow, prefetch_row, widen)
 from ._common import first_out_of_range as _first_out_of_range
 from .ragged import check_ragged
-from .embedding_bag_backward import FASTMATH, PREFETCH_OCCURRENCES, balanced_chunks
-from .grouping import coefficient, group_occurrences
+from .embedding_bag_backward import FASTMATH, PREFETCH_OCCURRENCES
+from .grouping import (coefficient, distinct_offsets, distinct_partitions,
+                       partition_occurrences, scratch)
 
 # kernel parameter vector: the front end's hyper-parameters, then derived constants
 INV_DIM, TWO_L2, NEG_POWER, SQRT_POWER, ZERO, ONE_M_B1, ONE_M_B2 = range(
@@ -55,6 +57,8 @@ ROUND_NEAREST, ROUND_FP16, ROUND_BF16 = 0, 1, 2
 FP16_MIN_EXP, FP16_BITS, FP16_MAX = -14, 10, 65504.0
 BF16_MIN_EXP, BF16_BITS, BF16_MAX = -126, 7, (2.0 - 2.0 ** -7) * 2.0 ** 127
 PREFETCH_IDS = 8  # distinct ids ahead whose rows are prefetched
+# the fused step's partitions are its parallel work items: at least 2**6 of them
+MIN_PARTITION_BITS = 6
 
 
 # -- checks ---------------------------------------------------------------------
@@ -304,32 +308,38 @@ def update_kernel(dim):
 
 @functools.lru_cache(maxsize=None)
 def fused_kernel(dim):
-    """Kernel ``(rule, p, grad, starts, occ_bag, occ_coef, chunks, ids, weights, s1,
-    s2, out, skip, stochastic, key, updated)``: per distinct id, its gradient summed in
-    input order into a scratch row, then the rule."""
+    """Kernel ``(rule, p, grad, part_lo, s_bag, s_coef, local, t_ids, first, ids, weights,
+    s1, s2, out, skip, stochastic, key, updated)``: per partition of
+    :func:`.grouping.partition_occurrences` (its occurrences in input order, each one's
+    distinct id ``local``, from :func:`.grouping.distinct_partitions`), every distinct
+    id's gradient summed in input order into a row of a scratch block, then the rule;
+    the ``u``-th distinct id of partition ``p`` is ``k = first[p] + u`` (``ids[k]``,
+    ``out[k]``, ``updated[k]``)."""
 
     @cached_njit(parallel=True, fastmath=FASTMATH)
-    def fused(rule, p, grad, starts, occ_bag, occ_coef, chunks, ids, weights, s1, s2, out,
-              skip, stochastic, key, updated):
+    def fused(rule, p, grad, part_lo, s_bag, s_coef, local, t_ids, first, ids, weights, s1,
+              s2, out, skip, stochastic, key, updated):
         one = np.ones(1, grad.dtype)[0]
-        for c in prange(chunks.shape[0] - 1):
-            g = np.empty(dim, grad.dtype)
-            end = chunks[c + 1]
-            last = starts[end] - 1
-            for k in range(chunks[c], end):
-                if k + PREFETCH_IDS < end:
-                    prefetch_update_rows(weights, s1, s2, ids[k + PREFETCH_IDS], dim)
-                for d in range(dim):
-                    g[d] = 0
-                for s in range(starts[k], starts[k + 1]):
-                    prefetch_row(grad, occ_bag[min(s + PREFETCH_OCCURRENCES, last)], dim)
-                    add_row(g, grad, occ_bag[s], coefficient(occ_coef, s, one), dim)
-                if skip and not all_finite(g, dim):
+        for q in prange(part_lo.shape[0] - 1):
+            lo, hi = part_lo[q], part_lo[q + 1]
+            n = first[q + 1] - first[q]
+            for u in range(min(n, PREFETCH_IDS)):
+                prefetch_update_rows(weights, s1, s2, t_ids[lo + u], dim)
+            g = np.zeros((n, dim), grad.dtype)
+            for i in range(lo, hi):
+                prefetch_row(grad, s_bag[min(i + PREFETCH_OCCURRENCES, hi - 1)], dim)
+                add_row(g[local[i]], grad, s_bag[i], coefficient(s_coef, i, one), dim)
+            for u in range(n):
+                if u + PREFETCH_IDS < n:
+                    prefetch_update_rows(weights, s1, s2, t_ids[lo + u + PREFETCH_IDS], dim)
+                k = first[q] + u
+                row = t_ids[lo + u]
+                ids[k] = row
+                if skip and not all_finite(g[u], dim):
                     updated[k] = False
                     continue
                 updated[k] = True
-                apply_rule(rule, dim, p, g, weights, ids[k], s1, s2, out, k, stochastic,
-                           key)
+                apply_rule(rule, dim, p, g[u], weights, row, s1, s2, out, k, stochastic, key)
 
     return fused
 
@@ -411,15 +421,22 @@ def _fused_update(family, rule, weights, state1, state2, hp, grad_out, values, o
     if values.shape[0] == 0 or offsets.shape[0] < 2:
         return
     acc = accumulator_dtype(weights.dtype)
-    ids, starts, occ_bag, occ_coef = group_occurrences(
-        values, offsets, psw, combiner, weights.shape[0], bounds != Bounds.UNCHECKED, acc)
-    if ids.shape[0] == 0:
+    parts = partition_occurrences(values, offsets, psw, combiner, weights.shape[0],
+                                  bounds != Bounds.UNCHECKED, acc, min_bits=MIN_PARTITION_BITS)
+    t_ids = scratch("t_ids", parts.total, values.dtype)
+    local = scratch("local", parts.total, np.int32 if parts.total < 2**31 else np.int64)
+    num_distinct = np.zeros(parts.count, np.int64)
+    distinct_partitions(parts.bits, parts.lo, parts.ids, t_ids, local, num_distinct)
+    first = distinct_offsets(num_distinct)
+    num_ids = int(first[-1])
+    if num_ids == 0:
         return
-    target = _Target(weights, state1, state2, ids.shape[0], stochastic)
+    ids = np.empty(num_ids, values.dtype)
+    target = _Target(weights, state1, state2, num_ids, stochastic)
     grad = np.ascontiguousarray(grad_out, dtype=acc)
     fused_kernel(dim)(
-        rule, _kernel_params(hp, dim, acc), grad, starts, occ_bag, occ_coef,
-        balanced_chunks(starts), ids, target.table, target.s1, target.s2,
-        target.out, bool(skip_nonfinite), target.rounding, np.uint64(key), target.updated,
+        rule, _kernel_params(hp, dim, acc), grad, parts.lo, parts.bag, parts.coef, local,
+        t_ids, first, ids, target.table, target.s1, target.s2, target.out,
+        bool(skip_nonfinite), target.rounding, np.uint64(key), target.updated,
     )
     target.finish(ids)
