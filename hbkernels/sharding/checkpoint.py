@@ -55,6 +55,7 @@ import numpy as np
 from .. import optim as _optim
 from .._dispatch import classify, host
 from .._files import fsync_dir, write_atomic, write_json_atomic
+from .._sorted import find_sorted
 from .._version import __version__
 from ..errors import CheckpointError
 from ..types import TableSpec, table_spec
@@ -403,8 +404,7 @@ class _Reader:
                 raise CheckpointError(f"{os.path.join(self.path, entry['file'])}: no rows file "
                                       f"names its rows")
             saved, order = self._sorted(which)
-            at = np.clip(np.searchsorted(saved, rows), 0, saved.shape[0] - 1)
-            hit = saved[at] == rows
+            at, hit = find_sorted(saved, rows)
             if not hit.any():
                 continue
             data = self._array(entry)
@@ -541,8 +541,7 @@ class Checkpoint:
             saved = self._reader.all_rows(table, "rows")
             data = self._reader.all_rows(table, array)
         order = np.argsort(saved, kind="stable")
-        at = np.clip(np.searchsorted(saved[order], ids), 0, max(saved.shape[0] - 1, 0))
-        here = (saved[order][at] == ids) if saved.shape[0] else np.zeros(ids.shape[0], bool)
+        at, here = find_sorted(saved[order], ids)
         out = np.empty((ids.shape[0],) + data.shape[1:], data.dtype)
         out[here] = data[order[at[here]]]
         if not here.all():

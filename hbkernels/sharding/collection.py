@@ -500,10 +500,8 @@ class EmbeddingCollection:
             for group, replicated in local:
                 requests = self._requests(group, inputs, replicated)
                 if group in self.tiers and requests:
-                    ids, starts = self._local_rows(group, requests, inputs)
-                    space = self._family(group.device)
-                    self.tiers[group].prefetch(space.xp.concatenate(
-                        [space.put(ids[k]) + starts[k] for k in range(len(ids))]))
+                    self.tiers[group].prefetch(self._joined_rows(
+                        group, *self._local_rows(group, requests, inputs)))
         finally:
             self._insert = insert
 
@@ -631,8 +629,7 @@ class EmbeddingCollection:
         requests = self._requests(group, inputs, replicated)
         ids, starts = self._local_rows(group, requests, inputs)
         if group in self.tiers and requests:  # one call for the group: store rows -> fast rows
-            rows = self.tiers[group].rows(space.xp.concatenate(
-                [space.put(ids[k]) + starts[k] for k in range(len(ids))]))
+            rows = self.tiers[group].rows(self._joined_rows(group, ids, starts))
             cuts = np.cumsum([0] + [int(i.shape[0]) for i in ids])
             ids = [rows[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
             starts = [0] * len(requests)
@@ -658,6 +655,12 @@ class EmbeddingCollection:
                     ids[k] = rows[a:b]
             starts = [0] * len(requests)
         return ids, starts
+
+    def _joined_rows(self, group, ids, starts):
+        """The rows ``ids[k] + starts[k]`` of :meth:`_local_rows`, one array on the
+        group's device."""
+        space = self._family(group.device)
+        return space.xp.concatenate([space.put(ids[k]) + starts[k] for k in range(len(ids))])
 
     def _dynamic_shard(self, name):
         """This rank's shard of dynamic table ``name``."""

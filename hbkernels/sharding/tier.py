@@ -40,6 +40,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .._dispatch import device_family, host
+from .._sorted import find_sorted
 from ..hash_table import HashTable
 
 EVICT_SHARE = 32  # an eviction frees at least capacity / EVICT_SHARE slots
@@ -216,8 +217,7 @@ class Tier:
     def _make_cache(self, capacity, old=None):
         """A cache of ``capacity`` rows; ``old`` ``(index, cache, owner)`` moves in."""
         space = self._family
-        index = HashTable(capacity, evict=self.policy, device=self.device,
-                          name=f"{self.name} (cache)")
+        index = self._new_index(capacity)
         weights = space.zeros((capacity, self.width), self.dtype)
         state = {"step": self.store.arrays.state["step"]}  # one step counter for both tiers
         for s in self.store.slots:
@@ -234,6 +234,17 @@ class Tier:
             owner[slots] = kept["ids"]
         self.index, self.cache, self.owner = index, FusedArrays(weights, state), owner
 
+    def _new_index(self, capacity):
+        return HashTable(capacity, evict=self.policy, device=self.device,
+                         name=f"{self.name} (cache)")
+
+    def _put_cache(self, slots, weights, state):
+        """Cache slots ``slots`` (NumPy) take rows ``weights`` and ``state`` (NumPy)."""
+        at = self._family.put(slots)
+        self.cache.weights[at] = self._family.put(np.ascontiguousarray(weights))
+        for s in self.store.slots:
+            self.cache.state[s][at] = self._family.put(np.ascontiguousarray(state[s]))
+
     def rows(self, keys):
         """The rows of :attr:`fast` for store rows ``keys`` (int64 on the tier's device;
         -1 stays -1): the cache's slots, the rows fetched (and others evicted) as
@@ -247,8 +258,10 @@ class Tier:
                 self.store.ensure(np.unique(host(valid)))
             return self._family.from_compute(keys)
         found = self._family.compute(self.index.slots(self._family.from_compute(valid), insert=False))
-        missing = np.unique(host(valid[found < 0]))
-        used = int(np.unique(host(found[found >= 0])).shape[0])
+        distinct, first = np.unique(host(valid), return_index=True)
+        cached = host(found)[first] >= 0  # distinct rows have distinct slots
+        missing = distinct[~cached]
+        used = int(cached.sum())
         self.stats["lookups"] += used + int(missing.shape[0])
         self.stats["misses"] += int(missing.shape[0])
         need = int(missing.shape[0]) - (self.index.capacity - self.index.size)
@@ -263,11 +276,7 @@ class Tier:
         new_ids, new_slots = host(new_ids), host(new_slots)
         order = np.argsort(new_ids)
         new_ids, new_slots = new_ids[order], new_slots[order]
-        weights, state = self._fetch(new_ids)
-        at = self._family.put(new_slots)
-        self.cache.weights[at] = self._family.put(weights)
-        for s in self.store.slots:
-            self.cache.state[s][at] = self._family.put(state[s])
+        self._put_cache(new_slots, *self._fetch(new_ids))
         self.owner[new_slots] = new_ids
         if valid.shape[0] == keys.shape[0]:
             return slots
@@ -281,8 +290,9 @@ class Tier:
         if staged is None or not rows.shape[0]:
             return self.store.read(rows)
         ready, weights, state, usable = staged
-        at = np.clip(np.searchsorted(ready, rows), 0, max(ready.shape[0] - 1, 0))
-        hit = (ready[at] == rows) & usable[at] if ready.shape[0] else np.zeros(rows.shape[0], bool)
+        at, hit = find_sorted(ready, rows)
+        if ready.shape[0]:
+            hit &= usable[at]
         if hit.all():
             self.stats["prefetched"] += int(rows.shape[0])
             return weights[at], {s: state[s][at] for s in self.store.slots}
@@ -338,8 +348,7 @@ class Tier:
         writes made straight to the store are what the next batch reads."""
         self.flush()
         if self.cache is not None:
-            self.index = HashTable(self.index.capacity, evict=self.policy, device=self.device,
-                                   name=f"{self.name} (cache)")
+            self.index = self._new_index(self.index.capacity)
             self.owner[:] = -1
 
     def write(self, rows, weights, state):
@@ -355,10 +364,7 @@ class Tier:
             found = host(self.index.slots(self._family.put(rows), insert=False))
             hit = found >= 0
             if hit.any():
-                at = self._family.put(found[hit])
-                self.cache.weights[at] = self._family.put(np.ascontiguousarray(weights[hit]))
-                for s in self.store.slots:
-                    self.cache.state[s][at] = self._family.put(np.ascontiguousarray(state[s][hit]))
+                self._put_cache(found[hit], weights[hit], {s: v[hit] for s, v in state.items()})
                 rows, weights = rows[~hit], weights[~hit]
                 state = {s: v[~hit] for s, v in state.items()}
         self._unstage(rows)
@@ -413,7 +419,5 @@ class Tier:
         if self._staged is None or not rows.shape[0]:
             return
         ready, usable = self._staged[0], self._staged[3]
-        at = np.searchsorted(ready, rows)
-        inside = at < ready.shape[0]
-        at = at[inside]
-        usable[at[ready[at] == rows[inside]]] = False
+        at, hit = find_sorted(ready, rows)
+        usable[at[hit]] = False
