@@ -219,6 +219,76 @@ def test_positions_past_a_bag_and_bad_ids_add_nothing(backend, rng, dim, dtype):
                  dtype)
 
 
+
+# -- one id per bag (the CPU's one_id_kernel) --------------------------------------------
+ONE_ID_BAGS = 300  # at least hbkernels.cpu.embedding_bag.ONE_ID_MIN_BAGS
+
+
+def one_id_case(rng, num_rows, dim, dtype, id_dtype):
+    weights = rng.standard_normal((num_rows, dim)).astype(dtype)
+    values = ((rng.zipf(1.3, ONE_ID_BAGS) - 1) % num_rows).astype(id_dtype)
+    values[[0, 7, -1]] = [num_rows - 1, 0, num_rows - 1]  # the table's edges
+    return weights, values, np.arange(ONE_ID_BAGS + 1, dtype=np.int64)
+
+
+@pytest.mark.parametrize("dim, dtype, id_dtype", [
+    (1, np.float32, np.int64), (5, np.float32, np.int32), (64, np.float64, np.int64),
+    (16, np.float16, np.int64)] + ([(16, FLOATS[1], np.int32)] if len(FLOATS) == 4 else []))
+def test_one_id_bags_are_the_rows_cpu(rng, monkeypatch, dim, dtype, id_dtype):
+    """A batch of one id per bag gives each bag its row exactly under every combiner,
+    the same bits as the general pooling kernel (made to take the batch)."""
+    from hbkernels.cpu import embedding_bag as cpu_bag
+
+    weights, values, offsets = one_id_case(rng, 40, dim, dtype, id_dtype)
+    got = {c: hbk.embedding_bag(weights, values, offsets, combiner=c) for c in COMBINERS}
+    monkeypatch.setattr(cpu_bag, "ONE_ID_MIN_BAGS", 10**9)
+    for combiner, out in got.items():
+        assert out.dtype == weights.dtype
+        np.testing.assert_array_equal(out.view(np.uint8), weights[values].view(np.uint8))
+        general = hbk.embedding_bag(weights, values, offsets, combiner=combiner)
+        np.testing.assert_array_equal(out.view(np.uint8), general.view(np.uint8))
+
+
+def test_one_id_bags_of_a_table_view_cpu(rng):
+    """Rows of a column slice (row stride 20 elements) and of every other row."""
+    weights, values, offsets = one_id_case(rng, 80, 20, np.float32, np.int64)
+    for view in (weights[:, 3:19], weights[::2]):
+        ids = values % view.shape[0]
+        np.testing.assert_array_equal(hbk.embedding_bag(view, ids, offsets), view[ids])
+
+
+@pytest.mark.parametrize("bounds", ["raise", "zero"])
+def test_one_id_bags_with_bad_ids_cpu(rng, bounds):
+    """Bad ids in several chunks: "raise" names the first, "zero" gives zero rows."""
+    weights, values, offsets = one_id_case(rng, 30, 16, np.float32, np.int64)
+    bad = {291: 30, 150: -1, 40: 2**40, 41: -(2**62)}
+    for position, value in bad.items():
+        values[position] = value
+    if bounds == "raise":
+        with pytest.raises(hbk.BoundsError) as info:
+            hbk.embedding_bag(weights, values, offsets)
+        assert (info.value.position, info.value.value, info.value.limit) == (40, 2**40, 30)
+        return
+    out = hbk.embedding_bag(weights, values, offsets, combiner="mean", bounds=bounds)
+    expected = reference.embedding_bag(weights, values, offsets, "mean", bounds="zero")
+    np.testing.assert_array_equal(out, expected.astype(np.float32))
+    assert not out[sorted(bad)].any()
+
+
+@pytest.mark.parametrize("where", [0, 150, ONE_ID_BAGS - 2])
+def test_as_many_ids_as_bags_but_not_one_each_cpu(rng, where):
+    """An empty bag and a bag of two ids among one-id bags (the batch still has as many
+    ids as bags): pooled as bags, and decreasing offsets there are still named."""
+    weights, values, offsets = one_id_case(rng, 50, 8, np.float32, np.int64)
+    offsets[where + 1] = offsets[where]  # bag `where` empty, bag `where + 1` of two ids
+    for combiner in COMBINERS:
+        out = hbk.embedding_bag(weights, values, offsets, combiner=combiner)
+        assert_close(out, reference.embedding_bag(weights, values, offsets, combiner), np.float32)
+    offsets[where + 1] = offsets[where + 2] + 1
+    with pytest.raises(ValueError, match="offsets"):
+        hbk.embedding_bag(weights, values, offsets)
+
+
 def test_table_without_rows(backend):
     weights = np.ones((0, 4), np.float32)
     values, offsets = np.array([0, 1, 0]), np.array([0, 2, 2, 3])

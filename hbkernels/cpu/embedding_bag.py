@@ -17,7 +17,11 @@ Numba adds no negative-index wraparound, and each bag is summed in a
 stack row (:func:`._common.scratch_row`) that LLVM keeps in vector registers
 (4 zmm registers at D = 64) and stores once; fp16 and bf16 bags are summed in
 a float32 stack row and rounded straight into the output
-(:func:`._common.narrow_to`), with no float32 array in between. Kernels are
+(:func:`._common.narrow_to`), with no float32 array in between. A batch of one
+id per bag without weights (from :data:`ONE_ID_MIN_BAGS` bags: categorical
+features of one value, the usual DLRM input) takes :func:`one_id_kernel`, a
+gather that reads each bag's end only to check it and returns its status as
+one scalar, where :func:`pool_kernel` runs a bag loop per id. Kernels are
 cached on disk (Numba keys closures by their constants), so each D compiles
 once per machine.
 """
@@ -44,9 +48,11 @@ from ._common import (
 )
 
 PREFETCH_DISTANCE = 32
+ONE_ID_MIN_BAGS = 256  # batches of one id per bag from this many bags take one_id_kernel
 NO_WEIGHTS = {np.dtype(t): np.ones(1, t) for t in (np.float32, np.float64)}  # by accumulator
 NO_IDS = np.zeros(1, np.int64)
 NONE = np.iinfo(np.int64).max  # "no bad position" in the per-bag arrays
+NOT_ONE_ID = -1  # one_id_kernel met a bag that does not hold one id
 
 
 @functools.lru_cache(maxsize=None)
@@ -119,6 +125,45 @@ def pool_kernel(dim, check_ids, identity):
     return pool
 
 
+@functools.lru_cache(maxsize=None)
+def one_id_kernel(dim):
+    """Kernel ``(table, values, offsets, check_ids, out, num_chunks) -> status`` for a
+    batch of as many ids as bags, without weights: ``out[b] = table[values[b]]``, zeros
+    for an id outside the table, as :func:`pool_kernel` gives it under every combiner.
+    ``status``: :data:`NOT_ONE_ID` when a bag does not hold one id (``offsets[b+1] !=
+    b+1``; its chunk stops there, and the caller pools the batch with
+    :func:`pool_kernel`), else the first position of a bad id (with ``check_ids``) or
+    :data:`NONE`. Needs ``offsets[0] == 0``."""
+
+    @cached_njit(parallel=True, fastmath=True)
+    def one_id(table, values, offsets, check_ids, out, num_chunks):
+        num_rows = table.shape[0]
+        num_bags = values.shape[0]
+        first_bad = np.full(num_chunks, NONE, np.int64)
+        for c in prange(num_chunks):
+            for b in range(c * num_bags // num_chunks, (c + 1) * num_bags // num_chunks):
+                if offsets[np.uint64(b + 1)] != b + 1:
+                    first_bad[c] = NOT_ONE_ID
+                    break
+                ahead = values[np.uint64(min(b + PREFETCH_DISTANCE, num_bags - 1))]
+                prefetch_row(table, min(np.uint64(ahead), np.uint64(num_rows - 1)), dim)
+                row = np.uint64(values[np.uint64(b)])  # negatives wrap high
+                acc = scratch_row(dim, out, b)
+                for d in range(dim):
+                    acc[d] = 0
+                if row < np.uint64(num_rows):
+                    add_row(acc, table, row, None, dim)
+                elif check_ids and first_bad[c] == NONE:
+                    first_bad[c] = b
+                store_row(out, b, acc, None, dim)
+        status = first_bad[0]  # a serial loop (.min() would be another parallel region)
+        for c in range(1, num_chunks):
+            status = min(status, first_bad[c])
+        return status
+
+    return one_id
+
+
 def pool(table, values, offsets, weights, combiner, check_ids, identity):
     """Run the pooling kernel; fp16 and bf16 rows are summed in float32.
 
@@ -136,9 +181,14 @@ def pool(table, values, offsets, weights, combiner, check_ids, identity):
         narrows_in_kernel(table.dtype) and stack_row_fits(dim, np.dtype(acc_dtype).itemsize))
     out = np.empty((num_bags, dim), table.dtype if direct else acc_dtype)
     num_chunks = chunk_count(num_bags)
-    bad = np.full((2, num_chunks), NONE, np.int64)  # per chunk: first bad id, bad offset
     weighted = weights is not None
     weights = weights.astype(acc_dtype, copy=False) if weighted else NO_WEIGHTS[acc_dtype]
+    if one_id_batch(values, offsets, weighted, identity):
+        status = one_id_kernel(dim)(kernel_tab, values, offsets, check_ids, kernel_table(out),
+                                    num_chunks)
+        if status != NOT_ONE_ID:
+            return narrow(out, table.dtype), -1, (-1 if status == NONE else int(status))
+    bad = np.full((2, num_chunks), NONE, np.int64)  # per chunk: first bad id, bad offset
     kernel = pool_kernel(dim, check_ids, identity)
     kernel(kernel_tab, NO_IDS if identity else values, offsets, weighted, weights, combiner,
            kernel_table(out), bad[0], bad[1])
@@ -147,6 +197,14 @@ def pool(table, values, offsets, weights, combiner, check_ids, identity):
     bad_id, bad_offset = int(bad[0, 0]), int(bad[1, 0])
     return (narrow(out, table.dtype), -1 if bad_offset == NONE else bad_offset,
             -1 if bad_id == NONE else bad_id)
+
+
+def one_id_batch(values, offsets, weighted, identity):
+    """Whether :func:`one_id_kernel` may pool the batch: as many ids as bags (at least
+    :data:`ONE_ID_MIN_BAGS`), no weights, ``offsets[0] == 0``."""
+    num_bags = offsets.shape[0] - 1
+    return (not (weighted or identity) and num_bags >= ONE_ID_MIN_BAGS
+            and values.shape[0] == num_bags and offsets[0] == 0)
 
 
 def embedding_bag(family, weights, values, offsets, per_sample_weights, combiner, bounds):
