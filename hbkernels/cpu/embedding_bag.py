@@ -131,9 +131,9 @@ def one_id_kernel(dim):
     batch of as many ids as bags, without weights: ``out[b] = table[values[b]]``, zeros
     for an id outside the table, as :func:`pool_kernel` gives it under every combiner.
     ``status``: :data:`NOT_ONE_ID` when a bag does not hold one id (``offsets[b+1] !=
-    b+1``; its chunk stops there, and the caller pools the batch with
-    :func:`pool_kernel`), else the first position of a bad id (with ``check_ids``) or
-    :data:`NONE`. Needs ``offsets[0] == 0``."""
+    b+1``, checked for a chunk's bags before it reads a row; the caller then pools
+    the batch with :func:`pool_kernel`), else the first position of a bad id (with
+    ``check_ids``) or :data:`NONE`. Needs ``offsets[0] == 0``."""
 
     @cached_njit(parallel=True, fastmath=True)
     def one_id(table, values, offsets, check_ids, out, num_chunks):
@@ -141,10 +141,15 @@ def one_id_kernel(dim):
         num_bags = values.shape[0]
         first_bad = np.full(num_chunks, NONE, np.int64)
         for c in prange(num_chunks):
-            for b in range(c * num_bags // num_chunks, (c + 1) * num_bags // num_chunks):
-                if offsets[np.uint64(b + 1)] != b + 1:
-                    first_bad[c] = NOT_ONE_ID
-                    break
+            lo = c * num_bags // num_chunks
+            hi = (c + 1) * num_bags // num_chunks
+            other = False  # a loop of its own, with no branch: it runs as vectors
+            for b in range(lo, hi):
+                other |= offsets[np.uint64(b + 1)] != b + 1
+            if other:
+                first_bad[c] = NOT_ONE_ID
+                continue
+            for b in range(lo, hi):
                 ahead = values[np.uint64(min(b + PREFETCH_DISTANCE, num_bags - 1))]
                 prefetch_row(table, min(np.uint64(ahead), np.uint64(num_rows - 1)), dim)
                 row = np.uint64(values[np.uint64(b)])  # negatives wrap high
@@ -182,12 +187,12 @@ def pool(table, values, offsets, weights, combiner, check_ids, identity):
     out = np.empty((num_bags, dim), table.dtype if direct else acc_dtype)
     num_chunks = chunk_count(num_bags)
     weighted = weights is not None
-    weights = weights.astype(acc_dtype, copy=False) if weighted else NO_WEIGHTS[acc_dtype]
     if one_id_batch(values, offsets, weighted, identity):
         status = one_id_kernel(dim)(kernel_tab, values, offsets, check_ids, kernel_table(out),
                                     num_chunks)
         if status != NOT_ONE_ID:
             return narrow(out, table.dtype), -1, (-1 if status == NONE else int(status))
+    weights = weights.astype(acc_dtype, copy=False) if weighted else NO_WEIGHTS[acc_dtype]
     bad = np.full((2, num_chunks), NONE, np.int64)  # per chunk: first bad id, bad offset
     kernel = pool_kernel(dim, check_ids, identity)
     kernel(kernel_tab, NO_IDS if identity else values, offsets, weighted, weights, combiner,
