@@ -47,7 +47,7 @@ from numba import njit, prange
 from .._modes import Combiner
 from ._common import cached_njit, chunk_count, fib_hash
 
-OCCURRENCES_PER_PARTITION = 4096
+OCCURRENCES_PER_PARTITION = 2048
 MAX_PARTITIONS = 256
 
 
