@@ -1,5 +1,6 @@
-"""hbkernels.cpu.grouping: the occurrences of a batch grouped by distinct id, in
-parallel partitions, against a plain NumPy grouping; independent of the thread count."""
+"""hbkernels.cpu.grouping: the occurrences of a batch grouped by distinct id inside
+parallel hash partitions, against a plain NumPy grouping; independent of the thread
+count."""
 import numba
 import numpy as np
 import pytest
@@ -28,25 +29,47 @@ def numpy_grouping(values, offsets, weights, combiner, num_rows, skip_bad):
     return groups
 
 
+def as_groups(g):
+    """{id: [(bag, coef), ...]} read from a Groups, walking each partition's occurrences
+    in order; checks the layout the kernels rely on on the way."""
+    parts = g.parts
+    unit = parts.coef.shape[0] == 0
+    assert g.first[0] == 0 and g.first.shape[0] == parts.lo.shape[0]
+    groups = {}
+    for p in range(parts.count):
+        lo, hi = int(parts.lo[p]), int(parts.lo[p + 1])
+        n = int(g.first[p + 1] - g.first[p])
+        seen = 0
+        for i in range(lo, hi):
+            u = int(g.local[i])
+            assert 0 <= u < n
+            if u == seen:                 # distinct ids numbered in first-occurrence order
+                seen += 1
+                key = int(g.ids[lo + u])
+                assert key not in groups, f"id {key} in two partitions or twice in one"
+                groups[key] = []
+            assert u < seen
+            assert int(parts.ids[i]) == int(g.ids[lo + u]), "local names the occurrence's id"
+            groups[int(g.ids[lo + u])].append((int(parts.bag[i]), 1.0 if unit else float(parts.coef[i])))
+        assert seen == n
+    return groups
+
+
 def check(values, offsets, weights=None, combiner=Combiner.SUM, num_rows=None, skip_bad=True):
     num_rows = num_rows if num_rows is not None else int(values.max(initial=0)) + 1
-    ids, starts, occ_bag, occ_coef = group_occurrences(values, offsets, weights, combiner,
-                                                       num_rows, skip_bad, np.float32)
+    g = group_occurrences(values, offsets, weights, combiner, num_rows, skip_bad, np.float32)
     expected = numpy_grouping(values, offsets, weights, combiner, num_rows, skip_bad)
-    assert ids.dtype == values.dtype and starts.dtype == np.int64 and occ_bag.dtype == np.int32
+    assert g.ids.dtype == values.dtype and g.parts.bag.dtype == np.int32
+    assert g.parts.count >= 2 ** grouping.MIN_PARTITION_BITS
     unit = combiner == Combiner.SUM and weights is None
-    assert (occ_coef.shape[0] == 0) == unit, "coefficients are left out exactly when all are 1"
-    if unit:
-        occ_coef = np.ones(occ_bag.shape[0], np.float32)
-    assert sorted(ids.tolist()) == sorted(expected), "every kept id exactly once"
-    assert starts[0] == 0 and starts[-1] == sum(len(v) for v in expected.values())
-    for k, i in enumerate(ids.tolist()):
-        got = list(zip(occ_bag[starts[k]:starts[k + 1]].tolist(),
-                       occ_coef[starts[k]:starts[k + 1]].tolist()))
-        want = expected[i]
-        assert [b for b, _ in got] == [b for b, _ in want], f"id {i}: bags in input order"
-        np.testing.assert_allclose([c for _, c in got], [c for _, c in want], rtol=1e-6)
-    return ids, starts, occ_bag.copy(), occ_coef.copy()
+    assert (g.parts.coef.shape[0] == 0) == unit, "coefficients are left out exactly when all are 1"
+    got = as_groups(g)
+    assert sorted(got) == sorted(expected), "every kept id exactly once"
+    assert g.count == len(expected) and g.parts.total == sum(len(v) for v in expected.values())
+    for i, want in expected.items():
+        assert [b for b, _ in got[i]] == [b for b, _ in want], f"id {i}: bags in input order"
+        np.testing.assert_allclose([c for _, c in got[i]], [c for _, c in want], rtol=1e-6)
+    return g
 
 
 def zipf_batch(rng, n_bags, max_len, num_rows, id_dtype=np.int64):
@@ -58,13 +81,13 @@ def zipf_batch(rng, n_bags, max_len, num_rows, id_dtype=np.int64):
 
 
 @pytest.mark.parametrize("id_dtype", [np.int32, np.int64])
-@pytest.mark.parametrize("n_bags", [1, 40, 3000])   # 0, 0 and several partition bits
+@pytest.mark.parametrize("n_bags", [1, 40, 12000])   # the least partitions, and more
 def test_matches_numpy_grouping(id_dtype, n_bags):
     rng = np.random.default_rng(n_bags)
     values, offsets = zipf_batch(rng, n_bags, 40, 5000, id_dtype)
-    if n_bags == 3000:
-        assert grouping.partition_bits(values.shape[0]) >= 4
-    check(values, offsets)
+    g = check(values, offsets)
+    if n_bags == 12000:
+        assert g.parts.bits > grouping.MIN_PARTITION_BITS
 
 
 @pytest.mark.parametrize("combiner", [Combiner.SUM, Combiner.MEAN, Combiner.SQRTN])
@@ -80,8 +103,8 @@ def test_bag_scales_count_only_kept_ids(combiner):
 
 def test_without_skipping_bad_ids_they_are_grouped_too():
     values = np.array([5, -3, 5, 10**12], np.int64)
-    ids, starts, occ_bag, _ = check(values, np.array([0, 2, 4]), num_rows=6, skip_bad=False)
-    assert sorted(ids.tolist()) == [-3, 5, 10**12]
+    g = check(values, np.array([0, 2, 4]), num_rows=6, skip_bad=False)
+    assert sorted(as_groups(g)) == [-3, 5, 10**12]
 
 
 @pytest.mark.parametrize("values, offsets", [
@@ -90,9 +113,8 @@ def test_without_skipping_bad_ids_they_are_grouped_too():
     (np.full(9000, -1, np.int64), np.array([0, 4500, 9000])),   # every id bad
 ])
 def test_empty_results(values, offsets):
-    ids, starts, occ_bag, occ_coef = group_occurrences(values, offsets, None, Combiner.SUM, 10,
-                                                       True, np.float32)
-    assert ids.shape == (0,) and starts.tolist() == [0] and occ_bag.shape == (0,)
+    g = group_occurrences(values, offsets, None, Combiner.SUM, 10, True, np.float32)
+    assert g.count == 0 and g.parts.total == 0 and not g.first.any()
 
 
 def test_same_result_on_any_number_of_threads():
@@ -103,23 +125,13 @@ def test_same_result_on_any_number_of_threads():
         results = []
         for n in sorted({1, numba.config.NUMBA_NUM_THREADS}):
             numba.set_num_threads(n)
-            out = group_occurrences(values, offsets, None, Combiner.MEAN, 20000, True, np.float32)
-            results.append([a.copy() for a in out])
+            g = group_occurrences(values, offsets, None, Combiner.MEAN, 20000, True, np.float32)
+            results.append([a.copy() for a in (g.parts.lo, g.parts.ids, g.parts.bag, g.parts.coef,
+                                               g.ids[:g.parts.total], g.local, g.first)])
     finally:
         numba.set_num_threads(before)
     for a, b in zip(results[0], results[-1]):
         np.testing.assert_array_equal(a, b)
-
-
-def test_callers_arrays_survive_the_next_call():
-    """occ_* live in scratch buffers; ids and starts are the caller's."""
-    rng = np.random.default_rng(4)
-    values, offsets = zipf_batch(rng, 3000, 40, 5000)
-    ids, starts, _, _ = group_occurrences(values, offsets, None, Combiner.SUM, 5000, True, np.float32)
-    ids_copy, starts_copy = ids.copy(), starts.copy()
-    group_occurrences(values[::-1].copy(), offsets, None, Combiner.SUM, 5000, True, np.float32)
-    np.testing.assert_array_equal(ids, ids_copy)
-    np.testing.assert_array_equal(starts, starts_copy)
 
 
 def test_scratch_is_reused_and_large_requests_are_fresh(monkeypatch):

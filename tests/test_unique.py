@@ -71,3 +71,33 @@ def test_large_growth_cpu(rng):
     ids = rng.integers(0, 10**9, size=200_000)  # forces many rehashes
     uniq, inverse, counts = hbk.unique(ids, return_inverse=True, return_counts=True)
     check_against_numpy(ids, uniq, inverse, counts, False)
+
+
+def test_cpu_slots_spread_ids_of_one_grouping_partition():
+    """The CPU backward hands its distinct ids over partition by partition, grouped by
+    the top bits of the Fibonacci hash (hbkernels.cpu.grouping); the dedup table's
+    slots must not follow those bits, or each partition's ids fill one stretch of the
+    table and every insert probes along it."""
+    from hbkernels import _bits
+    from hbkernels.cpu import unique as cpu_unique
+
+    ids = np.arange(300_000, dtype=np.int64)
+    top = _bits.fib_hash(ids.view(np.uint64)) >> np.uint64(56)   # the widest partitioning
+    one_partition = ids[top == 0]
+    bits = 12
+    slots = {int(cpu_unique._slot.py_func(k, 64 - bits)) for k in one_partition}
+    assert len(one_partition) > 1000
+    assert len(slots) > 3 * len(one_partition) // 4, f"{len(one_partition)} ids in {len(slots)} slots"
+
+
+def test_cpu_backward_ids_dedup_like_shuffled_ones():
+    """unique over the backward's own id order gives what NumPy gives."""
+    rng = np.random.default_rng(5)
+    values = (rng.zipf(1.1, 200_000) % 100_000).astype(np.int64)
+    offsets = np.arange(0, values.shape[0] + 1, 8, dtype=np.int64)
+    grad = hbk.embedding_bag_backward(np.ones((offsets.shape[0] - 1, 1), np.float32), values,
+                                      offsets, num_rows=100_000)
+    ids = np.concatenate([grad.ids, grad.ids[::-1]])
+    uniq, inverse = hbk.unique(ids, return_inverse=True)
+    np.testing.assert_array_equal(np.sort(uniq), np.unique(values))
+    np.testing.assert_array_equal(uniq[inverse], ids)

@@ -1,12 +1,11 @@
 """Backward of the pooled lookup on the CPU: the gradient rows of the distinct ids.
 
 :func:`hbkernels.cpu.grouping.group_occurrences` (shared with the fused
-optimizer step of :mod:`.sparse_update`) groups the occurrences by distinct
-id, in parallel, as ``(bag, c_b·w_j)`` in input order; then a parallel loop
-over distinct ids sums ``coef·grad_out[bag]`` per id, in input order:
-deterministic. Zipf ids make a few ids hold many occurrences, so the ids are
-cut into per-thread chunks of balanced work (occurrences plus a per-id cost),
-not of equal id counts.
+optimizer step of :mod:`.sparse_update`) groups the occurrences by distinct id
+inside hash partitions, in parallel; then a parallel loop over the partitions
+walks each one's occurrences in input order and adds ``c_b·w_j·grad_out[bag]``
+into the output row of its distinct id (the partition's rows are one block of
+the output, in cache): every row is summed in input order, deterministic.
 
 Under ``bounds="zero"`` out-of-range ids get no slot and no share of the
 denominators. As the forward, one accumulate kernel is compiled per D.
@@ -17,50 +16,39 @@ import numpy as np
 from numba import prange
 
 from .._modes import Bounds
-from ._common import (accumulator_dtype, add_row, cached_njit, chunk_count, first_bad_offset,
+from ._common import (accumulator_dtype, add_row, cached_njit, first_bad_offset,
                       first_out_of_range, kernel_table, narrow, prefetch_row)
 from .grouping import coefficient, group_occurrences
 
 # LLVM fast-math flags of these kernels: no 'nnan'/'ninf' (the non-finite checks
 # must survive) and no 'reassoc' (sums stay in input order).
 FASTMATH = {"nsz", "arcp", "contract", "afn"}
-# balancing weight of one distinct id against one occurrence (row update vs row add)
-ID_COST = 4
 # occurrences ahead whose gradient row is prefetched (their bags are scattered over grad_out)
 PREFETCH_OCCURRENCES = 16
 
 
-def balanced_chunks(starts, id_cost=ID_COST):
-    """Boundaries (int64, first 0, last K) cutting ids ``[0, K)`` into chunks of about
-    equal work ``occurrences + id_cost`` for the parallel loops."""
-    num_ids = starts.shape[0] - 1
-    num_chunks = chunk_count(num_ids)
-    if num_chunks == 1:
-        return np.array([0, num_ids], np.int64)
-    work = starts[1:] + id_cost * np.arange(1, num_ids + 1, dtype=np.int64)  # cumulative
-    targets = np.arange(1, num_chunks, dtype=np.float64) * (work[-1] / num_chunks)
-    inner = np.searchsorted(work, targets, side="left") + 1
-    return np.concatenate(([0], np.minimum(inner, num_ids), [num_ids])).astype(np.int64)
-
-
 @functools.lru_cache(maxsize=None)
 def accumulate_kernel(dim):
-    """Kernel ``(grad, starts, occ_bag, occ_coef, chunks, rows)``:
-    ``rows[k] = Σ occ_coef[s]·grad[occ_bag[s]]`` over ``s`` in ``[starts[k], starts[k+1])``
-    (``occ_coef`` empty: all ones)."""
+    """Kernel ``(grad, part_lo, bags, coefs, local, part_ids, first, ids, rows)`` over a
+    :class:`.grouping.Groups` (``part_lo``, ``bags``, ``coefs`` its partitions';
+    ``coefs`` empty: all ones): the ``u``-th distinct id of partition ``p`` is
+    ``k = first[p] + u``, ``ids[k] = part_ids[part_lo[p] + u]`` and ``rows[k] =
+    Σ coefs[i]·grad[bags[i]]`` over that partition's occurrences ``i`` with
+    ``local[i] == u``, in input order."""
 
     @cached_njit(parallel=True, fastmath=FASTMATH)
-    def accumulate(grad, starts, occ_bag, occ_coef, chunks, rows):
+    def accumulate(grad, part_lo, bags, coefs, local, part_ids, first, ids, rows):
         one = np.ones(1, rows.dtype)[0]
-        for c in prange(chunks.shape[0] - 1):
-            last = starts[chunks[c + 1]] - 1
-            for k in range(chunks[c], chunks[c + 1]):
+        for p in prange(part_lo.shape[0] - 1):
+            lo, hi = part_lo[p], part_lo[p + 1]
+            base = first[p]
+            for u in range(first[p + 1] - base):
+                ids[base + u] = part_ids[lo + u]
                 for d in range(dim):
-                    rows[k, d] = 0
-                row = rows[k]
-                for s in range(starts[k], starts[k + 1]):
-                    prefetch_row(grad, occ_bag[min(s + PREFETCH_OCCURRENCES, last)], dim)
-                    add_row(row, grad, occ_bag[s], coefficient(occ_coef, s, one), dim)
+                    rows[base + u, d] = 0
+            for i in range(lo, hi):
+                prefetch_row(grad, bags[min(i + PREFETCH_OCCURRENCES, hi - 1)], dim)
+                add_row(rows[base + local[i]], grad, bags[i], coefficient(coefs, i, one), dim)
 
     return accumulate
 
@@ -98,11 +86,12 @@ def _sparse_grad(grad_out, values, offsets, num_rows, per_sample_weights, combin
     acc_dtype = accumulator_dtype(grad_out.dtype)
     if values.shape[0] == 0 or offsets.shape[0] < 2:
         return np.zeros(0, values.dtype), np.zeros((0, dim), grad_out.dtype)
-    ids, starts, occ_bag, occ_coef = group_occurrences(
-        values, offsets, per_sample_weights, combiner, num_rows, bounds != Bounds.UNCHECKED, acc_dtype)
-    rows = np.empty((ids.shape[0], dim), acc_dtype)
-    if ids.shape[0]:
-        kernel_grad = kernel_table(np.ascontiguousarray(grad_out))
-        accumulate_kernel(dim)(kernel_grad, starts, occ_bag, occ_coef,
-                               balanced_chunks(starts), rows)
+    groups = group_occurrences(values, offsets, per_sample_weights, combiner, num_rows,
+                               bounds != Bounds.UNCHECKED, acc_dtype)
+    ids = np.empty(groups.count, values.dtype)
+    rows = np.empty((groups.count, dim), acc_dtype)
+    if groups.count:
+        parts = groups.parts
+        accumulate_kernel(dim)(kernel_table(np.ascontiguousarray(grad_out)), parts.lo, parts.bag,
+                               parts.coef, groups.local, groups.ids, groups.first, ids, rows)
     return ids, narrow(rows, grad_out.dtype)

@@ -1,42 +1,36 @@
 """The occurrences of a batch grouped by distinct id, in parallel: the first half
 of the CPU backward and of the fused optimizer step.
 
-Given the ids ``values`` of bags ``offsets`` (per-sample weights optional),
-:func:`group_occurrences` returns ``(ids, starts, occ_bag, occ_coef)``: the
-distinct (in-range, when bad ids are skipped) ids, and for the ``k``-th the
-occurrences ``s`` in ``[starts[k], starts[k+1])`` as ``(bag, c_b·w_j)`` in
-input order, ``c_b`` the bag's scale (1, ``1/Σw`` or ``1/sqrt(Σw²)`` over its
-in-range ids, 0 where that is 0). Bags are int32 (int64 from 2**31 bags on).
-With combiner sum and no weights every coefficient is 1: ``occ_coef`` is then
-empty and none is written or read (:func:`coefficient` reads it).
+Given the ids ``values`` of bags ``offsets`` (per-sample weights optional), each
+kept occurrence ``j`` of bag ``b`` is ``(id, bag, c_b·w_j)``, ``c_b`` the bag's
+scale (1, ``1/Σw`` or ``1/sqrt(Σw²)`` over its in-range ids, 0 where that is 0;
+bad ids are dropped when asked). Bags are int32 (int64 from 2**31 bags on). With
+combiner sum and no weights every coefficient is 1: the coefficients are then an
+empty array and none is written or read (:func:`coefficient` reads them).
 
-Every id goes to one of ``2**bits`` partitions by the top bits of its
-Fibonacci hash (``bits`` grows with the batch: about
-:data:`OCCURRENCES_PER_PARTITION` occurrences a partition, at most
-:data:`MAX_PARTITIONS`), so the partitions are independent:
+Every id goes to one of ``2**bits`` partitions by the top bits of its Fibonacci
+hash (``bits`` grows with the batch: about :data:`OCCURRENCES_PER_PARTITION`
+occurrences a partition, at most :data:`MAX_PARTITIONS`), so the partitions are
+independent:
 
 1. chunks of bags count their occurrences per partition in parallel;
 2. a prefix sum (partition-major, chunks in input order) gives each chunk's
-   place in each partition; the chunks scatter ``(id, bag, c_b·w_j)`` there
-   in parallel, so each partition holds its occurrences in input order;
+   place in each partition; the chunks scatter ``(id, bag, c_b·w_j)`` there in
+   parallel, so each partition holds its occurrences in input order
+   (:func:`partition_occurrences`, a :class:`Partitions`);
 3. the partitions, in parallel, find their distinct ids in a hash table of
-   their own (small: it stays in cache) and counting-sort their occurrences
-   by distinct id;
-4. the partitions' distinct ids are packed into one array.
+   their own (small: it stays in cache) and number each occurrence by its
+   distinct id (:func:`group_occurrences`, a :class:`Groups`).
 
-The fused optimizer step takes at least 64 partitions (its parallel work
-items) and stops after step 3's hash tables (:func:`distinct_partitions`): it
-sums each distinct id's gradient inside its partition, with no sort.
-
-Ids come out partition by partition, in first-occurrence order within one;
-the result depends on the batch alone, not on the number of threads, and
-every sum over it runs in input order: deterministic.
+Nothing is sorted: a caller walks a partition's occurrences in input order and
+adds each one's gradient row into the row of its distinct id, in a block of the
+partition's rows that stays in cache; every sum so runs in input order. The
+groups depend on the batch alone, not on the number of threads: deterministic.
 
 The occurrence arrays live in per-thread scratch buffers kept between calls
 (up to :data:`SCRATCH_MAX_BYTES` each): a fresh array of a few MB costs a
-page fault per 4 KiB on first touch, which took longer than the grouping.
-``occ_bag`` and ``occ_coef`` are therefore valid until the calling thread's
-next call; ``ids`` and ``starts`` are the caller's.
+page fault per 4 KiB on first touch, which took longer than the grouping. They
+are valid until the calling thread's next call.
 """
 import threading
 from typing import NamedTuple
@@ -49,6 +43,8 @@ from ._common import cached_njit, chunk_count, fib_hash
 
 OCCURRENCES_PER_PARTITION = 2048
 MAX_PARTITIONS = 256
+# the partitions are the parallel work items of the sums over groups: at least 2**6 of them
+MIN_PARTITION_BITS = 6
 
 
 SCRATCH_MAX_BYTES = 256 << 20
@@ -146,89 +142,37 @@ def _scatter(values, offsets, weights, weighted, combiner, num_rows, skip_bad, b
                     s_coef[k] = scale * weights[j] if weighted else scale
 
 
-@njit(inline="always")
-def distinct_in_partition(s_ids, lo, hi, bits, t_ids, local, counts):
-    """The distinct ids of occurrences ``[lo, hi)`` (one partition, ``bits`` as in
-    :func:`_partition`) to ``t_ids[lo:lo+n]`` in first-occurrence order, each
-    occurrence's index among them to ``local[i - lo]`` and, unless ``counts`` is empty,
-    their occurrences added to ``counts[:n]``; returns ``n``. A hash table of its own,
-    at least twice the partition's size, finds them."""
-    m = hi - lo
-    table_bits = 4
-    while (1 << table_bits) < 2 * m:
-        table_bits += 1
-    mask = (1 << table_bits) - 1
-    slots = np.full(1 << table_bits, -1, np.int64)
-    n = 0
-    for i in range(m):
-        key = s_ids[lo + i]
-        h = np.int64((fib_hash(np.uint64(key)) << np.uint64(bits)) >> np.uint64(64 - table_bits))
-        while True:
-            u = slots[h]
-            if u == -1:
-                u = n
-                slots[h] = u
-                t_ids[lo + u] = key
-                n += 1
-                break
-            if t_ids[lo + u] == key:
-                break
-            h = (h + 1) & mask
-        local[i] = u
-        if counts.shape[0] != 0:
-            counts[u] += 1
-    return n
-
-
 @cached_njit(parallel=True)
-def _group_partitions(bits, part_lo, s_ids, s_bag, s_coef, t_ids, t_starts, occ_bag, occ_coef,
-                      num_distinct):
-    """Per partition ``p`` (occurrences ``[part_lo[p], part_lo[p+1])``): its distinct ids
-    to ``t_ids[lo:lo+n]`` with their first occurrence's place in ``t_starts``, the
-    occurrences counting-sorted by distinct id (stable) into ``occ_bag``, ``occ_coef``
-    (the coefficients only when ``s_coef`` is not empty)."""
-    unit = s_coef.shape[0] == 0
+def _distinct_partitions(bits, part_lo, s_ids, t_ids, local, num_distinct):
+    """Step 3 per partition ``p`` (occurrences ``[lo, hi)``): its ``n`` distinct ids to
+    ``t_ids[lo:lo+n]`` in first-occurrence order, each occurrence's index among them
+    to ``local``, ``n`` to ``num_distinct[p]``. A hash table of the partition's own,
+    at least twice its size, finds them."""
     for p in prange(part_lo.shape[0] - 1):
         lo, hi = part_lo[p], part_lo[p + 1]
-        m = hi - lo
-        local = np.empty(m, np.int64)
-        counts = np.zeros(m, np.int64)
-        n = distinct_in_partition(s_ids, lo, hi, bits, t_ids, local, counts)
-        total = lo
-        for u in range(n):
-            c = counts[u]
-            t_starts[lo + u] = total
-            counts[u] = total
-            total += c
-        for i in range(m):
-            u = local[i]
-            s = counts[u]
-            counts[u] = s + 1
-            occ_bag[s] = s_bag[lo + i]
-            if not unit:
-                occ_coef[s] = s_coef[lo + i]
+        table_bits = 4
+        while (1 << table_bits) < 2 * (hi - lo):
+            table_bits += 1
+        mask = (1 << table_bits) - 1
+        slots = np.full(1 << table_bits, -1, np.int64)
+        n = 0
+        for i in range(lo, hi):
+            key = s_ids[i]
+            h = np.int64((fib_hash(np.uint64(key)) << np.uint64(bits))
+                         >> np.uint64(64 - table_bits))
+            while True:
+                u = slots[h]
+                if u == -1:
+                    u = n
+                    slots[h] = u
+                    t_ids[lo + u] = key
+                    n += 1
+                    break
+                if t_ids[lo + u] == key:
+                    break
+                h = (h + 1) & mask
+            local[i] = u
         num_distinct[p] = n
-
-
-@cached_njit(parallel=True)
-def distinct_partitions(bits, part_lo, s_ids, t_ids, local, num_distinct):
-    """Step 3 without the sort: per partition ``p``, its distinct ids to
-    ``t_ids[lo:lo+n]``, each occurrence's index among them to ``local``, ``n`` to
-    ``num_distinct[p]``."""
-    for p in prange(part_lo.shape[0] - 1):
-        lo, hi = part_lo[p], part_lo[p + 1]
-        num_distinct[p] = distinct_in_partition(s_ids, lo, hi, bits, t_ids, local[lo:hi],
-                                                local[:0])
-
-
-@cached_njit(parallel=True)
-def _pack(part_lo, first, t_ids, t_starts, ids, starts):
-    """The partitions' distinct ids (``first[p]`` is where partition ``p``'s go) into ``ids``."""
-    for p in prange(part_lo.shape[0] - 1):
-        lo = part_lo[p]
-        for u in range(first[p + 1] - first[p]):
-            ids[first[p] + u] = t_ids[lo + u]
-            starts[first[p] + u] = t_starts[lo + u]
 
 
 def bag_chunks(offsets):
@@ -292,31 +236,33 @@ def bag_dtype(offsets):
     return np.int32 if offsets.shape[0] - 1 <= np.iinfo(np.int32).max else np.int64
 
 
+class Groups(NamedTuple):
+    """A batch's occurrences grouped by distinct id inside each of its
+    :class:`Partitions`: partition ``p``'s distinct ids are ``ids[lo[p]:lo[p]+n]``
+    (``n = first[p+1] - first[p]``), in first-occurrence order, and ``local[i]`` is
+    occurrence ``i``'s index among them. Numbered over the whole batch, they are the
+    ``first[p] + u``-th, ``first[-1]`` in all. Arrays are this thread's scratch."""
+    parts: Partitions
+    ids: np.ndarray
+    local: np.ndarray
+    first: np.ndarray
+
+    @property
+    def count(self):
+        return int(self.first[-1])
+
+
 def group_occurrences(values, offsets, per_sample_weights, combiner, num_rows, skip_bad,
                       coef_dtype):
-    """``(ids, starts, occ_bag, occ_coef)`` as described above; coefficients in
-    ``coef_dtype``, bad ids (outside ``[0, num_rows)``) dropped when ``skip_bad``."""
+    """The :class:`Groups` of a batch: steps 1 to 3 above, in at least
+    ``2**MIN_PARTITION_BITS`` partitions; coefficients in ``coef_dtype``, bad ids
+    (outside ``[0, num_rows)``) dropped when ``skip_bad``."""
     parts = partition_occurrences(values, offsets, per_sample_weights, combiner, num_rows,
-                                  skip_bad, coef_dtype)
-    total = parts.total
-    t_ids = scratch("t_ids", total, values.dtype)
-    t_starts = scratch("t_starts", total, np.int64)
-    occ_bag = scratch("occ_bag", total, parts.bag.dtype)
-    occ_coef = scratch("occ_coef", parts.coef.shape[0], parts.coef.dtype)
+                                  skip_bad, coef_dtype, min_bits=MIN_PARTITION_BITS)
+    ids = scratch("t_ids", parts.total, values.dtype)
+    local = scratch("local", parts.total, np.int32 if parts.total < 2**31 else np.int64)
     num_distinct = np.zeros(parts.count, np.int64)
-    _group_partitions(parts.bits, parts.lo, parts.ids, parts.bag, parts.coef, t_ids, t_starts,
-                      occ_bag, occ_coef, num_distinct)
-    first = distinct_offsets(num_distinct)
-    num_ids = int(first[-1])
-    ids = np.empty(num_ids, values.dtype)
-    starts = np.empty(num_ids + 1, np.int64)
-    starts[num_ids] = total
-    _pack(parts.lo, first, t_ids, t_starts, ids, starts)
-    return ids, starts, occ_bag, occ_coef
-
-
-def distinct_offsets(num_distinct):
-    """Where each partition's distinct ids start among all of them (last: their number)."""
-    first = np.zeros(num_distinct.shape[0] + 1, np.int64)
+    _distinct_partitions(parts.bits, parts.lo, parts.ids, ids, local, num_distinct)
+    first = np.zeros(parts.count + 1, np.int64)
     np.cumsum(num_distinct, out=first[1:])
-    return first
+    return Groups(parts, ids, local, first)

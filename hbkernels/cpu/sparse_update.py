@@ -3,7 +3,7 @@
 Every rule lives in one njit function, :func:`apply_rule`, inlined into both
 kernels: :func:`update_kernel` (gradient rows given: one distinct id per
 iteration of a parallel loop) and :func:`fused_kernel` (one hash partition of
-the batch's occurrences per iteration, :func:`.grouping.partition_occurrences`:
+the batch's occurrences per iteration, :func:`.grouping.group_occurrences`:
 each distinct id's ``c_b·w_j·grad_out[b]`` summed in input order into a row of
 the partition's scratch block, then the rule per row; the gradient rows are never
 materialised and the occurrences never sorted). One kernel of each is
@@ -40,8 +40,7 @@ from ._common import (accumulator_dtype, add_row, cached_njit, fmix32, kernel_ta
 from ._common import first_out_of_range as _first_out_of_range
 from .ragged import check_ragged
 from .embedding_bag_backward import FASTMATH, PREFETCH_OCCURRENCES
-from .grouping import (coefficient, distinct_offsets, distinct_partitions,
-                       partition_occurrences, scratch)
+from .grouping import coefficient, group_occurrences
 
 # kernel parameter vector: the front end's hyper-parameters, then derived constants
 INV_DIM, TWO_L2, NEG_POWER, SQRT_POWER, ZERO, ONE_M_B1, ONE_M_B2 = range(
@@ -57,8 +56,6 @@ ROUND_NEAREST, ROUND_FP16, ROUND_BF16 = 0, 1, 2
 FP16_MIN_EXP, FP16_BITS, FP16_MAX = -14, 10, 65504.0
 BF16_MIN_EXP, BF16_BITS, BF16_MAX = -126, 7, (2.0 - 2.0 ** -7) * 2.0 ** 127
 PREFETCH_IDS = 8  # distinct ids ahead whose rows are prefetched
-# the fused step's partitions are its parallel work items: at least 2**6 of them
-MIN_PARTITION_BITS = 6
 
 
 # -- checks ---------------------------------------------------------------------
@@ -309,12 +306,11 @@ def update_kernel(dim):
 @functools.lru_cache(maxsize=None)
 def fused_kernel(dim):
     """Kernel ``(rule, p, grad, part_lo, s_bag, s_coef, local, t_ids, first, ids, weights,
-    s1, s2, out, skip, stochastic, key, updated)``: per partition of
-    :func:`.grouping.partition_occurrences` (its occurrences in input order, each one's
-    distinct id ``local``, from :func:`.grouping.distinct_partitions`), every distinct
-    id's gradient summed in input order into a row of a scratch block, then the rule;
-    the ``u``-th distinct id of partition ``p`` is ``k = first[p] + u`` (``ids[k]``,
-    ``out[k]``, ``updated[k]``)."""
+    s1, s2, out, skip, stochastic, key, updated)`` over a :class:`.grouping.Groups`:
+    per partition (its occurrences in input order, each one's distinct id ``local``),
+    every distinct id's gradient summed in input order into a row of a scratch block,
+    then the rule; the ``u``-th distinct id of partition ``p`` is ``k = first[p] + u``
+    (``ids[k]``, ``out[k]``, ``updated[k]``)."""
 
     @cached_njit(parallel=True, fastmath=FASTMATH)
     def fused(rule, p, grad, part_lo, s_bag, s_coef, local, t_ids, first, ids, weights, s1,
@@ -421,22 +417,18 @@ def _fused_update(family, rule, weights, state1, state2, hp, grad_out, values, o
     if values.shape[0] == 0 or offsets.shape[0] < 2:
         return
     acc = accumulator_dtype(weights.dtype)
-    parts = partition_occurrences(values, offsets, psw, combiner, weights.shape[0],
-                                  bounds != Bounds.UNCHECKED, acc, min_bits=MIN_PARTITION_BITS)
-    t_ids = scratch("t_ids", parts.total, values.dtype)
-    local = scratch("local", parts.total, np.int32 if parts.total < 2**31 else np.int64)
-    num_distinct = np.zeros(parts.count, np.int64)
-    distinct_partitions(parts.bits, parts.lo, parts.ids, t_ids, local, num_distinct)
-    first = distinct_offsets(num_distinct)
-    num_ids = int(first[-1])
+    groups = group_occurrences(values, offsets, psw, combiner, weights.shape[0],
+                               bounds != Bounds.UNCHECKED, acc)
+    num_ids = groups.count
     if num_ids == 0:
         return
     ids = np.empty(num_ids, values.dtype)
     target = _Target(weights, state1, state2, num_ids, stochastic)
     grad = np.ascontiguousarray(grad_out, dtype=acc)
+    parts = groups.parts
     fused_kernel(dim)(
-        rule, _kernel_params(hp, dim, acc), grad, parts.lo, parts.bag, parts.coef, local,
-        t_ids, first, ids, target.table, target.s1, target.s2, target.out,
+        rule, _kernel_params(hp, dim, acc), grad, parts.lo, parts.bag, parts.coef, groups.local,
+        groups.ids, groups.first, ids, target.table, target.s1, target.s2, target.out,
         bool(skip_nonfinite), target.rounding, np.uint64(key), target.updated,
     )
     target.finish(ids)

@@ -1,19 +1,23 @@
 """Hash-based dedup on the CPU: open addressing with linear probing, first-occurrence order.
 
 The table starts small and doubles at half load, so it stays cache-resident
-when there are few distinct ids (the Zipf case) and never needs a sort.
+when there are few distinct ids (the Zipf case) and never needs a sort. A slot
+is the top bits of ``splitmix64(id)``, not of the Fibonacci hash that
+partitions ids in :mod:`.grouping`: ids that arrive grouped by those bits (the
+backward's distinct ids do) would otherwise fill one stretch of the table at a
+time and probe along it.
 """
 import numpy as np
 from numba import njit
 
-from ._common import cached_njit, fib_hash
+from ._common import cached_njit, splitmix64
 
 _MIN_BITS = 10
 
 
 @njit(inline="always")
 def _slot(key, shift):
-    return np.int64(fib_hash(np.uint64(key)) >> np.uint64(shift))
+    return np.int64(splitmix64(np.uint64(key)) >> np.uint64(shift))
 
 
 @cached_njit()
