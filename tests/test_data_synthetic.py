@@ -10,7 +10,8 @@ pa = pytest.importorskip("pyarrow")
 import pyarrow.parquet as pq  # noqa: E402
 
 from hbkernels.data import write_synthetic  # noqa: E402
-from hbkernels.data.synthetic import POSITIVE_RATE, SyntheticTable  # noqa: E402
+from hbkernels.data.synthetic import (  # noqa: E402
+    POSITIVE_RATE, SyntheticTable, ZipfIds, inverse_cdf)
 
 ROOT = Path(__file__).resolve().parents[1]
 TABLES = [("user", 1000, 1), ("item", 5000, 3), ("history", 20000, 4, True),
@@ -134,3 +135,19 @@ def test_cli_synthetic(tmp_path):
                           "--rows", "5", "--table", "user:100"],
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert bad.returncode == 1 and "NAME:ROWS:HOTNESS[:var]" in bad.stderr
+
+
+@pytest.mark.parametrize("num_rows, alpha", [(1, 1.05), (7, 0.0), (1000, 1.05), (5000, 0.0),
+                                              (20000, 2.5), (100000, 1.05)])
+def test_inverse_cdf_is_numpy_searchsorted(num_rows, alpha):
+    """The guide-table sampler gives np.searchsorted's ranks, bit for bit: on random
+    uniforms, on every step j / N of the guide and on the floats just below them (where
+    u * N may round up to the next step), on the CDF's own values and below them."""
+    zipf = ZipfIds(num_rows, alpha, np.random.default_rng(num_rows))
+    steps = np.arange(num_rows + 1) / num_rows
+    u = np.concatenate([
+        np.random.default_rng(1).random(50_000), steps[:-1], np.nextafter(steps[1:], 0),
+        zipf.cdf[:-1], np.nextafter(zipf.cdf, 0), [0.0, np.nextafter(1.0, 0)],
+    ])
+    want = np.minimum(np.searchsorted(zipf.cdf, u, side="right"), num_rows - 1)
+    np.testing.assert_array_equal(inverse_cdf(zipf.cdf, zipf.guide, u), want)

@@ -50,7 +50,8 @@ def as_groups(g):
                 groups[key] = []
             assert u < seen
             assert int(parts.ids[i]) == int(g.ids[lo + u]), "local names the occurrence's id"
-            groups[int(g.ids[lo + u])].append((int(parts.bag[i]), 1.0 if unit else float(parts.coef[i])))
+            coef = 1.0 if unit else float(parts.coef[i])
+            groups[int(g.ids[lo + u])].append((int(parts.bag[i]), coef))
         assert seen == n
     return groups
 

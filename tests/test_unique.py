@@ -87,7 +87,7 @@ def test_cpu_slots_spread_ids_of_one_grouping_partition():
     bits = 12
     slots = {int(cpu_unique._slot.py_func(k, 64 - bits)) for k in one_partition}
     assert len(one_partition) > 1000
-    assert len(slots) > 3 * len(one_partition) // 4, f"{len(one_partition)} ids in {len(slots)} slots"
+    assert len(slots) > 3 * len(one_partition) // 4, f"{len(one_partition)} ids, {len(slots)} slots"
 
 
 def test_cpu_backward_ids_dedup_like_shuffled_ones():

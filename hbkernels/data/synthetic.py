@@ -5,8 +5,9 @@ Zipf law over ranks ``k = 1..N``:
 
     P(rank k) = k**-alpha / H,   H = sum(j**-alpha for j in 1..N)
 
-drawn by inverse CDF (a uniform ``u`` -> the first rank whose CDF exceeds it);
-rank ``k`` is then sent through one fixed random permutation of ``0..N-1``, so
+drawn by inverse CDF (a uniform ``u`` -> the first rank whose CDF exceeds it,
+found from a guide table: the first rank past each of ``N`` equal steps of ``u``,
+then a short scan); rank ``k`` is then sent through one fixed random permutation of ``0..N-1``, so
 the hot rows are scattered over the table. A row holds one id (``hotness = 1``,
 not variable: an int64 column) or a bag of ids (a ``list<int64>`` column) of
 ``hotness`` ids, or of a length uniform in ``[1, 2 * hotness - 1]`` (mean
@@ -14,12 +15,14 @@ not variable: an int64 column) or a bag of ids (a ``list<int64>`` column) of
 ``label`` (int32, 1 with probability :data:`POSITIVE_RATE`) and ``dense``
 float32 features ``d0, d1, ...`` uniform in ``[0, 1)``.
 
-Memory: the CDF and the permutation (16 bytes per table row), plus one row group.
+Memory: the CDF, the guide table and the permutation (24 bytes per table row), plus
+one row group.
 """
 from typing import NamedTuple
 
 import numpy as np
 
+from .._numba_cache import cached_njit
 from ._io import ROW_GROUP_SIZE, RowGroupWriter, require_pyarrow
 
 POSITIVE_RATE = 0.25
@@ -44,10 +47,31 @@ class ZipfIds:
         self.cdf = np.cumsum(weights)
         self.cdf /= self.cdf[-1]
         self.row_of_rank = rng.permutation(num_rows)
+        # guide[j]: the first rank whose CDF exceeds j / num_rows
+        self.guide = np.searchsorted(self.cdf, np.arange(num_rows) / num_rows, side="right")
 
     def sample(self, size, rng):
-        ranks = np.searchsorted(self.cdf, rng.random(size), side="right")
-        return self.row_of_rank[np.minimum(ranks, self.cdf.shape[0] - 1)]
+        return self.row_of_rank[inverse_cdf(self.cdf, self.guide, rng.random(size))]
+
+
+@cached_njit
+def inverse_cdf(cdf, guide, u):
+    """For each ``u``: the first index whose ``cdf`` exceeds it, at most ``len(cdf) - 1``
+    (``np.minimum(np.searchsorted(cdf, u, side="right"), len(cdf) - 1)``, the same
+    bits). ``guide[j]`` is the first index whose ``cdf`` exceeds ``j / len(guide)``:
+    the scan for ``u`` starts one step below ``u``'s, so float rounding of
+    ``u * len(guide)`` cannot start it past the answer, and walks a few entries
+    (a mispredicted branch per level of a binary search costs more)."""
+    n, m = cdf.shape[0], guide.shape[0]
+    out = np.empty(u.shape[0], np.int64)
+    for k in range(u.shape[0]):
+        x = u[k]
+        j = min(int(x * m), m - 1)
+        i = guide[max(j - 1, 0)]
+        while i < n - 1 and cdf[i] <= x:
+            i += 1
+        out[k] = i
+    return out
 
 
 def write_synthetic(path, num_rows, tables, *, alpha=1.05, seed=0,
