@@ -273,3 +273,43 @@ def test_torch_state_dict_round_trip(rng):
     with torch.no_grad():
         out = dst({"t": (new, torch.tensor([0, 2])), "u": torch.tensor([1])})
     assert float(out["t"].abs().sum()) == 0 and dst.collection.dynamic_counts("t") == before
+
+
+def test_torch_state_dict_keeps_ids_waiting_for_admission(rng):
+    """admit_count=3: state_dict() holds the ids seen but not yet admitted and their
+    sightings; a module loaded from it admits the same ids on the same next batches."""
+    torch = pytest.importorskip("torch")
+    from hbkernels.adapters.torch import EmbeddingCollectionModule
+
+    def module():
+        return EmbeddingCollectionModule(hbk.EmbeddingCollection(
+            [dynamic(capacity=40, evict="lfu", admit_count=3)], comm=LOCAL,
+            optimizer=hbk.optim.Adagrad(lr=0.1)))
+
+    def step(m, b):
+        out = m({"t": (torch.from_numpy(b.values), torch.from_numpy(b.offsets))})
+        out["t"].sum().backward()
+
+    src = module()
+    pool = rng.integers(-2**63, 2**63 - 1, 60, dtype=np.int64)
+    for _ in range(5):
+        step(src, batch(rng, pool, bags=8))
+    state = src.state_dict()
+    ids, last, count = src.collection.dynamic_pending("t")
+    assert ids.shape[0] > 0 and (count > 0).all() and (count < 3).all()
+    np.testing.assert_array_equal(state["tables.t.pending_ids"].numpy(), ids)
+    np.testing.assert_array_equal(state["tables.t.pending_count"].numpy(), count)
+    dst = module()
+    dst.load_state_dict(state)
+    for x, y in zip(dst.collection.dynamic_pending("t"), (ids, last, count)):
+        np.testing.assert_array_equal(x, y)
+    for _ in range(3):
+        b = batch(rng, pool, bags=8)
+        step(src, b)
+        step(dst, b)
+    for x, y in zip(src.collection.full_weights("t") + src.collection.dynamic_scores("t"),
+                    dst.collection.full_weights("t") + dst.collection.dynamic_scores("t")):
+        np.testing.assert_array_equal(x, y)
+    del state["tables.t.pending_count"]
+    with pytest.raises(RuntimeError, match="pending_count"):
+        module().load_state_dict(state)

@@ -598,6 +598,8 @@ def _torch_dtype(dtype):
 
 
 DYNAMIC_ITEMS = ("ids", "last", "count")  # a dynamic table's state_dict entries beside its rows
+# and, with admission, those of its ids waiting to be admitted
+PENDING_ITEMS = ("pending_ids", "pending_last", "pending_count")
 
 
 class EmbeddingCollectionModule(torch.nn.Module):
@@ -624,7 +626,8 @@ class EmbeddingCollectionModule(torch.nn.Module):
     ``state_dict()`` holds every table gathered whole (collective: every rank
     calls it): ``tables.<name>.weight`` ``[num_rows, dim]`` (a dynamic table: the rows
     of its live ids, ascending, with ``tables.<name>.ids``, ``.last`` and ``.count``,
-    their scores; ids waiting for admission are not kept),
+    their scores, and with ``admit_count > 1`` ``.pending_ids``, ``.pending_last`` and
+    ``.pending_count``: the ids waiting for admission, ascending, and their sightings),
     ``tables.<name>.optimizer.<slot>`` for each slot of the collection's
     optimizer (``[num_rows, dim]``, or ``[num_rows]`` for a per-row slot) and
     ``tables.<name>.optimizer.step`` (int64 scalar), so
@@ -705,7 +708,8 @@ class EmbeddingCollectionModule(torch.nn.Module):
         keys = {}
         for name, spec in self.collection.tables.items():
             if spec.dynamic:
-                keys.update({f"tables.{name}.{item}": (name, item) for item in DYNAMIC_ITEMS})
+                items = DYNAMIC_ITEMS + (PENDING_ITEMS if spec.admit_count > 1 else ())
+                keys.update({f"tables.{name}.{item}": (name, item) for item in items})
             keys[f"tables.{name}.weight"] = (name, "weight")
             for slot, _ in self.collection.optimizer.slots:
                 keys[f"tables.{name}.optimizer.{slot}"] = (name, slot)
@@ -719,8 +723,11 @@ class EmbeddingCollectionModule(torch.nn.Module):
             weights = coll.full_weights(name)
             if spec.dynamic:  # rows of the live ids, ascending, and their scores
                 scores = dict(zip(DYNAMIC_ITEMS, coll.dynamic_scores(name)))
-                for item in DYNAMIC_ITEMS:
-                    destination[f"{prefix}tables.{name}.{item}"] = torch.from_numpy(scores[item])
+                pending = coll.dynamic_pending(name)
+                if pending is not None:
+                    scores.update(zip(PENDING_ITEMS, pending))
+                for item, value in scores.items():
+                    destination[f"{prefix}tables.{name}.{item}"] = torch.from_numpy(value)
                 weights = weights[1]
             destination[f"{prefix}tables.{name}.weight"] = from_kernel_array(weights)
             state = coll.full_state(name)
@@ -752,6 +759,10 @@ class EmbeddingCollectionModule(torch.nn.Module):
                 shape = ()
             elif item in DYNAMIC_ITEMS:
                 shape = (rows,)
+            elif item in PENDING_ITEMS:  # as many as the saved table had ids waiting
+                ids = state_dict.get(f"{ours}{name}.pending_ids")
+                shape = (int(ids.shape[0]) if isinstance(ids, torch.Tensor) and ids.ndim == 1
+                         else -1,)
             elif item == "weight" or not dict(coll.optimizer.slots)[item]:
                 shape = (rows, coll.tables[name].dim)
             else:  # one state value per row
@@ -768,12 +779,14 @@ class EmbeddingCollectionModule(torch.nn.Module):
         steps = {}  # fused array -> step of its loaded tables
         for name, items in found.items():
             if coll.tables[name].dynamic:
-                if len(items) < len(DYNAMIC_ITEMS) + 2:  # ids, scores, weight and step needed
+                if any(k not in items for k in DYNAMIC_ITEMS + ("weight", "step")):
                     continue
                 host = {k: v.detach().cpu().numpy() for k, v in items.items() if k != "step"}
+                pending = (tuple(host[k] for k in PENDING_ITEMS)
+                           if all(k in host for k in PENDING_ITEMS) else None)
                 coll.restore_dynamic(name, host["ids"], host["last"], host["count"],
                                      {("weights" if k == "weight" else k): v for k, v in host.items()
-                                      if k not in DYNAMIC_ITEMS})
+                                      if k not in DYNAMIC_ITEMS + PENDING_ITEMS}, pending)
                 group = next(s.group for s in coll.local_shards() if s.table == name)
                 steps[group] = max(steps.get(group, 0), int(items["step"]))
                 continue

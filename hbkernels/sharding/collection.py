@@ -891,7 +891,18 @@ class EmbeddingCollection:
         id: each live id's last use and its uses, as its rank's hash table counts
         them. Collective."""
         state = self.hash_tables[name].state()
-        ids, last, count = state["ids"], state["last"], state["count"]
+        return self._gathered_by_id(state["ids"], state["last"], state["count"])
+
+    def dynamic_pending(self, name):
+        """``(ids, last, count)`` of the ids of dynamic table ``name`` waiting for
+        admission, over all ranks, ascending by id (``count``: their sightings), or
+        None for a table that admits on first sight (``admit_count=1``). Collective."""
+        pending = self.hash_tables[name].state()["pending"]
+        if pending is None:
+            return None
+        return self._gathered_by_id(pending["ids"], pending["last"], pending["count"])
+
+    def _gathered_by_id(self, ids, last, count):
         if self.comm.world_size > 1:
             ids, last, count = (host(self.comm.allgatherv(a)[0]) for a in (ids, last, count))
             order = np.argsort(ids)
