@@ -55,7 +55,10 @@ _TWO_POW_M32 = 2.0 ** -32
 ROUND_NEAREST, ROUND_FP16, ROUND_BF16 = 0, 1, 2
 FP16_MIN_EXP, FP16_BITS, FP16_MAX = -14, 10, 65504.0
 BF16_MIN_EXP, BF16_BITS, BF16_MAX = -126, 7, (2.0 - 2.0 ** -7) * 2.0 ** 127
-PREFETCH_IDS = 8  # distinct ids ahead whose rows are prefetched
+# bytes of table rows the updates keep in flight: the distinct ids whose rows are prefetched
+# ahead hold about this many (:func:`prefetch_distance`)
+PREFETCH_BYTES = 4096
+MIN_PREFETCH_IDS, MAX_PREFETCH_IDS = 4, 32
 
 
 # -- checks ---------------------------------------------------------------------
@@ -285,14 +288,15 @@ def all_finite(g, dim):
 @functools.lru_cache(maxsize=None)
 def update_kernel(dim):
     """Kernel ``(rule, p, rows, ids, weights, s1, s2, out, skip, stochastic, key,
-    updated)``: row ``ids[k]`` from ``rows[k]``, ids distinct."""
+    updated, ahead)``: row ``ids[k]`` from ``rows[k]``, ids distinct; the rows of the
+    id ``ahead`` places on are prefetched."""
 
     @cached_njit(parallel=True, fastmath=FASTMATH)
-    def update(rule, p, rows, ids, weights, s1, s2, out, skip, stochastic, key, updated):
+    def update(rule, p, rows, ids, weights, s1, s2, out, skip, stochastic, key, updated, ahead):
         num_ids = ids.shape[0]
         for k in prange(num_ids):
-            if k + PREFETCH_IDS < num_ids:
-                prefetch_update_rows(weights, s1, s2, ids[k + PREFETCH_IDS], dim)
+            if k + ahead < num_ids:
+                prefetch_update_rows(weights, s1, s2, ids[k + ahead], dim)
             g = rows[k]
             if skip and not all_finite(g, dim):
                 updated[k] = False
@@ -306,28 +310,29 @@ def update_kernel(dim):
 @functools.lru_cache(maxsize=None)
 def fused_kernel(dim):
     """Kernel ``(rule, p, grad, part_lo, s_bag, s_coef, local, t_ids, first, ids, weights,
-    s1, s2, out, skip, stochastic, key, updated)`` over a :class:`.grouping.Groups`:
+    s1, s2, out, skip, stochastic, key, updated, ahead)`` over a :class:`.grouping.Groups`:
     per partition (its occurrences in input order, each one's distinct id ``local``),
     every distinct id's gradient summed in input order into a row of a scratch block,
-    then the rule; the ``u``-th distinct id of partition ``p`` is ``k = first[p] + u``
-    (``ids[k]``, ``out[k]``, ``updated[k]``)."""
+    then the rule, prefetching the rows of the id ``ahead`` places on; the ``u``-th
+    distinct id of partition ``p`` is ``k = first[p] + u`` (``ids[k]``, ``out[k]``,
+    ``updated[k]``)."""
 
     @cached_njit(parallel=True, fastmath=FASTMATH)
     def fused(rule, p, grad, part_lo, s_bag, s_coef, local, t_ids, first, ids, weights, s1,
-              s2, out, skip, stochastic, key, updated):
+              s2, out, skip, stochastic, key, updated, ahead):
         one = np.ones(1, grad.dtype)[0]
         for q in prange(part_lo.shape[0] - 1):
             lo, hi = part_lo[q], part_lo[q + 1]
             n = first[q + 1] - first[q]
-            for u in range(min(n, PREFETCH_IDS)):
+            for u in range(min(n, ahead)):
                 prefetch_update_rows(weights, s1, s2, t_ids[lo + u], dim)
             g = np.zeros((n, dim), grad.dtype)
             for i in range(lo, hi):
                 prefetch_row(grad, s_bag[min(i + PREFETCH_OCCURRENCES, hi - 1)], dim)
                 add_row(g[local[i]], grad, s_bag[i], coefficient(s_coef, i, one), dim)
             for u in range(n):
-                if u + PREFETCH_IDS < n:
-                    prefetch_update_rows(weights, s1, s2, t_ids[lo + u + PREFETCH_IDS], dim)
+                if u + ahead < n:
+                    prefetch_update_rows(weights, s1, s2, t_ids[lo + u + ahead], dim)
                 k = first[q] + u
                 row = t_ids[lo + u]
                 ids[k] = row
@@ -341,6 +346,14 @@ def fused_kernel(dim):
 
 
 # -- wrappers -----------------------------------------------------------------------
+def prefetch_distance(table):
+    """How many distinct ids ahead the updates prefetch: :data:`PREFETCH_BYTES` of the
+    table's rows, within [:data:`MIN_PREFETCH_IDS`, :data:`MAX_PREFETCH_IDS`] (fp32
+    rows: 32 at D = 16, 16 at D = 64, 8 at D = 128)."""
+    row_bytes = max(table.shape[1] * table.itemsize, 1)
+    return min(MAX_PREFETCH_IDS, max(MIN_PREFETCH_IDS, PREFETCH_BYTES // row_bytes))
+
+
 def _kernel_params(hp, dim, acc_dtype):
     p = np.zeros(NUM_PARAMS, np.float64)
     p[: rules.NUM_HYPER] = hp
@@ -374,6 +387,7 @@ class _Target:
             state1[:, None] if state1.ndim == 1 else state1)  # a view: updates land in state1
         self.s2 = dummy if state2 is None else state2
         self.updated = np.empty(num_ids, np.bool_)
+        self.ahead = prefetch_distance(self.table)
 
     def finish(self, ids):
         if not self.half or ids.shape[0] == 0:
@@ -394,7 +408,7 @@ def sparse_update(family, rule, weights, state1, state2, hp, ids, rows, skip_non
     update_kernel(dim)(
         rule, _kernel_params(hp, dim, target.acc_dtype), rows, ids, target.table,
         target.s1, target.s2, target.out, bool(skip_nonfinite), target.rounding,
-        np.uint64(key), target.updated,
+        np.uint64(key), target.updated, target.ahead,
     )
     target.finish(ids)
 
@@ -429,6 +443,6 @@ def _fused_update(family, rule, weights, state1, state2, hp, grad_out, values, o
     fused_kernel(dim)(
         rule, _kernel_params(hp, dim, acc), grad, parts.lo, parts.bag, parts.coef, groups.local,
         groups.ids, groups.first, ids, target.table, target.s1, target.s2, target.out,
-        bool(skip_nonfinite), target.rounding, np.uint64(key), target.updated,
+        bool(skip_nonfinite), target.rounding, np.uint64(key), target.updated, target.ahead,
     )
     target.finish(ids)
