@@ -227,18 +227,10 @@ def _admit_small(index, reserved, ids, out, slot_ids, uses, free, num_free, step
     top of the stack ``free`` first). Returns ``(new ids, tombstones reused)``, or
     ``(-1, 0)`` with ``out`` the find's result and nothing changed when they do not fit."""
     n = ids.shape[0]
-    shift = _shift(index)
+    _find_range(index, reserved, ids, out, 0, n, _shift(index), np.empty(PREFETCH_GROUP, np.int64))
     misses = 0
     for i in range(n):
-        key = np.int64(ids[i])
-        r = _reserved(key)
-        if r >= 0:
-            s = reserved[r]
-        else:
-            p = _position(index, key, shift)
-            s = index[2 * p + 1] if p >= 0 else -1
-        out[i] = s
-        misses += s < 0
+        misses += out[i] < 0
     m = 0
     if misses:
         bits = 4
