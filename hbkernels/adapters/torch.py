@@ -602,6 +602,12 @@ DYNAMIC_ITEMS = ("ids", "last", "count")  # a dynamic table's state_dict entries
 PENDING_ITEMS = ("pending_ids", "pending_last", "pending_count")
 
 
+def _saved_length(ids):
+    """How many ids a state_dict's 1-D id tensor holds; -1 (matching no shape) for
+    anything else."""
+    return int(ids.shape[0]) if isinstance(ids, torch.Tensor) and ids.ndim == 1 else -1
+
+
 class EmbeddingCollectionModule(torch.nn.Module):
     """``nn.Module`` over an :class:`hbkernels.EmbeddingCollection` (DLRM's sparse
     part): ``forward(features)`` returns ``{feature: [B, dim]}`` pooled tensors
@@ -753,16 +759,13 @@ class EmbeddingCollectionModule(torch.nn.Module):
             value = state_dict[key]
             rows = coll.tables[name].num_rows
             if coll.tables[name].dynamic:  # as many rows as the saved table had live ids
-                ids = state_dict.get(f"{ours}{name}.ids")
-                rows = int(ids.shape[0]) if isinstance(ids, torch.Tensor) and ids.ndim == 1 else -1
+                rows = _saved_length(state_dict.get(f"{ours}{name}.ids"))
             if item == "step":
                 shape = ()
             elif item in DYNAMIC_ITEMS:
                 shape = (rows,)
             elif item in PENDING_ITEMS:  # as many as the saved table had ids waiting
-                ids = state_dict.get(f"{ours}{name}.pending_ids")
-                shape = (int(ids.shape[0]) if isinstance(ids, torch.Tensor) and ids.ndim == 1
-                         else -1,)
+                shape = (_saved_length(state_dict.get(f"{ours}{name}.pending_ids")),)
             elif item == "weight" or not dict(coll.optimizer.slots)[item]:
                 shape = (rows, coll.tables[name].dim)
             else:  # one state value per row

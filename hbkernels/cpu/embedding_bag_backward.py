@@ -13,7 +13,7 @@ denominators. As the forward, one accumulate kernel is compiled per D.
 import functools
 
 import numpy as np
-from numba import prange
+from numba import njit, prange
 
 from .._modes import Bounds
 from ._common import (accumulator_dtype, add_row, cached_njit, first_bad_offset,
@@ -27,28 +27,37 @@ FASTMATH = {"nsz", "arcp", "contract", "afn"}
 PREFETCH_OCCURRENCES = 16
 
 
+@njit(inline="always")
+def sum_partition(rows, base, n, grad, bags, coefs, local, lo, hi, one, dim):
+    """Rows ``base .. base + n - 1`` of ``rows`` become the gradient rows of one partition's
+    ``n`` distinct ids: ``rows[base + u] = Σ coefs[i]·grad[bags[i]]`` over its occurrences
+    ``i`` in ``[lo, hi)`` with ``local[i] == u``, in input order (``coefs`` empty: all
+    ones, ``one`` in the rows' type). Shared by the backward and the fused step."""
+    for u in range(n):
+        for d in range(dim):
+            rows[base + u, d] = 0
+    for i in range(lo, hi):
+        prefetch_row(grad, bags[min(i + PREFETCH_OCCURRENCES, hi - 1)], dim)
+        add_row(rows[base + local[i]], grad, bags[i], coefficient(coefs, i, one), dim)
+
+
 @functools.lru_cache(maxsize=None)
 def accumulate_kernel(dim):
     """Kernel ``(grad, part_lo, bags, coefs, local, part_ids, first, ids, rows)`` over a
     :class:`.grouping.Groups` (``part_lo``, ``bags``, ``coefs`` its partitions';
     ``coefs`` empty: all ones): the ``u``-th distinct id of partition ``p`` is
-    ``k = first[p] + u``, ``ids[k] = part_ids[part_lo[p] + u]`` and ``rows[k] =
-    Σ coefs[i]·grad[bags[i]]`` over that partition's occurrences ``i`` with
-    ``local[i] == u``, in input order."""
+    ``k = first[p] + u``, ``ids[k] = part_ids[part_lo[p] + u]`` and ``rows[k]`` its
+    gradient row (:func:`sum_partition`)."""
 
     @cached_njit(parallel=True, fastmath=FASTMATH)
     def accumulate(grad, part_lo, bags, coefs, local, part_ids, first, ids, rows):
         one = np.ones(1, rows.dtype)[0]
         for p in prange(part_lo.shape[0] - 1):
             lo, hi = part_lo[p], part_lo[p + 1]
-            base = first[p]
-            for u in range(first[p + 1] - base):
+            base, n = first[p], first[p + 1] - first[p]
+            for u in range(n):
                 ids[base + u] = part_ids[lo + u]
-                for d in range(dim):
-                    rows[base + u, d] = 0
-            for i in range(lo, hi):
-                prefetch_row(grad, bags[min(i + PREFETCH_OCCURRENCES, hi - 1)], dim)
-                add_row(rows[base + local[i]], grad, bags[i], coefficient(coefs, i, one), dim)
+            sum_partition(rows, base, n, grad, bags, coefs, local, lo, hi, one, dim)
 
     return accumulate
 

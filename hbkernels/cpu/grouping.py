@@ -206,14 +206,14 @@ class Partitions(NamedTuple):
 
 
 def partition_occurrences(values, offsets, per_sample_weights, combiner, num_rows, skip_bad,
-                          coef_dtype, min_bits=0):
+                          coef_dtype):
     """Steps 1 and 2 above: the :class:`Partitions` of a batch (at least
-    ``2**min_bits`` of them); coefficients in ``coef_dtype``, bad ids (outside
+    ``2**MIN_PARTITION_BITS`` of them); coefficients in ``coef_dtype``, bad ids (outside
     ``[0, num_rows)``) dropped when ``skip_bad``."""
     weighted = per_sample_weights is not None
     weights = (per_sample_weights.astype(coef_dtype, copy=False) if weighted
                else np.ones(1, coef_dtype))
-    bits = max(partition_bits(values.shape[0]), min_bits)
+    bits = max(partition_bits(values.shape[0]), MIN_PARTITION_BITS)
     chunks = bag_chunks(offsets)
     hist = _histogram(values, offsets, num_rows, skip_bad, bits, chunks)
     flat = hist.T.reshape(-1)      # partition-major: a partition's chunks in input order
@@ -254,11 +254,10 @@ class Groups(NamedTuple):
 
 def group_occurrences(values, offsets, per_sample_weights, combiner, num_rows, skip_bad,
                       coef_dtype):
-    """The :class:`Groups` of a batch: steps 1 to 3 above, in at least
-    ``2**MIN_PARTITION_BITS`` partitions; coefficients in ``coef_dtype``, bad ids
-    (outside ``[0, num_rows)``) dropped when ``skip_bad``."""
+    """The :class:`Groups` of a batch: steps 1 to 3 above; coefficients in
+    ``coef_dtype``, bad ids (outside ``[0, num_rows)``) dropped when ``skip_bad``."""
     parts = partition_occurrences(values, offsets, per_sample_weights, combiner, num_rows,
-                                  skip_bad, coef_dtype, min_bits=MIN_PARTITION_BITS)
+                                  skip_bad, coef_dtype)
     ids = scratch("t_ids", parts.total, values.dtype)
     local = scratch("local", parts.total, np.int32 if parts.total < 2**31 else np.int64)
     num_distinct = np.zeros(parts.count, np.int64)

@@ -35,12 +35,12 @@ from numba.extending import intrinsic, overload
 from .._modes import Bounds
 from .. import _rules as rules
 from .._validate import is_bfloat16
-from ._common import (accumulator_dtype, add_row, cached_njit, fmix32, kernel_table,
-                      narrow, prefetch_row, widen)
+from ._common import (accumulator_dtype, cached_njit, fmix32, kernel_table, narrow,
+                      prefetch_row, widen)
 from ._common import first_out_of_range as _first_out_of_range
 from .ragged import check_ragged
-from .embedding_bag_backward import FASTMATH, PREFETCH_OCCURRENCES
-from .grouping import coefficient, group_occurrences
+from .embedding_bag_backward import FASTMATH, sum_partition
+from .grouping import group_occurrences
 
 # kernel parameter vector: the front end's hyper-parameters, then derived constants
 INV_DIM, TWO_L2, NEG_POWER, SQRT_POWER, ZERO, ONE_M_B1, ONE_M_B2 = range(
@@ -326,10 +326,8 @@ def fused_kernel(dim):
             n = first[q + 1] - first[q]
             for u in range(min(n, ahead)):
                 prefetch_update_rows(weights, s1, s2, t_ids[lo + u], dim)
-            g = np.zeros((n, dim), grad.dtype)
-            for i in range(lo, hi):
-                prefetch_row(grad, s_bag[min(i + PREFETCH_OCCURRENCES, hi - 1)], dim)
-                add_row(g[local[i]], grad, s_bag[i], coefficient(s_coef, i, one), dim)
+            g = np.empty((n, dim), grad.dtype)
+            sum_partition(g, 0, n, grad, s_bag, s_coef, local, lo, hi, one, dim)
             for u in range(n):
                 if u + ahead < n:
                     prefetch_update_rows(weights, s1, s2, t_ids[lo + u + ahead], dim)
