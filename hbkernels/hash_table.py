@@ -191,7 +191,11 @@ class HashTable:
         on = self._xp.asarray(slots)
         return {"ids": ids, "slots": slots, "last": host(self._last[on]),
                 "count": host(self._count[on]), "step": self.step,
-                "pending": None if self._pending is None else self._pending.state()}
+                "pending": self.pending_state()}
+
+    def pending_state(self):
+        """``pending`` of :meth:`state` alone (without a pass over the live ids)."""
+        return None if self._pending is None else self._pending.state()
 
     def restore(self, ids, last, count, step, pending=None):
         """Give the distinct absent ``ids`` (NumPy) free slots with these scores (a

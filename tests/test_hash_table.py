@@ -120,6 +120,12 @@ def test_admission_on_exactly_the_kth_call(backend):
     assert five[0] == -1 and five[1] >= 0
     assert get([6, 5, 5]) == [1 - five[1], five[1], five[1]]
     assert t.size == 2 and t.admitted == 2
+    get([7, 9, 7])
+    pending = t.pending_state()  # the ids seen, not yet admitted: 7 and 9, once each
+    assert pending["ids"].tolist() == [7, 9] and pending["count"].tolist() == [1, 1]
+    for key, value in t.state()["pending"].items():
+        np.testing.assert_array_equal(pending[key], value)
+    assert make(backend, 8).pending_state() is None
 
 
 def test_lru_victims(backend):

@@ -897,7 +897,7 @@ class EmbeddingCollection:
         """``(ids, last, count)`` of the ids of dynamic table ``name`` waiting for
         admission, over all ranks, ascending by id (``count``: their sightings), or
         None for a table that admits on first sight (``admit_count=1``). Collective."""
-        pending = self.hash_tables[name].state()["pending"]
+        pending = self.hash_tables[name].pending_state()
         if pending is None:
             return None
         return self._gathered_by_id(pending["ids"], pending["last"], pending["count"])
