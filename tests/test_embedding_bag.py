@@ -427,6 +427,87 @@ def test_bad_arguments():
         hbk.embedding_bag(w, [0, 1], o)
 
 
+def _plain_and_odd_inputs(rng, bad=False):
+    """(name, weights, values, offsets, plain): arrays the NumPy fast path of
+    ``hbk.embedding_bag`` takes as they are (plain), and ones it must leave to the
+    general path, which copies, converts or rejects them; with ``bad``, ``values[2]``
+    is the first id past the table."""
+    w = rng.standard_normal((40, 5)).astype(np.float32)
+    offsets = np.array([0, 3, 3, 4, 9])
+    values = rng.integers(0, 40, 9)
+    values[0], values[-1] = 39, 0
+    if bad:
+        values[2] = 40
+    wide = np.zeros((40, 10), np.float32)
+    wide[:, ::2] = w
+    big_endian = values.astype(">i8")
+    cases = [
+        ("plain", w, values, offsets, True),
+        ("int32", w, values.astype(np.int32), offsets.astype(np.int32), True),
+        ("D=1", w[:, :1].copy(), values, offsets, True),
+        ("fp64", w.astype(np.float64), values, offsets, True),
+        ("fp16", w.astype(np.float16), values, offsets, True),
+        ("row slice", w[1:], values - (values > 0) - bad, offsets, True),
+        ("strided rows", wide[:, ::2], values, offsets, False),
+        ("Fortran table", np.asfortranarray(w), values, offsets, False),
+        ("strided ids", w, np.repeat(values, 2)[::2], offsets, False),
+        ("big-endian ids", w, big_endian, offsets, False),
+        ("int table", w.astype(np.int32), values, offsets, False),
+        ("1-D table", w[0], values, offsets, False),
+        ("empty offsets", w, values, np.zeros(0, np.int64), False),
+        ("memmap-like subclass", w.view(np.memmap), values, offsets, False),
+    ]
+    return cases
+
+
+def _outcome(call):
+    try:
+        return "ok", call()
+    except (ValueError, TypeError, hbk.BoundsError) as error:
+        return type(error).__name__, str(error)
+
+
+def test_plain_numpy_inputs_skip_the_general_path_and_agree_with_it_cpu(rng, monkeypatch):
+    """Plain NumPy arrays skip ``resolve`` and the array checks; every input, plain or
+    not, gives the same bits or the same error as the general path, in every bounds
+    mode and with ids outside the table."""
+    from hbkernels import ops
+
+    resolved = []
+    real_resolve = ops.resolve
+
+    def spy(*args, **kwargs):
+        resolved.append(True)
+        return real_resolve(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "resolve", spy)
+    for bad in (False, True):
+        for (name, w, ids, o, plain), bounds in itertools.product(
+                _plain_and_odd_inputs(rng, bad), ("raise", "zero")):
+            resolved.clear()
+            fast = _outcome(lambda: hbk.embedding_bag(w, ids, o, combiner="mean", bounds=bounds))
+            assert bool(resolved) != plain, name
+            with monkeypatch.context() as m:
+                m.setattr(ops, "_plain_numpy_bags", lambda *a: False)
+                general = _outcome(lambda: hbk.embedding_bag(w, ids, o, combiner="mean",
+                                                             bounds=bounds))
+            assert fast[0] == general[0], (name, bounds, bad, fast, general)
+            if fast[0] == "ok":
+                assert fast[1].dtype == general[1].dtype
+                np.testing.assert_array_equal(fast[1], general[1], err_msg=name)
+            else:
+                assert fast[1] == general[1], name
+    w, v, o = _plain_and_odd_inputs(rng)[0][1:4]
+    for bounds in ("raise", "zero"):  # bad offsets: the same message either way
+        bad_offsets = o.copy()
+        bad_offsets[2] = 1
+        fast = _outcome(lambda: hbk.embedding_bag(w, v, bad_offsets, bounds=bounds))
+        with monkeypatch.context() as m:
+            m.setattr(ops, "_plain_numpy_bags", lambda *a: False)
+            general = _outcome(lambda: hbk.embedding_bag(w, v, bad_offsets, bounds=bounds))
+        assert fast == general and fast[0] == "ValueError"
+
+
 # widths with no, one and several vectors, each with and without a tail: a kernel
 # compiles per width, so the widths are a set, not a range
 PROPERTY_DIMS = [1, 2, 3, 5, 8, 16, 20]

@@ -21,7 +21,7 @@ from llvmlite import ir
 import numba
 from numba import config, njit, prange, types
 from numba.core import cgutils
-from numba.extending import intrinsic, overload
+from numba.extending import intrinsic, overload, register_jitable
 
 from .. import _bits
 from .._numba_cache import cached_njit as numba_cached_njit
@@ -474,8 +474,24 @@ CHUNKS_PER_THREAD = 4
 
 def chunk_count(num_items):
     """How many chunks a parallel loop cuts ``num_items`` into: :data:`CHUNKS_PER_THREAD`
-    per Numba thread, at most one item each, at least 1."""
+    per Numba thread, at most one item each, at least 1. (Python only: a kernel that
+    asks Numba for its thread count cannot be cached.)"""
     return max(1, min(num_items, numba.get_num_threads() * CHUNKS_PER_THREAD))
+
+
+#: bytes of table rows a kernel keeps in flight: it prefetches the rows of the id about
+#: this many bytes of rows ahead (:func:`prefetch_ids`)
+PREFETCH_BYTES = 4096
+MIN_PREFETCH_IDS, MAX_PREFETCH_IDS = 4, 32
+
+
+@register_jitable
+def prefetch_ids(row_bytes):
+    """How many ids ahead a kernel prefetches rows of ``row_bytes`` bytes:
+    :data:`PREFETCH_BYTES` of rows, within [:data:`MIN_PREFETCH_IDS`,
+    :data:`MAX_PREFETCH_IDS`] (fp32 rows: 32 at D = 16, 16 at D = 64, 8 at D = 128).
+    Callable from Python and from a kernel."""
+    return min(MAX_PREFETCH_IDS, max(MIN_PREFETCH_IDS, PREFETCH_BYTES // max(row_bytes, 1)))
 
 
 @intrinsic

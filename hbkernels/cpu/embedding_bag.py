@@ -11,9 +11,10 @@ offsets are checked inside the parallel loop (given ``offsets[0] == 0`` and
 is skipped and flagged, a bad id is skipped and the first bad position of
 each chunk of bags is kept, so ``bounds="raise"`` costs no extra pass and
 no array of the batch's size.
-Every cache line of the row ``PREFETCH_DISTANCE`` ids ahead is prefetched
-(clamped into the table, so no check is needed), indices are unsigned so
-Numba adds no negative-index wraparound, and each bag is summed in a
+Every cache line of the row :func:`._common.prefetch_ids` ids ahead (about
+4 KiB of rows) is prefetched (clamped into the table, so no check is needed),
+indices are unsigned so Numba adds no negative-index wraparound, and each bag
+is summed in a
 stack row (:func:`._common.scratch_row`) that LLVM keeps in vector registers
 (4 zmm registers at D = 64) and stores once; fp16 and bf16 bags are summed in
 a float32 stack row and rounded straight into the output
@@ -41,13 +42,13 @@ from ._common import (
     kernel_table,
     narrow,
     narrows_in_kernel,
+    prefetch_ids,
     prefetch_row,
     scratch_row,
     stack_row_fits,
     store_row,
 )
 
-PREFETCH_DISTANCE = 32
 ONE_ID_MIN_BAGS = 256  # batches of one id per bag from this many bags take one_id_kernel
 NO_WEIGHTS = {np.dtype(t): np.ones(1, t) for t in (np.float32, np.float64)}  # by accumulator
 NO_IDS = np.zeros(1, np.int64)
@@ -57,23 +58,27 @@ NOT_ONE_ID = -1  # one_id_kernel met a bag that does not hold one id
 
 @functools.lru_cache(maxsize=None)
 def pool_kernel(dim, check_ids, identity):
-    """Kernel ``(table, values, offsets, weighted, weights, combiner, out, first_bad, bad_offset)``:
+    """Kernel ``(table, values, offsets, weighted, weights, combiner, out, num_chunks) ->
+    (bad_id, bad_offset)``:
     out[b] = combine_j w_j * table[row_j] over j in [offsets[b], offsets[b+1]),
     w_j = weights[j] when ``weighted``, else 1,
     row_j = values[j] (or j when ``identity``); ``combiner`` a :class:`~hbkernels._modes.Combiner`.
-    The bags are cut into ``len(first_bad)`` chunks of equal counts. With
-    ``check_ids``: ``first_bad[c]`` is the first position of an id outside the table
-    in chunk ``c``, ``bad_offset[c]`` the first ``b + 1`` there with ``offsets[b+1] <
-    offsets[b]`` (the bag is skipped), :data:`NONE` where there is none; then the
-    first of all chunks goes to ``first_bad[0]`` and ``bad_offset[0]``. Needs
-    ``offsets[0] == 0`` and ``offsets[-1] == len(values)``."""
+    The bags are cut into ``num_chunks`` chunks of equal counts. With
+    ``check_ids``: ``bad_id`` is the first position of an id outside the table,
+    ``bad_offset`` the first ``b + 1`` with ``offsets[b+1] < offsets[b]`` (the bag is
+    skipped), :data:`NONE` where there is none. Needs ``offsets[0] == 0`` and
+    ``offsets[-1] == len(values)``."""
 
     @cached_njit(parallel=True, fastmath=True)
-    def pool(table, values, offsets, weighted, weights, combiner, out, first_bad, bad_offset):
+    def pool(table, values, offsets, weighted, weights, combiner, out, num_chunks):
         num_rows = table.shape[0]
         num_bags = offsets.shape[0] - 1
         last_id = offsets[num_bags] - 1
-        num_chunks = first_bad.shape[0]
+        distance = prefetch_ids(dim * table.itemsize)
+        first_bad = np.empty(num_chunks, np.int64)  # per chunk (filled by a serial loop:
+        bad_offset = np.empty(num_chunks, np.int64)  # np.full would be a parallel region)
+        for c in range(num_chunks):
+            first_bad[c] = bad_offset[c] = NONE
         for c in prange(num_chunks):
             for b in range(c * num_bags // num_chunks, (c + 1) * num_bags // num_chunks):
                 # Indices are cast to unsigned so that Numba emits no negative-index wraparound.
@@ -90,7 +95,7 @@ def pool_kernel(dim, check_ids, identity):
                 w_sq = 0.0
                 num_good = hi - lo
                 for j in range(lo, hi):
-                    ahead = min(j + PREFETCH_DISTANCE, last_id)
+                    ahead = min(j + distance, last_id)
                     ahead_row = ahead if identity else values[np.uint64(ahead)]
                     prefetch_row(table, min(np.uint64(ahead_row), np.uint64(num_rows - 1)), dim)
                     row = np.uint64(j if identity else values[np.uint64(j)])
@@ -117,10 +122,11 @@ def pool_kernel(dim, check_ids, identity):
                 elif combiner == Combiner.SQRTN and w_sq != 0.0:
                     scale = 1.0 / math.sqrt(w_sq)
                 store_row(out, b, acc, scale, dim)
-        if check_ids:  # a serial loop (an array's .min() would be another parallel region)
-            for c in range(1, num_chunks):
-                first_bad[0] = min(first_bad[0], first_bad[c])
-                bad_offset[0] = min(bad_offset[0], bad_offset[c])
+        bad_id, bad_bag = NONE, NONE  # a serial loop (.min() would be another parallel region)
+        for c in range(num_chunks):
+            bad_id = min(bad_id, first_bad[c])
+            bad_bag = min(bad_bag, bad_offset[c])
+        return bad_id, bad_bag
 
     return pool
 
@@ -139,7 +145,10 @@ def one_id_kernel(dim):
     def one_id(table, values, offsets, check_ids, out, num_chunks):
         num_rows = table.shape[0]
         num_bags = values.shape[0]
-        first_bad = np.full(num_chunks, NONE, np.int64)
+        distance = prefetch_ids(dim * table.itemsize)
+        first_bad = np.empty(num_chunks, np.int64)
+        for c in range(num_chunks):
+            first_bad[c] = NONE
         for c in prange(num_chunks):
             lo = c * num_bags // num_chunks
             hi = (c + 1) * num_bags // num_chunks
@@ -150,7 +159,7 @@ def one_id_kernel(dim):
                 first_bad[c] = NOT_ONE_ID
                 continue
             for b in range(lo, hi):
-                ahead = values[np.uint64(min(b + PREFETCH_DISTANCE, num_bags - 1))]
+                ahead = values[np.uint64(min(b + distance, num_bags - 1))]
                 prefetch_row(table, min(np.uint64(ahead), np.uint64(num_rows - 1)), dim)
                 row = np.uint64(values[np.uint64(b)])  # negatives wrap high
                 acc = scratch_row(dim, out, b)
@@ -191,15 +200,11 @@ def pool(table, values, offsets, weights, combiner, check_ids, identity):
         status = one_id_kernel(dim)(kernel_tab, values, offsets, check_ids, kernel_table(out),
                                     num_chunks)
         if status != NOT_ONE_ID:
-            return narrow(out, table.dtype), -1, (-1 if status == NONE else int(status))
+            return narrow(out, table.dtype), -1, (-1 if status == NONE else status)
     weights = weights.astype(acc_dtype, copy=False) if weighted else NO_WEIGHTS[acc_dtype]
-    bad = np.full((2, num_chunks), NONE, np.int64)  # per chunk: first bad id, bad offset
     kernel = pool_kernel(dim, check_ids, identity)
-    kernel(kernel_tab, NO_IDS if identity else values, offsets, weighted, weights, combiner,
-           kernel_table(out), bad[0], bad[1])
-    if not (check_ids and num_bags):
-        return narrow(out, table.dtype), -1, -1
-    bad_id, bad_offset = int(bad[0, 0]), int(bad[1, 0])
+    bad_id, bad_offset = kernel(kernel_tab, NO_IDS if identity else values, offsets, weighted,
+                                weights, combiner, kernel_table(out), num_chunks)
     return (narrow(out, table.dtype), -1 if bad_offset == NONE else bad_offset,
             -1 if bad_id == NONE else bad_id)
 

@@ -36,7 +36,7 @@ from .._modes import Bounds
 from .. import _rules as rules
 from .._validate import is_bfloat16
 from ._common import (accumulator_dtype, cached_njit, fmix32, kernel_table, narrow,
-                      prefetch_row, widen)
+                      prefetch_ids, prefetch_row, widen)
 from ._common import first_out_of_range as _first_out_of_range
 from .ragged import check_ragged
 from .embedding_bag_backward import FASTMATH, sum_partition
@@ -55,10 +55,6 @@ _TWO_POW_M32 = 2.0 ** -32
 ROUND_NEAREST, ROUND_FP16, ROUND_BF16 = 0, 1, 2
 FP16_MIN_EXP, FP16_BITS, FP16_MAX = -14, 10, 65504.0
 BF16_MIN_EXP, BF16_BITS, BF16_MAX = -126, 7, (2.0 - 2.0 ** -7) * 2.0 ** 127
-# bytes of table rows the updates keep in flight: the distinct ids whose rows are prefetched
-# ahead hold about this many (:func:`prefetch_distance`)
-PREFETCH_BYTES = 4096
-MIN_PREFETCH_IDS, MAX_PREFETCH_IDS = 4, 32
 
 
 # -- checks ---------------------------------------------------------------------
@@ -344,14 +340,6 @@ def fused_kernel(dim):
 
 
 # -- wrappers -----------------------------------------------------------------------
-def prefetch_distance(table):
-    """How many distinct ids ahead the updates prefetch: :data:`PREFETCH_BYTES` of the
-    table's rows, within [:data:`MIN_PREFETCH_IDS`, :data:`MAX_PREFETCH_IDS`] (fp32
-    rows: 32 at D = 16, 16 at D = 64, 8 at D = 128)."""
-    row_bytes = max(table.shape[1] * table.itemsize, 1)
-    return min(MAX_PREFETCH_IDS, max(MIN_PREFETCH_IDS, PREFETCH_BYTES // row_bytes))
-
-
 def _kernel_params(hp, dim, acc_dtype):
     p = np.zeros(NUM_PARAMS, np.float64)
     p[: rules.NUM_HYPER] = hp
@@ -385,7 +373,7 @@ class _Target:
             state1[:, None] if state1.ndim == 1 else state1)  # a view: updates land in state1
         self.s2 = dummy if state2 is None else state2
         self.updated = np.empty(num_ids, np.bool_)
-        self.ahead = prefetch_distance(self.table)
+        self.ahead = prefetch_ids(self.table.shape[1] * self.table.itemsize)
 
     def finish(self, ids):
         if not self.half or ids.shape[0] == 0:
