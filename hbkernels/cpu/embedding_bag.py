@@ -31,13 +31,13 @@ import math
 
 import numpy as np
 from numba import prange
+from numba.extending import register_jitable
 
 from .._modes import Bounds, Combiner
 from ._common import (
     accumulator_dtype,
     add_row,
     cached_njit,
-    chunk_count,
     first_bad_offset,
     kernel_table,
     narrow,
@@ -50,29 +50,42 @@ from ._common import (
 )
 
 ONE_ID_MIN_BAGS = 256  # batches of one id per bag from this many bags take one_id_kernel
+MIN_CHUNK_BAGS, MAX_CHUNKS = 16, 256  # see bag_chunks
 NO_WEIGHTS = {np.dtype(t): np.ones(1, t) for t in (np.float32, np.float64)}  # by accumulator
 NO_IDS = np.zeros(1, np.int64)
 NONE = np.iinfo(np.int64).max  # "no bad position" in the per-bag arrays
 NOT_ONE_ID = -1  # one_id_kernel met a bag that does not hold one id
 
 
+@register_jitable
+def bag_chunks(num_bags):
+    """How many chunks of consecutive bags the kernels cut a batch into: chunks of at
+    least :data:`MIN_CHUNK_BAGS` bags, at most :data:`MAX_CHUNKS` (so at least 4 a
+    thread up to 64 threads; Numba hands each thread an equal run of them), at least 1.
+    Computed in the kernel from the batch alone: asking Numba for its thread count
+    costs a Python call that takes tens of microseconds once the rows a call reads have
+    evicted the interpreter's data, and a kernel that asks cannot be cached."""
+    return max(1, min(MAX_CHUNKS, (num_bags + MIN_CHUNK_BAGS - 1) // MIN_CHUNK_BAGS))
+
+
 @functools.lru_cache(maxsize=None)
 def pool_kernel(dim, check_ids, identity):
-    """Kernel ``(table, values, offsets, weighted, weights, combiner, out, num_chunks) ->
-    (bad_id, bad_offset)``:
+    """Kernel ``(table, values, offsets, weighted, weights, combiner, out) -> (bad_id,
+    bad_offset)``:
     out[b] = combine_j w_j * table[row_j] over j in [offsets[b], offsets[b+1]),
     w_j = weights[j] when ``weighted``, else 1,
     row_j = values[j] (or j when ``identity``); ``combiner`` a :class:`~hbkernels._modes.Combiner`.
-    The bags are cut into ``num_chunks`` chunks of equal counts. With
+    The bags are cut into :func:`bag_chunks` chunks of equal counts. With
     ``check_ids``: ``bad_id`` is the first position of an id outside the table,
     ``bad_offset`` the first ``b + 1`` with ``offsets[b+1] < offsets[b]`` (the bag is
     skipped), :data:`NONE` where there is none. Needs ``offsets[0] == 0`` and
     ``offsets[-1] == len(values)``."""
 
     @cached_njit(parallel=True, fastmath=True)
-    def pool(table, values, offsets, weighted, weights, combiner, out, num_chunks):
+    def pool(table, values, offsets, weighted, weights, combiner, out):
         num_rows = table.shape[0]
         num_bags = offsets.shape[0] - 1
+        num_chunks = bag_chunks(num_bags)
         last_id = offsets[num_bags] - 1
         distance = prefetch_ids(dim * table.itemsize)
         first_bad = np.empty(num_chunks, np.int64)  # per chunk (filled by a serial loop:
@@ -133,7 +146,7 @@ def pool_kernel(dim, check_ids, identity):
 
 @functools.lru_cache(maxsize=None)
 def one_id_kernel(dim):
-    """Kernel ``(table, values, offsets, check_ids, out, num_chunks) -> status`` for a
+    """Kernel ``(table, values, offsets, check_ids, out) -> status`` for a
     batch of as many ids as bags, without weights: ``out[b] = table[values[b]]``, zeros
     for an id outside the table, as :func:`pool_kernel` gives it under every combiner.
     ``status``: :data:`NOT_ONE_ID` when a bag does not hold one id (``offsets[b+1] !=
@@ -142,9 +155,10 @@ def one_id_kernel(dim):
     ``check_ids``) or :data:`NONE`. Needs ``offsets[0] == 0``."""
 
     @cached_njit(parallel=True, fastmath=True)
-    def one_id(table, values, offsets, check_ids, out, num_chunks):
+    def one_id(table, values, offsets, check_ids, out):
         num_rows = table.shape[0]
         num_bags = values.shape[0]
+        num_chunks = bag_chunks(num_bags)
         distance = prefetch_ids(dim * table.itemsize)
         first_bad = np.empty(num_chunks, np.int64)
         for c in range(num_chunks):
@@ -194,17 +208,15 @@ def pool(table, values, offsets, weights, combiner, check_ids, identity):
     direct = table.dtype == acc_dtype or (
         narrows_in_kernel(table.dtype) and stack_row_fits(dim, np.dtype(acc_dtype).itemsize))
     out = np.empty((num_bags, dim), table.dtype if direct else acc_dtype)
-    num_chunks = chunk_count(num_bags)
     weighted = weights is not None
     if one_id_batch(values, offsets, weighted, identity):
-        status = one_id_kernel(dim)(kernel_tab, values, offsets, check_ids, kernel_table(out),
-                                    num_chunks)
+        status = one_id_kernel(dim)(kernel_tab, values, offsets, check_ids, kernel_table(out))
         if status != NOT_ONE_ID:
             return narrow(out, table.dtype), -1, (-1 if status == NONE else status)
     weights = weights.astype(acc_dtype, copy=False) if weighted else NO_WEIGHTS[acc_dtype]
     kernel = pool_kernel(dim, check_ids, identity)
     bad_id, bad_offset = kernel(kernel_tab, NO_IDS if identity else values, offsets, weighted,
-                                weights, combiner, kernel_table(out), num_chunks)
+                                weights, combiner, kernel_table(out))
     return (narrow(out, table.dtype), -1 if bad_offset == NONE else bad_offset,
             -1 if bad_id == NONE else bad_id)
 
