@@ -474,8 +474,7 @@ CHUNKS_PER_THREAD = 4
 
 def chunk_count(num_items):
     """How many chunks a parallel loop cuts ``num_items`` into: :data:`CHUNKS_PER_THREAD`
-    per Numba thread, at most one item each, at least 1. (Python only: a kernel that
-    asks Numba for its thread count cannot be cached.)"""
+    per Numba thread, at most one item each, at least 1."""
     return max(1, min(num_items, numba.get_num_threads() * CHUNKS_PER_THREAD))
 
 

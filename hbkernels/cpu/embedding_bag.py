@@ -14,10 +14,9 @@ no array of the batch's size.
 Every cache line of the row :func:`._common.prefetch_ids` ids ahead (about
 4 KiB of rows) is prefetched (clamped into the table, so no check is needed),
 indices are unsigned so Numba adds no negative-index wraparound, and each bag
-is summed in a
-stack row (:func:`._common.scratch_row`) that LLVM keeps in vector registers
-(4 zmm registers at D = 64) and stores once; fp16 and bf16 bags are summed in
-a float32 stack row and rounded straight into the output
+is summed in a stack row (:func:`._common.scratch_row`) that LLVM keeps in
+vector registers (4 zmm registers at D = 64) and stores once; fp16 and bf16
+bags are summed in a float32 stack row and rounded straight into the output
 (:func:`._common.narrow_to`), with no float32 array in between. A batch of one
 id per bag without weights (from :data:`ONE_ID_MIN_BAGS` bags: categorical
 features of one value, the usual DLRM input) takes :func:`one_id_kernel`, a
