@@ -49,7 +49,7 @@ from ._common import (
 )
 
 ONE_ID_MIN_BAGS = 256  # batches of one id per bag from this many bags take one_id_kernel
-MIN_CHUNK_BAGS, MAX_CHUNKS = 16, 256  # see bag_chunks
+MIN_CHUNK_BAGS, MAX_CHUNKS = 16, 256  # see pool_chunks
 NO_WEIGHTS = {np.dtype(t): np.ones(1, t) for t in (np.float32, np.float64)}  # by accumulator
 NO_IDS = np.zeros(1, np.int64)
 NONE = np.iinfo(np.int64).max  # "no bad position" in the per-bag arrays
@@ -57,7 +57,7 @@ NOT_ONE_ID = -1  # one_id_kernel met a bag that does not hold one id
 
 
 @register_jitable
-def bag_chunks(num_bags):
+def pool_chunks(num_bags):
     """How many chunks of consecutive bags the kernels cut a batch into: chunks of at
     least :data:`MIN_CHUNK_BAGS` bags, at most :data:`MAX_CHUNKS` (so at least 4 a
     thread up to 64 threads; Numba hands each thread an equal run of them), at least 1.
@@ -74,7 +74,7 @@ def pool_kernel(dim, check_ids, identity):
     out[b] = combine_j w_j * table[row_j] over j in [offsets[b], offsets[b+1]),
     w_j = weights[j] when ``weighted``, else 1,
     row_j = values[j] (or j when ``identity``); ``combiner`` a :class:`~hbkernels._modes.Combiner`.
-    The bags are cut into :func:`bag_chunks` chunks of equal counts. With
+    The bags are cut into :func:`pool_chunks` chunks of equal counts. With
     ``check_ids``: ``bad_id`` is the first position of an id outside the table,
     ``bad_offset`` the first ``b + 1`` with ``offsets[b+1] < offsets[b]`` (the bag is
     skipped), :data:`NONE` where there is none. Needs ``offsets[0] == 0`` and
@@ -84,7 +84,7 @@ def pool_kernel(dim, check_ids, identity):
     def pool(table, values, offsets, weighted, weights, combiner, out):
         num_rows = table.shape[0]
         num_bags = offsets.shape[0] - 1
-        num_chunks = bag_chunks(num_bags)
+        num_chunks = pool_chunks(num_bags)
         last_id = offsets[num_bags] - 1
         distance = prefetch_ids(dim * table.itemsize)
         first_bad = np.empty(num_chunks, np.int64)  # per chunk (filled by a serial loop:
@@ -157,7 +157,7 @@ def one_id_kernel(dim):
     def one_id(table, values, offsets, check_ids, out):
         num_rows = table.shape[0]
         num_bags = values.shape[0]
-        num_chunks = bag_chunks(num_bags)
+        num_chunks = pool_chunks(num_bags)
         distance = prefetch_ids(dim * table.itemsize)
         first_bad = np.empty(num_chunks, np.int64)
         for c in range(num_chunks):
