@@ -87,10 +87,8 @@ def pool_kernel(dim, check_ids, identity):
         num_chunks = pool_chunks(num_bags)
         last_id = offsets[num_bags] - 1
         distance = prefetch_ids(dim * table.itemsize)
-        first_bad = np.empty(num_chunks, np.int64)  # per chunk (filled by a serial loop:
-        bad_offset = np.empty(num_chunks, np.int64)  # np.full would be a parallel region)
-        for c in range(num_chunks):
-            first_bad[c] = bad_offset[c] = NONE
+        first_bad = np.full(num_chunks, NONE, np.int64)  # per chunk
+        bad_offset = np.full(num_chunks, NONE, np.int64)
         for c in prange(num_chunks):
             for b in range(c * num_bags // num_chunks, (c + 1) * num_bags // num_chunks):
                 # Indices are cast to unsigned so that Numba emits no negative-index wraparound.
@@ -159,9 +157,7 @@ def one_id_kernel(dim):
         num_bags = values.shape[0]
         num_chunks = pool_chunks(num_bags)
         distance = prefetch_ids(dim * table.itemsize)
-        first_bad = np.empty(num_chunks, np.int64)
-        for c in range(num_chunks):
-            first_bad[c] = NONE
+        first_bad = np.full(num_chunks, NONE, np.int64)
         for c in prange(num_chunks):
             lo = c * num_bags // num_chunks
             hi = (c + 1) * num_bags // num_chunks
