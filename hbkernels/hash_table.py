@@ -146,6 +146,14 @@ class HashTable:
         self._num_free += freed.shape[0]
         return int(freed.shape[0])
 
+    def clear(self):
+        """Remove every id, live and pending, and restart the call counter (``admitted``
+        and ``evicted`` keep their totals)."""
+        self.erase(self.ids())
+        if self._pending is not None:
+            self._pending.clear()
+        self.step = 0
+
     def evict_lowest(self, count, keep=None):
         """Evict the ``count`` live ids the policy picks first (as a full call would),
         never one of ``keep`` (ids); returns ``(ids, slots)`` evicted (in the table's
@@ -186,7 +194,10 @@ class HashTable:
         """What a checkpoint keeps, as NumPy arrays: ``ids`` (live, ascending), their
         ``slots``, ``last`` (call of last use) and ``count`` (calls that used them),
         and ``step``; ``pending``: the same of the ids waiting for admission (their
-        sightings in ``count``), or None."""
+        sightings in ``count``, the call that last saw them in ``last``), or None.
+        Every call that counts leaves its number in ``last`` or ``pending["last"]``
+        unless :meth:`erase` removed its ids since, so the call counter is the
+        largest of them."""
         ids, slots = (host(a) for a in self.items())
         on = self._xp.asarray(slots)
         return {"ids": ids, "slots": slots, "last": host(self._last[on]),
@@ -316,7 +327,7 @@ class HashTable:
         if self._pending is not None:  # the admitted ids leave it first, making room
             if m:
                 self._pending.erase(self._k.to_family(self._family, admitted))
-            self._pending._see(waiting)
+            self._pending._see(waiting, step)
         self._maybe_rebuild()
         if m:
             out[miss] = self._k.find(family, self._index, self._reserved, misses)
@@ -351,11 +362,13 @@ class HashTable:
         found = self._k.find(self._family, self._index, self._reserved, ids)
         return xp.where(found >= 0, score[xp.maximum(found, 0)], 0)
 
-    def _see(self, ids):
-        """A pending table's call: count one sighting of each distinct id of ``ids``; when
-        more than ``capacity`` are new and cannot all be held, the smallest are kept."""
+    def _see(self, ids, step):
+        """A pending table's call, numbered ``step`` (its owner's call): count one sighting
+        of each distinct id of ``ids``; when more than ``capacity`` are new and cannot
+        all be held, the smallest are kept."""
         if not ids.shape[0]:
             return
+        self.step = step - 1  # the owner's calls only grow: the LRU order is kept
         xp = self._xp
         known = self._score_of(ids, self._last) > 0
         new = ids[~known]

@@ -247,7 +247,6 @@ class DictTable:
         self.slot, self.last, self.count = {}, {}, {}
         self.free = list(range(capacity))
         self.pending = {}  # id -> [calls that saw it, its last such call]
-        self.pending_step = 0
         self.step = 0
         self.admitted = self.evicted = 0
 
@@ -298,17 +297,16 @@ class DictTable:
         new = [i for i in ids if i not in self.pending]
         new = sorted(new)[:self.pending_capacity - len(known)] if (
             len(new) > self.pending_capacity - len(known)) else new
-        self.pending_step += 1
         for i in known:
             self.pending[i][0] += 1
-            self.pending[i][1] = self.pending_step
+            self.pending[i][1] = self.step
         overflow = len(self.pending) + len(new) - self.pending_capacity
         if overflow > 0:
             candidates = sorted((v[1], i) for i, v in self.pending.items() if i not in set(known))
             for _, i in candidates[:overflow]:
                 del self.pending[i]
         for i in new:
-            self.pending[i] = [1, self.pending_step]
+            self.pending[i] = [1, self.step]
 
     def erase(self, ids):
         gone = 0

@@ -20,7 +20,7 @@ def make_opt(name, **options):
     if name == "RowWiseAdagrad":
         return optim.RowWiseAdagrad(lr=0.2, eps=1e-4, **options)
     if name == "Adam":
-        return optim.Adam(lr=0.05, betas=(0.8, 0.95), eps=1e-6, **options)
+        return optim.Adam(**{"lr": 0.05, "betas": (0.8, 0.95), "eps": 1e-6, **options})
     if name == "Ftrl":
         return optim.Ftrl(lr=0.4, l1=0.05, l2=0.1, **options)
     if name == "Ftrl-p0.7":

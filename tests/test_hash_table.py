@@ -123,9 +123,14 @@ def test_admission_on_exactly_the_kth_call(backend):
     get([7, 9, 7])
     pending = t.pending_state()  # the ids seen, not yet admitted: 7 and 9, once each
     assert pending["ids"].tolist() == [7, 9] and pending["count"].tolist() == [1, 1]
+    assert pending["last"].tolist() == [5, 5] and t.step == 5  # numbered by the table's calls
     for key, value in t.state()["pending"].items():
         np.testing.assert_array_equal(pending[key], value)
     assert make(backend, 8).pending_state() is None
+    t.clear()  # forgets 7's sighting too: two more calls do not admit it
+    assert t.size == 0 and t.step == 0 and t.pending_state()["ids"].shape == (0,)
+    get([7])
+    assert get([7]) == [-1] and t.admitted == 2
 
 
 def test_lru_victims(backend):

@@ -37,6 +37,10 @@ TORCH = {
 }
 TORCH_STATE = {"SGD": {}, "Adagrad": {"sum": "sum"},
                "Adam": {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}}
+# Adam's step m / (sqrt(v) + eps) magnifies the rounding of a gradient summed to near zero
+# by up to lr / eps, and torch sums in another order: with eps = 1e-6 about 1 case in 450
+# differs by more than the tolerance; eps = 1e-3 bounds it (and still shows where eps goes)
+AGAINST_TORCH = {"Adam": {"eps": 1e-3}}
 
 
 @pytest.mark.parametrize("name", sorted(TORCH))
@@ -47,7 +51,7 @@ def test_against_torch(backend, rng, name, mode, weighted, dim):
         pytest.skip("one (small) D under the CUDA simulator")
     num_rows, dim, batch, max_len, steps = (12, 3, 4, 3, 3) if backend.small else (60, dim, 64, 6, 4)
     w0 = rng.standard_normal((num_rows, dim)).astype(np.float32)
-    opt = make_opt(name)
+    opt = make_opt(name, **AGAINST_TORCH.get(name, {}))
     plain, fused = Table(backend, opt, w0), Table(backend, opt, w0)
     emb = torch.nn.EmbeddingBag(num_rows, dim, mode=mode, sparse=True, include_last_offset=True)
     with torch.no_grad():

@@ -914,19 +914,22 @@ class EmbeddingCollection:
         ranks; this rank takes the ids it owns), replacing what the table held here:
         ``last`` and ``count`` their scores, ``rows`` ``{"weights" or an optimizer slot:
         rows}`` aligned with ``ids``, ``pending`` ``(ids, last, count)`` of ids waiting
-        for admission. A shard given more ids than its slots leaves out those its policy
+        for admission. The table's call counter becomes the largest call in the
+        ``last`` of the ids it takes. A shard given more ids than its slots leaves out those its policy
         evicts first (:meth:`hbkernels.HashTable.restore`). Not collective."""
         shard = self._dynamic_shard(name)
         n, me = self.comm.world_size, self.comm.rank
         table = self.hash_tables[name]
-        table.erase(table.ids())
+        table.clear()
         mine = dynamic_owner(np, ids, n) == me
+        step = int(last[mine].max()) if mine.any() else 0  # its call counter (HashTable.state)
         waiting = None
         if pending is not None:
             theirs = dynamic_owner(np, pending[0], n) == me
-            waiting = tuple(a[theirs] for a in pending) + (
-                int(pending[1].max()) if pending[1].shape[0] else 0,)
-        step = int(last.max()) if last.shape[0] else 0
+            waiting = tuple(a[theirs] for a in pending)
+            if theirs.any():
+                step = max(step, int(waiting[1].max()))
+            waiting += (step,)
         slots = table.restore(ids[mine], last[mine], count[mine], step, waiting)
         kept = slots >= 0
         fused = self.arrays[shard.group]

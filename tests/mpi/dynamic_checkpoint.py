@@ -2,8 +2,9 @@
 tests/test_dynamic_collection.py as a chain in one work directory WORK):
 
 ``dynamic_checkpoint.py save WORK`` (n=2): raw 64-bit ids, LRU eviction, admission
-at the second call, Adam: trains 12 steps, saves to WORK/ckpt; rank 0 writes
-WORK/expected.npz (ids, rows, state, counts); 3 more steps, an incremental save to
+at the second call, Adam: trains 12 steps, saves to WORK/ckpt (loaded back at once, each
+rank's hash table as saved); rank 0 writes WORK/expected.npz (ids, rows, state, counts);
+3 more steps, an incremental save to
 WORK/incr chained to WORK/ckpt, and WORK/expected_incr.npz.
 
 ``dynamic_checkpoint.py load WORK`` (n=3): ``load(WORK/incr)`` replays the chain;
@@ -78,6 +79,13 @@ if MODE == "save":
     assert coll.dynamic_counts("t")["evicted"] > 0, coll.dynamic_counts("t")
     coll.save(WORK / "ckpt")
     write_expected(coll, WORK / "expected.npz")
+    # loaded at the same world size, each rank's hash table is as saved, its call counter too
+    saved, back = coll.hash_tables["t"].state(), hbk.EmbeddingCollection.load(
+        WORK / "ckpt", comm=comm).hash_tables["t"].state()
+    assert back["step"] == saved["step"], (back["step"], saved["step"])
+    for k in ("ids", "last", "count"):
+        np.testing.assert_array_equal(back[k], saved[k], err_msg=k)
+        np.testing.assert_array_equal(back["pending"][k], saved["pending"][k], err_msg=k)
     train(coll, 3, "more", POOL, 3)
     coll.save(WORK / "incr", incremental=True)
     write_expected(coll, WORK / "expected_incr.npz")
