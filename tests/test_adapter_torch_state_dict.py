@@ -182,25 +182,29 @@ import io, sys
 import numpy as np, torch
 import hbkernels as hbk
 from hbkernels.adapters import torch as hbt
+from hbkernels.sharding.kinds.row_wise import dynamic_owner
 
 comm = hbk.dist.init()
 R, W = comm.rank, comm.world_size
 TABLES = [hbk.TableSpec("a", num_rows=23, dim=6), hbk.TableSpec("b", num_rows=17, dim=6, combiner="mean"),
-          hbk.TableSpec("c", num_rows=11, dim=4), hbk.TableSpec("d", num_rows=5, dim=6)]
+          hbk.TableSpec("c", num_rows=11, dim=4), hbk.TableSpec("d", num_rows=5, dim=6),
+          hbk.TableSpec("e", num_rows=None, capacity=24, dim=6, evict="lfu", admit_count=2)]
+POOL = np.random.default_rng(5).integers(-2**63, 2**63 - 1, 40, dtype=np.int64)
 
 def module(plan, seed):
     coll = hbk.EmbeddingCollection(TABLES, comm=comm, optimizer=hbk.optim.Adagrad(lr=0.2),
                                    device="cpu", seed=seed, plan=plan)
     return hbt.EmbeddingCollectionModule(coll)
 
-def step(m, k):
+def step(m, k, pool=POOL):
     rng = np.random.default_rng([k, R])
     feats = {}
     for t in TABLES:
         lengths = rng.integers(0, 4, size=5)
         offsets = np.concatenate([[0], np.cumsum(lengths)])
-        feats[t.name] = (torch.from_numpy(rng.integers(0, t.num_rows, size=int(offsets[-1]))),
-                         torch.from_numpy(offsets))
+        ids = (rng.choice(pool, int(offsets[-1])) if t.dynamic
+               else rng.integers(0, t.num_rows, size=int(offsets[-1])))
+        feats[t.name] = (torch.from_numpy(ids), torch.from_numpy(offsets))
     out = m(feats)
     sum((o * o).sum() for o in out.values()).backward()
     return out
@@ -208,6 +212,7 @@ def step(m, k):
 a = module({"a": "row_wise", "b": "column_wise", "c": "table_wise", "d": "data_parallel"}, 3)
 for k in range(2):
     step(a, k)
+step(a, 2, POOL[dynamic_owner(np, POOL, W) == 0])  # rank 1's shard sees no call: the clocks differ
 buf = io.BytesIO()
 torch.save(a.state_dict(), buf)  # collective: every rank gathers every table
 buf.seek(0)
@@ -216,14 +221,23 @@ b.load_state_dict(torch.load(buf))
 
 def same(x, y):
     for t in TABLES:
-        np.testing.assert_array_equal(x.full_weights(t.name), y.full_weights(t.name))
+        wx, wy = x.full_weights(t.name), y.full_weights(t.name)
+        for u, v in zip(wx, wy) if t.dynamic else [(wx, wy)]:
+            np.testing.assert_array_equal(u, v)
         sx, sy = x.full_state(t.name), y.full_state(t.name)
         for slot in sx:
             np.testing.assert_array_equal(sx[slot], sy[slot])
+    # the dynamic table's shard on this rank: its ids, scores, pending ids and clock
+    hx, hy = x.hash_tables["e"].state(), y.hash_tables["e"].state()
+    assert hx["step"] == hy["step"] > 0, (hx["step"], hy["step"])
+    for k in ("ids", "last", "count"):
+        np.testing.assert_array_equal(hx[k], hy[k], err_msg=k)
+        np.testing.assert_array_equal(hx["pending"][k], hy["pending"][k], err_msg=k)
 
 same(a.collection, b.collection)
-for k in range(2, 4):
-    oa, ob = step(a, k), step(b, k)
+live = a.collection.full_weights("e")[0]  # an id admitted later gets a row from the seed
+for k in range(3, 5):
+    oa, ob = step(a, k, live), step(b, k, live)
     for name in oa:
         assert torch.equal(oa[name], ob[name]), name
 same(a.collection, b.collection)
