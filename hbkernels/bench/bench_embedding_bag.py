@@ -6,7 +6,9 @@ CPU: E=1e6 rows, B=16384 bags of Zipf(1.1) ids: D=64, L=32 in fp32, fp16 and
 bf16; then fp32 at every D in {16, 64, 128} and L in {1, 32}, with the table
 on a cache line (as torch's tensors and hbk.aligned_empty) and 16 bytes past
 one (as a plain large NumPy array: "plain"); then D=64, L=32 at E=1e5 and 1e7,
-and at B=65536 (cost against E and against the work B*L*D).
+and at B=65536 (cost against E and against the work B*L*D); last, D=64 and 128,
+L=32 with uniform ids ("zipf=0.0") over 1e7 and 5e6 rows of a plain table:
+nearly every row comes from DRAM (the random-row limit of the memory).
 GPU: E=1e7, D=128, B=65536, L=32, Zipf(1.05), fp32, fp16 and bf16 (CuPy >= 14).
 Results are checked against the NumPy (CuPy) gather + fp32 reduction first.
 GB/s counts rows read (B*L*D*itemsize) + ids and offsets read + output written.
@@ -32,7 +34,9 @@ def configs(ctx):
         dict(E=10**6, D=dim, B=16384, L=bag, alpha=1.1, dtypes=("float32",), line_offset=line)
         for dim in (16, 64, 128) for bag in (1, 32) for line in (0, 16)] + [
         dict(E=rows, D=64, B=bags, L=32, alpha=1.1, dtypes=("float32",))   # cost vs E and B
-        for rows, bags in ((10**5, 16384), (10**7, 16384), (10**6, 65536))]
+        for rows, bags in ((10**5, 16384), (10**7, 16384), (10**6, 65536))] + [
+        dict(E=rows, D=dim, B=16384, L=32, alpha=0.0, dtypes=("float32",), line_offset=16)
+        for rows, dim in ((10**7, 64), (5 * 10**6, 128))]  # uniform ids: every row from DRAM
 
 
 def tbe_provider(ctx, mode):
