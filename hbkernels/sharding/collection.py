@@ -914,9 +914,10 @@ class EmbeddingCollection:
         ranks; this rank takes the ids it owns), replacing what the table held here:
         ``last`` and ``count`` their scores, ``rows`` ``{"weights" or an optimizer slot:
         rows}`` aligned with ``ids``, ``pending`` ``(ids, last, count)`` of ids waiting
-        for admission. The table's call counter becomes the largest call in the
-        ``last`` of the ids it takes. A shard given more ids than its slots leaves out those its policy
-        evicts first (:meth:`hbkernels.HashTable.restore`). Not collective."""
+        for admission. The table's call counter becomes the largest ``last`` of the ids,
+        live and pending, it takes. A shard given more ids than its slots leaves out
+        those its policy evicts first (:meth:`hbkernels.HashTable.restore`). Not
+        collective."""
         shard = self._dynamic_shard(name)
         n, me = self.comm.world_size, self.comm.rank
         table = self.hash_tables[name]

@@ -30,6 +30,7 @@ MODE, WORK = sys.argv[1], Path(sys.argv[2])
 comm = hbk.dist.init()
 R, W = comm.rank, comm.world_size
 
+
 def pool():
     """24 raw 64-bit ids, 20 of them owned by rank 0 at 3 ranks: any 9 of them put 5 on
     that rank's 4 slots, so the load at 3 ranks always overflows a shard."""
