@@ -15,7 +15,7 @@ from .hash_table import HashTable
 from .memory import aligned_empty, aligned_full
 from .ops import (
     embedding_bag, embedding_bag_backward, lookup, lookup_backward, partition,
-    per_sample_weights_backward, segment_reduce, segment_sum, unique,
+    per_sample_weights_backward, segment_reduce, segment_sum, synchronize, unique,
 )
 from .types import JaggedRows, Partitioned, Ragged, SparseGrad, TableSpec
 from ._version import __version__
@@ -45,6 +45,7 @@ __all__ = [
     "reference",
     "segment_reduce",
     "segment_sum",
+    "synchronize",
     "threads",
     "unique",
 ]

@@ -128,9 +128,11 @@ class CudaFamily:
         return a if not isinstance(a, np.ndarray) else self.from_numpy(a)
 
     def sync(self):
-        """Wait for the work queued on CuPy's current stream."""
+        """Wait for the work queued on CuPy's current stream, then raise the first error
+        of the checks ops left pending (:mod:`hbkernels.cuda._pending`)."""
         if self.name == "cupy" and not simulator_enabled():
             cupy().cuda.get_current_stream().synchronize()
+        _flush_checks()
 
     # -- allocation, in the caller's family ---------------------------------
     def empty(self, shape, dtype):
@@ -156,9 +158,10 @@ class CudaFamily:
         return out
 
     def to_numpy(self, a):
-        if self.name == "cupy":
-            return cupy().asnumpy(a)
-        return a.copy_to_host()
+        """A host copy of ``a`` (a wait for the device: pending checks are read too)."""
+        out = cupy().asnumpy(a) if self.name == "cupy" else a.copy_to_host()
+        _flush_checks()
+        return out
 
     def from_numpy(self, a):
         if self.name == "cupy":
@@ -173,31 +176,29 @@ class CudaFamily:
 
     # -- what the kernels see -------------------------------------------------
     def kernel_array(self, a):
-        """A Numba device-array view of ``a`` (no copy; bf16 as its int16 bits, which
-        the kernels convert). No stream synchronisation: the kernels run on the
-        stream CuPy's arrays are ordered on (:meth:`stream`)."""
-        if _validate.is_bfloat16(a.dtype):
-            a = a.view(np.int16)
-        if self.name == "cupy":
-            return numba_cuda().as_cuda_array(a, sync=False)
-        return a
-
-    def stream(self):
-        """The stream to launch on: CuPy's current stream, else Numba's default."""
-        cuda = numba_cuda()
-        if self.name == "cupy" and not simulator_enabled():
-            return cuda.external_stream(cupy().cuda.get_current_stream().ptr)
-        return cuda.default_stream()
+        """``a`` as the kernels take it (no copy): bf16 viewed as its int16 bits, which
+        the kernels convert; every other array as it is."""
+        return a.view(np.int16) if _validate.is_bfloat16(a.dtype) else a
 
 
 NUMPY = NumpyFamily()
 
 
+def _flush_checks():
+    """Raise the first pending GPU check's error, if any op left one (after a wait)."""
+    pending = sys.modules.get("hbkernels.cuda._pending")
+    if pending is not None:
+        pending.after_wait()
+
+
 def host(a):
-    """A NumPy array of ``a`` (a NumPy array as is; CuPy and Numba arrays copied)."""
+    """A NumPy array of ``a`` (a NumPy array as is; CuPy and Numba arrays copied, a wait
+    for the device that reads the pending checks too)."""
     if isinstance(a, np.ndarray):
         return a
-    return a.get() if hasattr(a, "get") else a.copy_to_host()
+    out = a.get() if hasattr(a, "get") else a.copy_to_host()
+    _flush_checks()
+    return out
 
 
 def device_family(device):
@@ -377,6 +378,8 @@ def kernels(family, op):
     with Numba's thread pool started: :func:`hbkernels.threads.start_numba_pool`)."""
     if not family.is_cuda:
         start_numba_pool()
+    elif "numba.cuda" not in sys.modules:
+        numba_cuda()  # a clear error when numba-cuda cannot be imported
     name = f"{family.kernels}.{op}"
     module = sys.modules.get(name)  # a dict lookup: import_module takes the import lock
     return module if module is not None else importlib.import_module(name)

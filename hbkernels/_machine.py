@@ -42,5 +42,30 @@ def cupy():
 
 
 def numba_cuda():
-    """The ``numba.cuda`` module."""
-    return importlib.import_module("numba.cuda")
+    """The ``numba.cuda`` module; :class:`~hbkernels.errors.MissingDependencyError` naming
+    the versions when it is missing or fails to import (numba-cuda 0.30 and older use
+    ``np.row_stack``, which NumPy 2.5 removed)."""
+    try:
+        return importlib.import_module("numba.cuda")
+    except Exception as error:  # noqa: BLE001 - any import failure gets the versions
+        raise MissingDependencyError(_numba_cuda_problem(error)) from error
+
+
+def _numba_cuda_problem(error):
+    from importlib import metadata
+
+    def version(name):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    found = (f"numba-cuda {version('numba-cuda')}, numba {version('numba')}, "
+             f"NumPy {version('numpy')}")
+    if isinstance(error, AttributeError) and "numpy" in str(error):
+        return (f"numba-cuda cannot be imported with this NumPy ({found}): {error}. "
+                f"Install a NumPy it supports (pip install 'numpy<2.5') or a numba-cuda "
+                f"release that supports this NumPy")
+    return (f"the CUDA kernels need numba-cuda ({found}): import numba.cuda failed with "
+            f"{type(error).__name__}: {error}. pip install 'hbkernels[cuda12]' or "
+            f"'hbkernels[cuda13]'")

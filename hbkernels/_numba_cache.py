@@ -21,11 +21,11 @@ from numba import njit
 _state = {"mode": None, "dir": None}   # mode: "numba" | "temporary" | "off"
 
 
-def _private_temp_dir():
-    """``<tmp>/hbkernels-numba-<uid>``, made if missing, or None when it cannot be
+def private_temp_dir(kind="numba"):
+    """``<tmp>/hbkernels-<kind>-<uid>``, made if missing, or None when it cannot be
     this user's private directory."""
     try:
-        path = os.path.join(tempfile.gettempdir(), f"hbkernels-numba-{os.getuid()}")
+        path = os.path.join(tempfile.gettempdir(), f"hbkernels-{kind}-{os.getuid()}")
         os.makedirs(path, mode=0o700, exist_ok=True)
         st = os.stat(path)
     except OSError:
@@ -52,7 +52,7 @@ def cached_njit(function, **options):
         except RuntimeError as error:   # "cannot cache function ...: no locator available"
             if "cannot cache" not in str(error) or _state["mode"] == "temporary":
                 raise
-        path = _private_temp_dir()
+        path = private_temp_dir()
         if path is not None:
             _use_dir(path)
             try:

@@ -140,6 +140,15 @@ def raise_ragged(family, values, offsets, bad_offset, bad_id, num_rows):
         raise_bad_id(family, "values", values, bad_id, num_rows)
 
 
+def raise_nonfinite(name, row):
+    """Raise for the first row of ``name`` holding NaN or Inf (-1: none)."""
+    if row != -1:
+        raise ValueError(
+            f"{name} has NaN or Inf in row {row}; nothing was updated "
+            f"(nonfinite='skip' leaves such rows untouched instead)"
+        )
+
+
 def raise_bad_id(family, what, arr, pos, limit):
     (v,) = _read(family, arr.reshape(-1), pos, pos + 1)
     raise BoundsError(what, pos, v, limit)

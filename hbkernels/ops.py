@@ -6,6 +6,8 @@ kernels) and returns results in the caller's family. The backend modules
 Under ``bounds="unchecked"`` nothing is checked and, on the GPU, nothing is
 synchronised: the caller guarantees valid ids and offsets.
 """
+import sys
+
 import numpy as np
 
 from . import _validate as check
@@ -16,11 +18,28 @@ from .types import Partitioned, SparseGrad
 _NO_ERROR = -1
 
 
+def synchronize():
+    """Wait for the work hbkernels queued on the current GPU, then raise the first error
+    that its ops' input checks found and that was not raised yet (:class:`BoundsError`,
+    or ``ValueError`` for offsets and non-finite gradients, naming the op). Each
+    error is raised exactly once, here or by the next hbkernels call that waits for
+    the device. A no-op on the CPU, where every op raises its own errors.
+
+    >>> import hbkernels as hbk
+    >>> hbk.synchronize()
+    """
+    pending = sys.modules.get("hbkernels.cuda._pending")
+    if pending is not None:
+        pending.synchronize()
+
+
 def check_ragged(values, offsets, num_rows, *, bounds="raise"):
     """Check CSR input ``(values, offsets)`` of a table of ``num_rows`` rows as
     :func:`embedding_bag` does, without computing anything: a bad offset is a
     ``ValueError`` naming its first position; under ``bounds="raise"`` an id
     outside ``[0, num_rows)`` is a :class:`hbkernels.BoundsError` naming the first.
+    On a GPU the check does not wait for the device: its error is raised by
+    :func:`synchronize` or the next hbkernels call that waits (as every GPU op's).
 
     >>> import numpy as np, hbkernels as hbk
     >>> hbk.ops.check_ragged(np.array([0, 3]), np.array([0, 2]), 3)

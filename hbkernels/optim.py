@@ -175,7 +175,7 @@ class SparseOptimizer:
         if bad != -1:
             check.raise_bad_id(family, "grad.ids", ids, bad, weights.shape[0])
         if self.nonfinite == "raise":
-            _raise_nonfinite("grad.rows", backend.first_nonfinite_row(family, rows))
+            check.raise_nonfinite("grad.rows", backend.first_nonfinite_row(family, rows))
         uniq, inverse = unique(ids, return_inverse=True)
         if uniq.shape[0] != ids.shape[0]:  # sum duplicate ids first, as torch coalesces
             ids, rows = uniq, segment_sum(rows, inverse, uniq.shape[0])
@@ -191,8 +191,12 @@ class SparseOptimizer:
                    per_sample_weights=None, bounds="raise"):
         """``step(weights, state, embedding_bag_backward(grad_out, values, offsets, ...))``
         in one pass per distinct row, without materialising the gradient rows. On the
-        GPU the input checks read back once; with ``bounds="unchecked"`` and
-        ``nonfinite="skip"`` the step never waits for the device."""
+        GPU the step never waits for the device: its input checks are read by the next
+        wait (``hbk.synchronize()``, or a later hbkernels call that reads back), which
+        raises their error. A step that fails writes nothing; its count in
+        ``state["step"]`` is taken back when the error is raised (steps queued between
+        the two counted it: Adam's bias correction and stochastic rounding's key of
+        those steps are one step ahead)."""
         family, a = resolve(
             ("per_sample_weights",), ("weights",), ("weights",), weights=weights, grad_out=grad_out,
             values=values, offsets=offsets, per_sample_weights=per_sample_weights,
@@ -207,24 +211,21 @@ class SparseOptimizer:
         step = int(state["step"][0]) + 1
         hp, key = self._step_constants(step)
         backend = kernels(family, "sparse_update")
+        counter = state["step"]
+
+        def undo_step():  # a check the GPU reports later: the step did not count
+            counter[0] -= 1
+
         # the backend checks first and updates nothing when a check fails
         bad_grad, bad_psw, bad_offset, bad_id = backend.fused_sparse_update(
             family, self.rule, weights, s1, s2, hp, grad_out, values, offsets, psw, comb,
             mode, self.nonfinite == "raise", self.nonfinite == "skip",
-            self.rounding == "stochastic", key,
+            self.rounding == "stochastic", key, undo_step,
         )
-        _raise_nonfinite("grad_out", bad_grad)
-        _raise_nonfinite("per_sample_weights", bad_psw)
+        check.raise_nonfinite("grad_out", bad_grad)
+        check.raise_nonfinite("per_sample_weights", bad_psw)
         check.raise_ragged(family, values, offsets, bad_offset, bad_id, weights.shape[0])
         state["step"][0] = step
-
-
-def _raise_nonfinite(name, row):
-    if row != -1:
-        raise ValueError(
-            f"{name} has NaN or Inf in row {row}; nothing was updated "
-            f"(nonfinite='skip' leaves such rows untouched instead)"
-        )
 
 
 class SGD(SparseOptimizer):

@@ -76,6 +76,7 @@ class Trainer:
         self.history, self.evals = [], []
         self.train_seconds = 0.0      # of every run that led to this step (resumes included)
         self.timed_seconds, self.timed_samples = 0.0, 0   # this run's, for samples/s
+        self.first_step_seconds = None  # this run's first step: kernels compiled or loaded
         self.build()
 
     def make_config(self):
@@ -290,6 +291,8 @@ class Trainer:
             if i:  # the first step compiles kernels: samples/s leaves it out
                 self.timed_seconds += now - mark
                 self.timed_samples += count
+            else:
+                self.first_step_seconds = now - mark
             self.step = step + 1
             self.history.append({"step": self.step, "loss": loss, "samples": count})
             bar.update(loss=f"{loss:.4f}")
@@ -320,7 +323,8 @@ class Trainer:
         metrics = {
             "world_size": self.world, "backend": self.comm.backend, "device": self.device,
             "steps": self.step, "batch_size": a.batch_size, "samples_per_s": rate,
-            "train_seconds": self.train_seconds, "plan": self.collection.plan.to_json(),
+            "train_seconds": self.train_seconds, "first_step_seconds": self.first_step_seconds,
+            "plan": self.collection.plan.to_json(),
             "threads": ({"mode": "auto", "last": self.governor.threads,
                          "changes": self.governor.changes} if self.governor
                         else {"mode": "fixed", "last": a.threads, "changes": 0}),
@@ -337,8 +341,10 @@ class Trainer:
         write_json(a.metrics, metrics)
         chart = Path(a.metrics).with_suffix(".png")
         drawn = draw_curve(chart, self.history, self.evals, self.eval_split)
+        first = ("" if self.first_step_seconds is None
+                 else f" (first step {self.first_step_seconds:.2f} s)")
         print(f"{self.step} steps x {a.batch_size} samples on {self.world} rank(s): "
-              f"{rate:,.0f} samples/s; eval ({self.eval_split}) logloss {last['logloss']:.5f}, "
+              f"{rate:,.0f} samples/s{first}; eval ({self.eval_split}) logloss {last['logloss']:.5f}, "
               f"AUC {last['auc']:.5f}; metrics -> {a.metrics}"
               + (f", curve -> {chart}" if drawn is None else f" ({drawn})"), flush=True)
 

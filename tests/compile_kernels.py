@@ -6,11 +6,13 @@ every simulator test and still fail to compile on a GPU. This module closes that
 gap in two steps:
 
 1. under the simulator, :func:`record_launches` notes each kernel launch as
-   ``(how the kernel was built, argument types)`` (``conftest.py`` installs it);
+   ``(how the kernel was built, argument types)``, the types
+   ``hbkernels.cuda._launcher`` compiles it for on a GPU (``conftest.py`` installs it);
 2. in a process without the simulator, :func:`compile_all` rebuilds each
    kernel from its factory (``hbkernels.cuda._launch.kernel_factory``; ``tpb``
    at the real GPU's value), compiles it through Numba and NVVM
-   to PTX, and links it with nvJitLink (ptxas) into a cubin for the
+   to PTX, checks the PTX entry's parameters against what the launcher packs,
+   and links it with nvJitLink (ptxas) into a cubin for the
    architecture; the report gives each kernel's error, or its registers,
    spills and shared memory.
 
@@ -49,39 +51,17 @@ def kernel_source(kernel):
     return (fn.__module__, fn.__qualname__, None, None)
 
 
-def argument_type(arg):
-    """The Numba type a real launch gives ``arg``: device arrays are mutable and aligned."""
-    from numba import typeof, types
-
-    arg = getattr(arg, "_ary", arg)  # a simulator device array wraps a NumPy array
-    ty = typeof(arg)
-    if isinstance(ty, types.Array):
-        return types.Array(ty.dtype, ty.ndim, ty.layout)
-    return ty
-
-
 def record_launches():
-    """Wrap the simulator's kernel call so that each host launch is noted in LAUNCHES
-    (and its threads per block in BLOCK_THREADS)."""
-    from numba.cuda.simulator import kernel as sim_kernel
+    """Note each kernel launch in LAUNCHES (and its threads per block in BLOCK_THREADS), with
+    the argument types the launcher compiles it for on a GPU."""
+    from hbkernels.cuda import _launcher
 
-    call = sim_kernel.FakeCUDAKernel.__call__
-    if getattr(call, "records_launches", False):
-        return
+    def record(kernel, argtypes, threads):
+        key = (kernel_source(kernel), tuple(argtypes))
+        LAUNCHES[key] = LAUNCHES.get(key, 0) + 1
+        BLOCK_THREADS.setdefault(key, set()).add(int(threads))
 
-    def recording_call(self, *args):
-        if not self._device and not sim_kernel._kernel_context:
-            key = (kernel_source(self), tuple(argument_type(a) for a in args))
-            LAUNCHES[key] = LAUNCHES.get(key, 0) + 1
-            if self.block_dim is not None:
-                threads = 1
-                for extent in self.block_dim:
-                    threads *= int(extent)
-                BLOCK_THREADS.setdefault(key, set()).add(threads)
-        return call(self, *args)
-
-    recording_call.records_launches = True
-    sim_kernel.FakeCUDAKernel.__call__ = recording_call
+    _launcher.RECORDER[0] = record
 
 
 def defined_kernels():
@@ -148,25 +128,23 @@ def rebuild(source):
 
 
 def compile_one(dispatcher, argtypes, cc, cubin=False):
-    """Compile to PTX and link to a cubin for ``cc``; returns the resources ptxas reports,
+    """Compile to PTX and link to a cubin for ``cc`` as the launcher does on a GPU
+    (:mod:`hbkernels.cuda._compile`), and check that the PTX entry's parameters are
+    what the launcher packs for ``argtypes``; returns the resources ptxas reports,
     or ``(resources, the cubin's bytes)`` when ``cubin`` is true (for a disassembler)."""
-    from cuda.core import Linker, LinkerOptions, ObjectCode
-    from numba import cuda
+    from hbkernels.cuda import _compile, _launcher
 
-    options = dispatcher.targetoptions
-    ptx, _ = cuda.compile_ptx(dispatcher.py_func, argtypes, cc=cc,
-                              fastmath=options.get("fastmath", False),
-                              lineinfo=options.get("lineinfo", False),
-                              launch_bounds=options.get("launch_bounds"))
-    linker = Linker(ObjectCode.from_ptx(ptx.encode(), name="kernel"),
-                    options=LinkerOptions(arch=f"sm_{cc[0]}{cc[1]}", verbose=True))
-    linked = linker.link("cubin")
-    log = linker.get_info_log()
+    ptx = _compile.ptx(dispatcher, argtypes, cc)
+    expected = [kind for _, kind in _launcher.parameters(argtypes)]
+    found = _compile.entry_params(ptx)
+    if found != expected:
+        raise TypeError(f"the launcher packs parameters {expected} but the PTX entry takes {found}")
+    code, log = _compile.link(ptx, cc)
     resources = {}
     for key, pattern in _RESOURCES.items():
         values = [int(v) for v in re.findall(pattern, log)]
         resources[key] = max(values) if values else 0
-    return (resources, bytes(linked.code)) if cubin else resources
+    return (resources, code) if cubin else resources
 
 
 def blocks_per_sm(registers, shared_bytes, threads=256, sm_registers=65536, sm_shared=228 * 1024,

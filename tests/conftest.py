@@ -30,6 +30,11 @@ def _real_gpu_present():
 
 if "NUMBA_ENABLE_CUDASIM" not in os.environ:
     os.environ["NUMBA_ENABLE_CUDASIM"] = "0" if _real_gpu_present() else "1"
+# one seed for the whole session: pytest-xdist's workers inherit it from the controller,
+# so they all collect the same tests; JAX takes GPU memory as it needs it, not 75% of it
+# per process, so that workers sharing a GPU fit
+os.environ.setdefault("HBK_SESSION_SEED", str(np.random.SeedSequence().entropy % 2**32))
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 SIMULATOR = os.environ["NUMBA_ENABLE_CUDASIM"] == "1"
 HAVE_NUMBA_CUDA = importlib.util.find_spec("numba.cuda") is not None
 if SIMULATOR and HAVE_NUMBA_CUDA:  # note each kernel launch, to compile it for a real GPU
@@ -82,7 +87,7 @@ def backend(request):
     return Backend(request.param)
 
 
-SESSION_SEED = int(os.environ.get("HBK_TEST_SEED", np.random.SeedSequence().entropy % 2**32))
+SESSION_SEED = int(os.environ.get("HBK_TEST_SEED") or os.environ["HBK_SESSION_SEED"])
 
 
 def pytest_report_header(config):

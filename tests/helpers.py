@@ -2,13 +2,26 @@
 ids, dense views of the reference gradients, Parquet files. Test modules import
 from here (and from ``conftest``), never from each other; the references
 themselves are :mod:`hbkernels.reference`."""
+import contextlib
+
 import numpy as np
+import pytest
 from conftest import random_offsets
 
 import hbkernels as hbk
 from hbkernels import optim, reference
 
 RULES = ["SGD", "Adagrad", "RowWiseAdagrad", "Adam", "Ftrl"]
+
+
+@contextlib.contextmanager
+def raises(expected, **kwargs):
+    """``pytest.raises`` for calls that may leave their checks pending on a GPU: the
+    block ends with ``hbk.synchronize()``, where such an error is raised at the latest
+    (on the CPU the call itself raises, before it)."""
+    with pytest.raises(expected, **kwargs) as info:
+        yield info
+        hbk.synchronize()
 
 
 def make_opt(name, **options):

@@ -71,8 +71,17 @@ backward's sort keys) is read from DRAM once however often it is gathered; a
 scattered access of 8 bytes or less into a larger array (unique's hash table, the
 positions read at the heads of runs) moves a :data:`SECTOR`; CuPy's argsort is
 :func:`sort_bytes`; the partial and final sums read what :func:`_segments.walks`
-counts for the real ids. Launch overheads and host synchronisations are not
-modelled.
+counts for the real ids.
+
+The host's time per call, which the kernels' figures leave out (and which made the first H100
+run's ops slower than their kernels, ``bench/results/h100-measured-2026-11-27.csv``): the case's
+kernel launches and host synchronisations are counted under the simulator (the launcher's and
+``_device``'s counters), its library calls are its phases without a kernel, and
+``host time = (launches + library calls) x`` :data:`HOST_PER_LAUNCH` ``+ syncs x``
+:data:`HOST_PER_SYNC`. An op that never waits is queued while the device runs the calls before
+it, so its modelled time is the larger of its kernels' and its host's; one that waits pays both:
+``modelled_op_fraction_of_copy`` is counted bytes / that time / copy bandwidth. Both constants are
+modelled, not measured on a GPU (the CSV's columns name them).
 
 Command line (``--report PATH``: a Markdown, or with ``.json`` a JSON, detail report)::
 
@@ -110,6 +119,11 @@ LANES = 32
 DEFAULT_THREADS = 256  # threads per block when the launch does not say otherwise
 SIMULATOR_THREADS = 32  # threads_per_block() under the simulator
 LIBRARY_EFFICIENCY = 0.7  # fraction of copy bandwidth a CuPy/CUB call (sort, scan, element-wise) reaches
+# host seconds per kernel launch or library call: the launcher's own Python is 3-7 us with a
+# stub driver on the 2-core CPU runner (bench/results/amd-epyc-launch-path-2026-11-27.md), plus
+# the driver's cuLaunchKernel and the op's front end; modelled, not measured on a GPU
+HOST_PER_LAUNCH = 10e-6
+HOST_PER_SYNC = 20e-6  # host seconds per wait for the device after its queue drains (modelled)
 RADIX_BITS = 8  # key bits per pass of CUB's radix sort
 SECTOR = 32  # bytes DRAM moves for a scattered access of 8 bytes or less
 L2_BYTES = 50 * 2**20  # an array this small is read from DRAM once however often it is gathered
@@ -126,9 +140,11 @@ TABLE_CAPACITY = 1 << 22
 TABLE_LOAD = 0.9
 
 COLUMNS = ("op", "case", "registers", "blocks_per_sm", "bytes_in_flight_per_sm",
-           "modelled_fraction_of_copy", "max_serial_items_per_warp")
-HIGHER_IS_BETTER = ("bytes_in_flight_per_sm", "blocks_per_sm", "modelled_fraction_of_copy")
-LOWER_IS_BETTER = ("max_serial_items_per_warp",)
+           "modelled_fraction_of_copy", "max_serial_items_per_warp", "launches", "host_syncs",
+           "modelled_op_fraction_of_copy")
+HIGHER_IS_BETTER = ("bytes_in_flight_per_sm", "blocks_per_sm", "modelled_fraction_of_copy",
+                    "modelled_op_fraction_of_copy")
+LOWER_IS_BETTER = ("max_serial_items_per_warp", "launches", "host_syncs")
 TOLERANCE = 0.01  # relative: a figure may move this much the wrong way before it is a regression
 
 
@@ -731,14 +747,19 @@ def segments(keys):
 # step 1 (child, simulator): record each case's launches
 # ======================================================================================
 def record_cases(path):
-    """Run every case under the simulator; save ``{case key: {launch key: threads}}``."""
+    """Run every case under the simulator; save ``{"launches": {case key: {launch key:
+    threads}}, "host": {case key: (kernel launches, host syncs)}}``, the host counts of a
+    call after a first one (which takes the error ledger)."""
     assert os.environ.get("NUMBA_ENABLE_CUDASIM") == "1", "run with NUMBA_ENABLE_CUDASIM=1"
     sys.path[:0] = [str(HERE), str(REPO)]
     import compile_kernels
 
+    import hbkernels as hbk
+    from hbkernels.cuda import _device, _launcher
+
     compile_kernels.record_launches()
     sys.setswitchinterval(1e-3)  # the simulator's barriers pass the GIL around: 3-4x faster
-    recorded = {}
+    recorded, host = {}, {}
     for case in CASES:
         op = simulated_op(case)
         compile_kernels.LAUNCHES.clear()
@@ -746,8 +767,13 @@ def record_cases(path):
         op()
         recorded[case.key] = {key: sorted(compile_kernels.BLOCK_THREADS.get(key, ()))
                               for key in compile_kernels.LAUNCHES}
+        hbk.synchronize()
+        launches, syncs = _launcher.LAUNCHES[0], _device.HOST_SYNCS[0]
+        op()
+        host[case.key] = (_launcher.LAUNCHES[0] - launches, _device.HOST_SYNCS[0] - syncs)
+        hbk.synchronize()
     with open(path, "wb") as f:
-        pickle.dump(recorded, f)
+        pickle.dump({"launches": recorded, "host": host}, f)
 
 
 # ======================================================================================
@@ -781,7 +807,7 @@ def compile_cases(recorded_path, out_path, sass_dir=None):
     import compile_kernels
 
     with open(recorded_path, "rb") as f:
-        recorded = pickle.load(f)
+        recorded = pickle.load(f)["launches"]
     cc = divmod(int(ARCH.removeprefix("sm_")), 10)
     compile_kernels._pretend_device(cc)
     nvdisasm = find_nvdisasm()
@@ -898,6 +924,8 @@ def compute(timeout=900, sass_dir=None):
         _wait(compiling, "compiling the kernels")
         steps["compile"] = time.time() - start - steps["record"]
         rows = json.loads(compiled.read_text())
+        with open(recorded, "rb") as f:
+            host = pickle.load(f)["host"]
     kernels = {}  # case key -> kernel name -> [rows]
     for row in rows:
         for case_key in row["cases"]:
@@ -905,7 +933,7 @@ def compute(timeout=900, sass_dir=None):
     details = []
     for case in CASES:
         try:
-            details.append(model_case(case, kernels.get(case.key, {}), real))
+            details.append(model_case(case, kernels.get(case.key, {}), real, host[case.key]))
         except (LookupError, RuntimeError) as error:  # a kernel missing or not compiling
             details.append({"key": case.key, "error": str(error)})
     return {"constants": constants(), "real": {"distinct_ids": real.distinct,
@@ -918,13 +946,15 @@ def compute(timeout=900, sass_dir=None):
 def constants():
     return {"arch": ARCH, "sms": SMS, "copy_bandwidth": COPY_BANDWIDTH, "latency": LATENCY,
             "latency_range": LATENCY_RANGE, "library_efficiency": LIBRARY_EFFICIENCY,
-            "radix_bits": RADIX_BITS, "sector": SECTOR, "l2_bytes": L2_BYTES, "rows": E,
+            "radix_bits": RADIX_BITS, "sector": SECTOR, "l2_bytes": L2_BYTES,
+            "host_per_launch": HOST_PER_LAUNCH, "host_per_sync": HOST_PER_SYNC, "rows": E,
             "bags": BAGS, "zipf": ZIPF, "seed": SEED, "lookup_ids": LOOKUP_IDS,
             "unique_ids": UNIQUE_IDS}
 
 
-def model_case(case, launched, real):
-    """The detail of one case from its launched kernels' compile rows."""
+def model_case(case, launched, real, host=(0, 0)):
+    """The detail of one case from its launched kernels' compile rows and its host counts
+    ``(kernel launches, host syncs)``."""
     def pick(name):
         rows = launched.get(name)
         if not rows:
@@ -952,15 +982,22 @@ def model_case(case, launched, real):
                               "bandwidth": bw, "seconds": t, "seconds_800ns": t800})
     main = pick(case.main)
     fraction = counted / time_700 / COPY_BANDWIDTH
+    launches, syncs = host
+    library = sum(1 for p in steps if not p.kernel)
+    host_s = (launches + library) * HOST_PER_LAUNCH + syncs * HOST_PER_SYNC
+    op_s = time_700 + host_s if syncs else max(time_700, host_s)
     row = {"op": case.op, "case": case.label, "registers": main["registers"],
            "blocks_per_sm": main["blocks_per_sm"],
            "bytes_in_flight_per_sm": main["bytes_in_flight_per_sm"],
            "modelled_fraction_of_copy": round(fraction, 3),
-           "max_serial_items_per_warp": int(serial)}
+           "max_serial_items_per_warp": int(serial), "launches": int(launches),
+           "host_syncs": int(syncs),
+           "modelled_op_fraction_of_copy": round(counted / op_s / COPY_BANDWIDTH, 3)}
     modelled = {p.kernel for p in steps if p.kernel}
     kernels = [dict(r, **kernel_figures(r)) if "error" not in r else r
                for rows in launched.values() for r in rows]
     return {"key": case.key, "row": row, "counted_bytes": int(counted), "seconds": time_700,
+            "host_seconds": host_s, "library_calls": library, "op_seconds": op_s,
             "seconds_800ns": time_800,
             "fraction_800ns": counted / time_800 / COPY_BANDWIDTH, "phases": detail_phases,
             "main": case.main, "kernels": kernels,
@@ -979,7 +1016,8 @@ def write_csv(details, path):
             if "error" in d:
                 continue
             row = dict(d["row"])
-            row["modelled_fraction_of_copy"] = f"{row['modelled_fraction_of_copy']:.3f}"
+            for column in ("modelled_fraction_of_copy", "modelled_op_fraction_of_copy"):
+                row[column] = f"{row[column]:.3f}"
             out.writerow(row)
 
 
@@ -1032,20 +1070,25 @@ def markdown(model):
         f"scattered accesses {c['sector']} B, L2 {c['l2_bytes'] >> 20} MiB. Real sizes: E={c['rows']}, "
         f"B={c['bags']}, Zipf({c['zipf']}) ids (seed {c['seed']}); distinct ids of the backward's "
         f"{c['bags'] * 32} ids K={model['real']['distinct_ids']}, of unique's {c['unique_ids']} ids "
-        f"K={model['real']['unique_distinct_ids']}.", "",
+        f"K={model['real']['unique_distinct_ids']}. Host (modelled): "
+        f"{c['host_per_launch'] * 1e6:.0f} us per launch or library call, "
+        f"{c['host_per_sync'] * 1e6:.0f} us per sync.", "",
         "| op | case | registers | blocks/SM | bytes in flight/SM | modelled fraction of copy "
-        "(700 ns) | at 800 ns | modelled ms | max serial items/warp |",
-        "|---|---|---|---|---|---|---|---|---|"]
+        "(700 ns) | at 800 ns | modelled ms | max serial items/warp | launches + library calls "
+        "| syncs | host ms | op's fraction of copy |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for d in model["cases"]:
         if "error" in d:
             op, case = d["key"].split(",", 1)
-            lines.append(f"| {op} | {case} | error: {d['error']} ||||||||")
+            lines.append(f"| {op} | {case} | error: {d['error']} ||||||||||||")
             continue
         r = d["row"]
         lines.append(f"| {r['op']} | {r['case']} | {r['registers']} | {r['blocks_per_sm']} | "
                      f"{r['bytes_in_flight_per_sm']} | {r['modelled_fraction_of_copy']:.3f} | "
                      f"{d['fraction_800ns']:.3f} | {d['seconds'] * 1e3:.3f} | "
-                     f"{r['max_serial_items_per_warp']} |")
+                     f"{r['max_serial_items_per_warp']} | {r['launches']} + {d['library_calls']} | "
+                     f"{r['host_syncs']} | {d['host_seconds'] * 1e3:.3f} | "
+                     f"{r['modelled_op_fraction_of_copy']:.3f} |")
     for d in (d for d in model["cases"] if "error" not in d):
         lines += ["", f"## {d['key']}", "",
                   f"Counted bytes {_gb(d['counted_bytes'])} GB; modelled time "

@@ -7,6 +7,7 @@ import re
 import numpy as np
 import pytest
 from conftest import TOLERANCE, random_offsets
+from helpers import raises
 
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
@@ -250,7 +251,7 @@ def test_bad_id_raises_jax_runtime_error(path, jit, bad):
     values, offsets = jnp.array([1, bad, 2]), jnp.array([0, 2, 3])
     f = lambda w: hbj.embedding_bag(w, values, offsets)  # noqa: E731
     f = jax.jit(f) if jit else f
-    with pytest.raises(jax.errors.JaxRuntimeError,
+    with raises(jax.errors.JaxRuntimeError,
                        match=rf"BoundsError: values\[1\] = {bad} is out of range \[0, 5\)"):
         f(weight).block_until_ready()
     assert issubclass(jax.errors.JaxRuntimeError, RuntimeError)
@@ -261,7 +262,7 @@ def test_bad_id_raises_in_the_backward_alone(path):
     pure and unused); the backward kernel still checks the ids."""
     weight = jnp.ones((5, 2), jnp.float32)
     values, offsets = jnp.array([1, 9]), jnp.array([0, 2])
-    with pytest.raises(jax.errors.JaxRuntimeError, match=r"BoundsError: values\[1\] = 9"):
+    with raises(jax.errors.JaxRuntimeError, match=r"BoundsError: values\[1\] = 9"):
         jax.jit(jax.grad(lambda w: hbj.embedding_bag(w, values, offsets).sum()))(
             weight).block_until_ready()
 
@@ -269,7 +270,7 @@ def test_bad_id_raises_in_the_backward_alone(path):
 def test_malformed_offsets_raise_jax_runtime_error(path):
     weight = jnp.ones((5, 2), jnp.float32)
     values, offsets = jnp.array([1, 2, 3]), jnp.array([0, 2, 1, 3])
-    with pytest.raises(jax.errors.JaxRuntimeError, match="malformed offsets"):
+    with raises(jax.errors.JaxRuntimeError, match="malformed offsets"):
         hbj.embedding_bag(weight, values, offsets).block_until_ready()
 
 
@@ -285,10 +286,10 @@ def test_static_errors_are_value_errors_even_under_jit(kwargs, match):
     args = dict(weight=jnp.ones((4, 2)), values=jnp.array([0, 1]), offsets=jnp.array([0, 2]),
                 combiner="sum", per_sample_weights=None)
     args.update(kwargs)
-    with pytest.raises(ValueError, match=match):
+    with raises(ValueError, match=match):
         hbj.embedding_bag(args["weight"], args["values"], args["offsets"],
                           combiner=args["combiner"], per_sample_weights=args["per_sample_weights"])
-    with pytest.raises(ValueError, match=match):
+    with raises(ValueError, match=match):
         jax.jit(lambda w, v, o: hbj.embedding_bag(
             w, v, o, combiner=args["combiner"], per_sample_weights=args["per_sample_weights"]))(
                 args["weight"], args["values"], args["offsets"])
@@ -390,5 +391,5 @@ def test_gpu_bad_id_raises():
         pytest.skip("needs JAX's CUDA backend and CuPy")
     weight = jax.device_put(jnp.ones((5, 2), jnp.float32), gpu)
     values, offsets = jax.device_put(jnp.array([1, 7]), gpu), jax.device_put(jnp.array([0, 2]), gpu)
-    with pytest.raises(jax.errors.JaxRuntimeError, match="BoundsError"):
+    with raises(jax.errors.JaxRuntimeError, match="BoundsError"):
         jax.jit(hbj.embedding_bag)(weight, values, offsets).block_until_ready()

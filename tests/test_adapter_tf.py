@@ -6,6 +6,7 @@ import os
 
 import numpy as np
 import pytest
+from helpers import raises
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 tf = pytest.importorskip("tensorflow")
@@ -224,7 +225,7 @@ def test_ragged_input_and_numpy_arguments(rng):
     np.testing.assert_allclose(hbtf.embedding_bag(table.numpy(), values, offsets,
                                                   combiner="sqrtn").numpy(),
                                expected, rtol=RTOL, atol=ATOL)
-    with pytest.raises(ValueError, match="either"):
+    with raises(ValueError, match="either"):
         hbtf.embedding_bag(table, ragged, offsets)
 
 
@@ -256,18 +257,18 @@ def test_bounds_zero_drops_bad_ids(rng):
 def test_errors_eager_and_graph():
     table = tf.Variable(np.ones((4, 5), np.float32))
     bad = np.array([0, 4]), np.array([0, 2])
-    with pytest.raises(hbk.BoundsError, match="4"):
+    with raises(hbk.BoundsError, match="4"):
         hbtf.embedding_bag(table, *bad)
     message = r"BoundsError: values\[1\] = 4 is out of range"
-    with pytest.raises(tf.errors.InvalidArgumentError, match=message):
+    with raises(tf.errors.InvalidArgumentError, match=message):
         tf.function(lambda: hbtf.embedding_bag(table, *bad))()
-    with pytest.raises(ValueError, match="combiner"):
+    with raises(ValueError, match="combiner"):
         hbtf.embedding_bag(table, np.array([0]), np.array([0, 1]), combiner="max")
-    with pytest.raises(ValueError, match="int32 or int64"):
+    with raises(ValueError, match="int32 or int64"):
         hbtf.embedding_bag(table, np.array([0.0]), np.array([0, 1]))
-    with pytest.raises(ValueError, match="float16, bfloat16, float32 or float64"):
+    with raises(ValueError, match="float16, bfloat16, float32 or float64"):
         hbtf.embedding_bag(tf.ones((4, 2), tf.int32), np.array([0]), np.array([0, 1]))
-    with pytest.raises(ValueError, match="offsets"):
+    with raises(ValueError, match="offsets"):
         hbtf.embedding_bag(table, np.array([0, 1]), np.array([1, 2]))
 
 

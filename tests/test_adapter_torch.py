@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import random_offsets
+from helpers import raises
 
 torch = pytest.importorskip("torch")
 
@@ -165,7 +166,7 @@ def test_empty_batch_and_float16(rng, path):
 def test_bounds(rng, path):
     weight = torch.randn(6, 2, dtype=torch.float64)
     v, o = torch.tensor([1, 9, 2, -1]), torch.tensor([0, 2, 4])
-    with pytest.raises(hbk.BoundsError, match="9"):
+    with raises(hbk.BoundsError, match="9"):
         hbt.embedding_bag(leaf(weight), v, o)
     psw = torch.tensor([0.5, 2.0, 1.5, 3.0], dtype=torch.float64)
     keep = torch.tensor([True, False, True, False])
@@ -186,15 +187,15 @@ def test_bounds(rng, path):
 def test_argument_errors():
     w = torch.randn(4, 2)
     v, o = torch.tensor([0, 1]), torch.tensor([0, 2])
-    with pytest.raises(ValueError, match="combiner"):
+    with raises(ValueError, match="combiner"):
         hbt.embedding_bag(w, v, o, combiner="max")
-    with pytest.raises(ValueError, match="bounds"):
+    with raises(ValueError, match="bounds"):
         hbt.embedding_bag(w, v, o, bounds="clip")
-    with pytest.raises(ValueError, match="float16/bfloat16/float32/float64"):
+    with raises(ValueError, match="float16/bfloat16/float32/float64"):
         hbt.embedding_bag(w.to(torch.float8_e5m2), v, o)
-    with pytest.raises(ValueError, match="malformed offsets"):
+    with raises(ValueError, match="malformed offsets"):
         hbt.embedding_bag(w, v, torch.tensor([0, 3]))
-    with pytest.raises(ValueError, match="int32 or int64"):
+    with raises(ValueError, match="int32 or int64"):
         hbt.embedding_bag(w, v.to(torch.int16), o)
 
 
@@ -428,12 +429,12 @@ def test_module_one_backward_per_forward(rng):
     out = module(features)
     loss = sum(o.sum() for o in out.values())
     loss.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="twice"):
+    with raises(RuntimeError, match="twice"):
         loss.backward()
     stale = sum(o.sum() for o in module(features).values())
     module(features)  # a newer forward: the stale graph may no longer update the tables
     before = coll.full_weights("user").copy()
-    with pytest.raises(RuntimeError, match="older forward"):
+    with raises(RuntimeError, match="older forward"):
         stale.backward()
     np.testing.assert_array_equal(coll.full_weights("user"), before)
 
@@ -462,11 +463,11 @@ def test_module_eval_and_unused_outputs(rng):
 def test_module_rejects_bad_input(rng):
     coll, features, _, _ = dlrm_setup(rng, hbk.optim.SGD(lr=0.1))
     module = hbt.EmbeddingCollectionModule(coll)
-    with pytest.raises(TypeError, match="dict"):
+    with raises(TypeError, match="dict"):
         module([features["geo"]])
-    with pytest.raises(ValueError, match="values, offsets"):
+    with raises(ValueError, match="values, offsets"):
         module({"user": (features["user"][0],)})
-    with pytest.raises(TypeError, match="EmbeddingCollection"):
+    with raises(TypeError, match="EmbeddingCollection"):
         hbt.EmbeddingCollectionModule(object())
 
 

@@ -7,6 +7,7 @@ for what is not supported and for bad input."""
 import numpy as np
 import pytest
 from conftest import random_offsets
+from helpers import raises
 
 torch = pytest.importorskip("torch")
 
@@ -230,7 +231,7 @@ def test_from_pretrained(rng):
         assert ours.weight.data_ptr() == w.data_ptr()  # shares the memory, as torch
         ids = torch.tensor([[1, 2, 6], [0, 1, 1]])
         torch.testing.assert_close(ours(ids), ref(ids))
-    with pytest.raises(ValueError, match="2-D"):
+    with raises(ValueError, match="2-D"):
         hbt.EmbeddingBag.from_pretrained(torch.ones(3))
 
 
@@ -246,50 +247,50 @@ def test_repr_and_attributes():
 def test_out_of_range_ids(rng, bad):
     ours, ref = pair(5, 2, rng, mode="sum", padding_idx=0)
     values, offsets = torch.tensor([1, 2, bad, 4]), torch.tensor([0, 2])
-    with pytest.raises((IndexError, RuntimeError)):
+    with raises((IndexError, RuntimeError)):
         ref(values, offsets)
-    with pytest.raises(hbk.BoundsError, match=str(bad)) as info:
+    with raises(hbk.BoundsError, match=str(bad)) as info:
         ours(values, offsets)
     assert isinstance(info.value, IndexError)
 
 
 def test_unsupported_options():
-    with pytest.raises(NotImplementedError, match="'sum', 'mean'"):
+    with raises(NotImplementedError, match="'sum', 'mean'"):
         hbt.EmbeddingBag(5, 2, mode="max")
-    with pytest.raises(ValueError, match="mode"):
+    with raises(ValueError, match="mode"):
         hbt.EmbeddingBag(5, 2, mode="median")
-    with pytest.raises(NotImplementedError, match="max_norm"):
+    with raises(NotImplementedError, match="max_norm"):
         hbt.EmbeddingBag(5, 2, max_norm=1.0)
-    with pytest.raises(NotImplementedError, match="scale_grad_by_freq"):
+    with raises(NotImplementedError, match="scale_grad_by_freq"):
         hbt.EmbeddingBag(5, 2, scale_grad_by_freq=True)
 
 
 def test_bad_arguments():
-    with pytest.raises(ValueError, match="padding_idx"):
+    with raises(ValueError, match="padding_idx"):
         hbt.EmbeddingBag(5, 2, padding_idx=5)
-    with pytest.raises(ValueError, match="padding_idx"):
+    with raises(ValueError, match="padding_idx"):
         hbt.EmbeddingBag(5, 2, padding_idx=-6)
-    with pytest.raises(ValueError, match="_weight"):
+    with raises(ValueError, match="_weight"):
         hbt.EmbeddingBag(5, 2, _weight=torch.zeros(4, 2))
     bag, ref = hbt.EmbeddingBag(5, 2, mode="mean"), torch.nn.EmbeddingBag(5, 2, mode="mean")
     ids, offsets = torch.tensor([1, 2, 3]), torch.tensor([0, 1])
     for m in (bag, ref):  # torch's error types
-        with pytest.raises(NotImplementedError, match="per_sample_weights"):
+        with raises(NotImplementedError, match="per_sample_weights"):
             m(ids, offsets, per_sample_weights=torch.ones(3))
-        with pytest.raises(ValueError, match="offsets"):
+        with raises(ValueError, match="offsets"):
             m(ids.view(1, 3), offsets)
-        with pytest.raises(ValueError, match="offsets"):
+        with raises(ValueError, match="offsets"):
             m(ids)
-        with pytest.raises(ValueError, match="1-?D"):
+        with raises(ValueError, match="1-?D"):
             m(ids.view(1, 1, 3))
     summed = hbt.EmbeddingBag(5, 2, mode="sum")
-    with pytest.raises(ValueError, match="shape"):
+    with raises(ValueError, match="shape"):
         summed(ids, offsets, per_sample_weights=torch.ones(2))
-    with pytest.raises(ValueError, match="int32 or int64"):
+    with raises(ValueError, match="int32 or int64"):
         summed(ids.float(), offsets)
-    with pytest.raises(ValueError):
+    with raises(ValueError):
         summed(ids, torch.tensor([1, 2]))  # offsets[0] must be 0
-    with pytest.raises(ValueError):
+    with raises(ValueError):
         summed(ids, torch.tensor([0, 5]))  # past the end
-    with pytest.raises(TypeError):
+    with raises(TypeError):
         summed([1, 2], offsets)

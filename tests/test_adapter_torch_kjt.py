@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 import pytest
+from helpers import raises
 
 torch = pytest.importorskip("torch")
 jagged = pytest.importorskip("torchrec.sparse.jagged_tensor")
@@ -99,7 +100,7 @@ def test_features_from_kjt_variable_stride_and_no_keys():
 
 
 def test_features_from_kjt_rejects_other_objects():
-    with pytest.raises(TypeError, match="KeyedJaggedTensor"):
+    with raises(TypeError, match="KeyedJaggedTensor"):
         hbt.features_from_kjt({"user": torch.tensor([1])})
     assert not hbt.is_keyed_jagged_tensor({"a": 1})
 
@@ -139,10 +140,10 @@ def test_module_kjt_weights_and_explicit_weights_conflict(rng):
     rows = {k: r for k, (r, _, _) in TABLES.items()}
     module = hbt.EmbeddingCollectionModule(make_collection())
     kjt = random_kjt(rng, ["user"], 4, rows, weighted=True)
-    with pytest.raises(ValueError, match="weights"):
+    with raises(ValueError, match="weights"):
         module(kjt, per_sample_weights={"user": kjt.weights()})
     bad = KJT(keys=["user"], values=torch.tensor([20]), lengths=torch.tensor([1]))
-    with pytest.raises(hbk.BoundsError):
+    with raises(hbk.BoundsError):
         module(bad)
 
 
@@ -191,5 +192,5 @@ def test_collection_forward_and_backward_take_a_kjt(rng, weighted):
     for t in TABLES:
         np.testing.assert_array_equal(by_kjt.full_weights(t), by_dict.full_weights(t))
     if weighted:
-        with pytest.raises(ValueError, match="KeyedJaggedTensor has weights"):
+        with raises(ValueError, match="KeyedJaggedTensor has weights"):
             by_kjt.forward(kjt, per_sample_weights={k: w.numpy() for k, w in weights.items()})

@@ -87,7 +87,8 @@ def test_run_all_smoke(tmp_path):
     assert run_all.main(["--device", "cpu", "--smoke", "--out", str(out), "--reps", "1"]) == 0
     rows = read_rows(out)
     anchored = ({"fused_step"} if HAVE_TBE else set()) | ({"train"} if HAVE_TORCHREC else set())
-    assert {r["op"] for r in rows} == {"copy", "hash_table", "tiered", *SCRIPTS} | anchored
+    assert {r["op"] for r in rows} == {"copy", "hash_table", "tiered", "host_per_call",
+                                       *SCRIPTS} | anchored
     assert sum(r["op"] == "copy" for r in rows) == 1
 
 
@@ -178,3 +179,14 @@ def test_train_against_torchrec_smoke(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "hbkernels / torchrec samples/s" in out and "mean loss" in out
     assert "dynamic / static step time" in out
+
+
+def test_host_per_call_bench_smoke(tmp_path):
+    """bench_launch: every op's wall time per call at a tiny size, torch's forward beside it."""
+    rows = smoke("launch", tmp_path / "bench.csv")
+    mine = [r for r in rows if r["op"] == "host_per_call"]
+    assert {r["mode"] for r in mine} == {"embedding_bag", "lookup", "fused_step",
+                                         "embedding_bag_backward"}
+    assert {r["provider"] for r in mine} >= {"hbkernels", "hbkernels-unchecked"} | (
+        {"torch"} if HAVE_TORCH else set())
+    assert all(float(r["median_ms"]) > 0 for r in mine)

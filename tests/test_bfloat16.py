@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 from conftest import assert_close, random_offsets
-from helpers import RULES, Table, bags, dense_backward, make_opt, state_names, within_one_ulp
+from helpers import RULES, Table, bags, dense_backward, make_opt, raises, state_names, within_one_ulp
 
 import hbkernels as hbk
 from hbkernels import optim, reference
@@ -284,7 +284,7 @@ def test_tf_adapter_bf16_cpu_tensors(rng, mode):
 
 
 def test_other_dtypes_are_still_refused():
-    with pytest.raises(ValueError, match="float16, bfloat16, float32 or float64"):
+    with raises(ValueError, match="float16, bfloat16, float32 or float64"):
         hbk.embedding_bag(np.zeros((3, 2), np.int16), np.array([0]), np.array([0, 1]))
 
 
@@ -297,7 +297,7 @@ def test_a_cupy_without_bfloat16_is_a_clear_error():
         def view(self, dtype):
             raise TypeError(f"Unsupported dtype {dtype}")
 
-    with pytest.raises(ValueError, match="CuPy >= 14 with ml_dtypes"):
+    with raises(ValueError, match="CuPy >= 14 with ml_dtypes"):
         cupy_bfloat16(OldCupyArray())
     bits = np.array([0x3F80, 0xC000], np.uint16).view(np.int16)  # has bf16 views: 1.0, -2.0
     np.testing.assert_array_equal(cupy_bfloat16(bits).astype(np.float32), [1.0, -2.0])

@@ -48,6 +48,7 @@ def test_one_process_metrics(straight):
     assert [h["step"] for h in straight["train"]] == list(range(1, 21))
     assert all(h["samples"] == 128 for h in straight["train"])
     assert np.isfinite(losses(straight)).all() and straight["samples_per_s"] > 0
+    assert 0 < straight["first_step_seconds"] < straight["train_seconds"]
     final = straight["final"]
     assert final["eval_samples"] == 512 and 0.0 <= final["eval_auc"] <= 1.0
     assert final["eval_logloss"] > 0 and final["train_loss"] == straight["train"][-1]["loss"]
@@ -316,6 +317,17 @@ def test_warmup_runs_every_op(tmp_path):
                          capture_output=True, text=True, timeout=600, cwd=tmp_path, env=_env())
     assert res.returncode == 0, res.stderr
     assert "ops D=16 float32" in res.stdout and res.stdout.rstrip().splitlines()[-1].startswith("done")
+
+
+def test_warmup_runs_every_op_on_the_cuda_path(tmp_path):
+    """``--device cuda``: every op on CUDA arrays (the simulator here; on a GPU each
+    kernel is compiled into the kernel cache)."""
+    res = subprocess.run([sys.executable, "-m", "hbkernels", "warmup", "--device", "cuda",
+                          "--dims", "3", "--no-train"], capture_output=True, text=True,
+                         timeout=600, cwd=tmp_path,
+                         env=_env(NUMBA_ENABLE_CUDASIM="1", HBK_CUDA_CACHE_DIR=str(tmp_path)))
+    assert res.returncode == 0, res.stderr
+    assert f"cuda kernel cache {tmp_path}" in res.stdout and "ops D=3 float32" in res.stdout
 
 
 DYNAMIC = ["--dynamic", "--table", "a:2000:2", "--table", "b:5000:1:var", "--batch-size", "256",

@@ -41,3 +41,25 @@ def test_cuda_results_stay_on_device(cuda_backend):
 def test_non_arrays_are_refused(obj):
     with pytest.raises(TypeError, match="NumPy array or a CUDA array|NumPy or CUDA array, got None"):
         hbk.unique(obj)
+
+
+def test_a_numba_cuda_that_cannot_import_is_named(monkeypatch):
+    """numba-cuda 0.30 under NumPy 2.5 (``np.row_stack`` removed): a clear error with the
+    versions, not a traceback from inside numba-cuda."""
+    from hbkernels import _machine
+    from hbkernels.errors import MissingDependencyError
+
+    def broken(name):
+        raise AttributeError("module 'numpy' has no attribute 'row_stack'")
+
+    monkeypatch.setattr(_machine.importlib, "import_module", broken)
+    with pytest.raises(MissingDependencyError, match=r"numba-cuda cannot be imported with this "
+                       r"NumPy \(numba-cuda .*, numba .*, NumPy .*\).*numpy<2\.5"):
+        _machine.numba_cuda()
+
+    def missing(name):
+        raise ModuleNotFoundError("No module named 'numba.cuda'")
+
+    monkeypatch.setattr(_machine.importlib, "import_module", missing)
+    with pytest.raises(MissingDependencyError, match=r"hbkernels\[cuda12\]"):
+        _machine.numba_cuda()

@@ -2,6 +2,7 @@
 2 and 3 ranks under mpiexec (tests/mpi/dynamic.py)."""
 import numpy as np
 import pytest
+from helpers import raises
 from mpirun import assert_ok, mpirun, needs_mpi
 
 import hbkernels as hbk
@@ -108,19 +109,19 @@ def test_admission_and_eviction_reset_rows_and_state():
 def test_a_full_table_raises_capacity_error():
     coll = hbk.EmbeddingCollection([dynamic(capacity=3)], comm=LOCAL)
     coll.forward({"t": np.array([1, 2, 3])})
-    with pytest.raises(hbk.CapacityError, match="t is full: capacity 3"):
+    with raises(hbk.CapacityError, match="t is full: capacity 3"):
         coll.forward({"t": np.array([4])})
 
 
 def test_bad_specs():
-    with pytest.raises(ValueError, match="needs a capacity"):
+    with raises(ValueError, match="needs a capacity"):
         hbk.TableSpec("t", num_rows=None, dim=4)
         hbk.EmbeddingCollection([hbk.TableSpec("t", num_rows=None, dim=4)], comm=LOCAL)
-    with pytest.raises(ValueError, match="capacity is for dynamic tables"):
+    with raises(ValueError, match="capacity is for dynamic tables"):
         hbk.EmbeddingCollection([hbk.TableSpec("t", num_rows=4, dim=4, capacity=9)], comm=LOCAL)
-    with pytest.raises(ValueError, match="evict must be one of"):
+    with raises(ValueError, match="evict must be one of"):
         hbk.EmbeddingCollection([dynamic(evict="fifo")], comm=LOCAL)
-    with pytest.raises(ValueError, match="placed row_wise"):
+    with raises(ValueError, match="placed row_wise"):
         hbk.EmbeddingCollection([dynamic()], comm=LOCAL, plan="data_parallel")
 
 
@@ -216,10 +217,10 @@ def test_incremental_saves_chain_and_replay(rng, tmp_path):
         assert 0 < sum(u_rows) <= 20, u_rows  # the changed rows only, not all 500
     back = hbk.EmbeddingCollection.load(tmp_path / "c", comm=LOCAL)
     _same(coll, back)
-    with pytest.raises(ValueError, match="new directory"):
+    with raises(ValueError, match="new directory"):
         coll.save(tmp_path / "b", incremental=True)
     fresh = hbk.EmbeddingCollection(specs, comm=LOCAL)
-    with pytest.raises(ValueError, match="needs an earlier save"):
+    with raises(ValueError, match="needs an earlier save"):
         fresh.save(tmp_path / "d", incremental=True)
 
 
@@ -233,7 +234,7 @@ def test_a_broken_link_is_refused_naming_its_file(rng, tmp_path):
     other = hbk.EmbeddingCollection([dynamic(capacity=20), static("u")], comm=LOCAL, seed=5)
     other.forward(feats)
     other.save(tmp_path / "a")  # a different save where b's parent was
-    with pytest.raises(hbk.CheckpointError, match=r"a/manifest.json: not the save .*b/manifest.json"):
+    with raises(hbk.CheckpointError, match=r"a/manifest.json: not the save .*b/manifest.json"):
         hbk.EmbeddingCollection.load(tmp_path / "b", comm=LOCAL)
 
 
@@ -314,5 +315,5 @@ def test_torch_state_dict_keeps_ids_waiting_for_admission(rng):
                     dst.collection.full_weights("t") + dst.collection.dynamic_scores("t")):
         np.testing.assert_array_equal(x, y)
     del state["tables.t.pending_count"]
-    with pytest.raises(RuntimeError, match="pending_count"):
+    with raises(RuntimeError, match="pending_count"):
         module().load_state_dict(state)

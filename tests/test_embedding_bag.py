@@ -3,6 +3,7 @@ import itertools
 import numpy as np
 import pytest
 from conftest import assert_close, random_offsets
+from helpers import raises
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -171,7 +172,7 @@ def test_bad_ids_in_every_bounds_mode(backend, rng, bounds, id_dtype, dim):
     values[[0, 1]] = [num_rows - 1, 0]  # the table's edges
     args = (backend.put(weights), backend.put(values), backend.put(offsets))
     if bounds == "raise":
-        with pytest.raises(hbk.BoundsError) as info:
+        with raises(hbk.BoundsError) as info:
             hbk.embedding_bag(*args)
         assert (info.value.position, info.value.value, info.value.limit) == (38, -1, num_rows)
         return
@@ -265,7 +266,7 @@ def test_one_id_bags_with_bad_ids_cpu(rng, bounds):
     for position, value in bad.items():
         values[position] = value
     if bounds == "raise":
-        with pytest.raises(hbk.BoundsError) as info:
+        with raises(hbk.BoundsError) as info:
             hbk.embedding_bag(weights, values, offsets)
         assert (info.value.position, info.value.value, info.value.limit) == (40, 2**40, 30)
         return
@@ -285,7 +286,7 @@ def test_as_many_ids_as_bags_but_not_one_each_cpu(rng, where):
         out = hbk.embedding_bag(weights, values, offsets, combiner=combiner)
         assert_close(out, reference.embedding_bag(weights, values, offsets, combiner), np.float32)
     offsets[where + 1] = offsets[where + 2] + 1
-    with pytest.raises(ValueError, match="offsets"):
+    with raises(ValueError, match="offsets"):
         hbk.embedding_bag(weights, values, offsets)
 
 
@@ -293,7 +294,7 @@ def test_table_without_rows(backend):
     weights = np.ones((0, 4), np.float32)
     values, offsets = np.array([0, 1, 0]), np.array([0, 2, 2, 3])
     args = (backend.put(weights), backend.put(values), backend.put(offsets))
-    with pytest.raises(hbk.BoundsError) as info:
+    with raises(hbk.BoundsError) as info:
         hbk.embedding_bag(*args)
     assert info.value.position == 0
     np.testing.assert_array_equal(backend.get(hbk.embedding_bag(*args, bounds="zero")),
@@ -339,7 +340,7 @@ def test_bounds_raise_names_first_bad_position(backend):
     weights = np.ones((10, 2), np.float32)
     values = np.array([1, 10, 3, -1, 12], np.int64)
     offsets = np.array([0, 2, 5], np.int64)
-    with pytest.raises(hbk.BoundsError, match=r"values\[1\] = 10 .*\[0, 10\)") as info:
+    with raises(hbk.BoundsError, match=r"values\[1\] = 10 .*\[0, 10\)") as info:
         hbk.embedding_bag(backend.put(weights), backend.put(values), backend.put(offsets))
     assert isinstance(info.value, IndexError) and info.value.position == 1
 
@@ -356,14 +357,14 @@ def test_first_bad_position_among_many_bags(backend, rng, bounds):
     values[first::5] = 10        # from `first` on, every 5th id is one past the table
     args = (backend.put(np.ones((10, 3), np.float32)), backend.put(values))
     if bounds == "raise":
-        with pytest.raises(hbk.BoundsError) as info:
+        with raises(hbk.BoundsError) as info:
             hbk.embedding_bag(*args, backend.put(offsets))
         assert info.value.position == first
     bad = offsets.copy()
     for k in (n_bags // 2 + 10, n_bags // 2 + 13, 3 * n_bags // 4):
         bad[k] = bad[k - 1] - 1 if bad[k - 1] > 0 else bad[k + 1] + 1
     first_bad_offset = min(k for k in range(1, n_bags + 1) if bad[k] < bad[k - 1])
-    with pytest.raises(ValueError, match=rf"offsets\[{first_bad_offset}\] = "):
+    with raises(ValueError, match=rf"offsets\[{first_bad_offset}\] = "):
         hbk.embedding_bag(*args, backend.put(bad), bounds=bounds)
 
 
@@ -399,7 +400,7 @@ def test_bounds_unchecked_on_valid_input(backend, rng):
 @pytest.mark.parametrize("bounds", ["raise", "zero"])
 def test_malformed_offsets(backend, offsets, message, bounds):
     weights = np.ones((5, 2), np.float32)
-    with pytest.raises(ValueError, match=message):
+    with raises(ValueError, match=message):
         hbk.embedding_bag(backend.put(weights), backend.put(np.array([0, 1, 2])),
                           backend.put(np.array(offsets)), bounds=bounds)
 
@@ -407,23 +408,23 @@ def test_malformed_offsets(backend, offsets, message, bounds):
 def test_bad_arguments():
     w = np.ones((4, 2), np.float32)
     v, o = np.array([0, 1]), np.array([0, 2])
-    with pytest.raises(ValueError, match="int32 or int64"):
+    with raises(ValueError, match="int32 or int64"):
         hbk.embedding_bag(w, v.astype(np.float32), o)
-    with pytest.raises(ValueError, match="int32 or int64"):
+    with raises(ValueError, match="int32 or int64"):
         hbk.embedding_bag(w, v, o.astype(np.uint8))
-    with pytest.raises(ValueError, match="2-D table"):
+    with raises(ValueError, match="2-D table"):
         hbk.embedding_bag(w[0], v, o)
-    with pytest.raises(ValueError, match="float16, bfloat16, float32 or float64"):
+    with raises(ValueError, match="float16, bfloat16, float32 or float64"):
         hbk.embedding_bag(w.astype(np.int32), v, o)
-    with pytest.raises(ValueError, match="combiner must be one of"):
+    with raises(ValueError, match="combiner must be one of"):
         hbk.embedding_bag(w, v, o, combiner="max")
-    with pytest.raises(ValueError, match="bounds must be one of"):
+    with raises(ValueError, match="bounds must be one of"):
         hbk.embedding_bag(w, v, o, bounds="clip")
-    with pytest.raises(ValueError, match="shape of values"):
+    with raises(ValueError, match="shape of values"):
         hbk.embedding_bag(w, v, o, per_sample_weights=np.ones(3, np.float32))
-    with pytest.raises(ValueError, match="B \\+ 1 >= 1"):
+    with raises(ValueError, match="B \\+ 1 >= 1"):
         hbk.embedding_bag(w, v, np.zeros(0, np.int64))
-    with pytest.raises(TypeError, match="NumPy array or a CUDA array"):
+    with raises(TypeError, match="NumPy array or a CUDA array"):
         hbk.embedding_bag(w, [0, 1], o)
 
 

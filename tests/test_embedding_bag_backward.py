@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 from conftest import assert_close, random_offsets
-from helpers import dense_backward
+from helpers import dense_backward, raises
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -143,10 +143,10 @@ def test_empty_inputs(backend, rng):
 def test_bounds_raise_names_first_bad_position(backend):
     grad_out = np.ones((2, 2), np.float32)
     values = np.array([1, 10, 3, -1, 12], np.int64)
-    with pytest.raises(hbk.BoundsError, match=r"values\[1\] = 10 .*\[0, 10\)") as info:
+    with raises(hbk.BoundsError, match=r"values\[1\] = 10 .*\[0, 10\)") as info:
         run_backward(backend, grad_out, values, np.array([0, 2, 5]), 10)
     assert isinstance(info.value, IndexError) and info.value.position == 1
-    with pytest.raises(hbk.BoundsError, match=r"values\[2\] = -1 "):
+    with raises(hbk.BoundsError, match=r"values\[2\] = -1 "):
         run_backward(backend, grad_out, np.array([1, 2, -1, 3], np.int32), np.array([0, 2, 4]), 10)
 
 
@@ -181,13 +181,13 @@ def test_bounds_unchecked_on_valid_input(backend, rng):
 ])
 @pytest.mark.parametrize("bounds", ["raise", "zero"])
 def test_malformed_offsets(backend, offsets, message, bounds):
-    with pytest.raises(ValueError, match=message):
+    with raises(ValueError, match=message):
         run_backward(backend, np.ones((2, 2), np.float32), np.array([0, 1, 2]), np.array(offsets),
                      5, bounds=bounds)
 
 
 def test_malformed_offsets_empty_batch(backend):
-    with pytest.raises(ValueError, match=r"offsets\[0\] = 0, expected len\(values\) = 3"):
+    with raises(ValueError, match=r"offsets\[0\] = 0, expected len\(values\) = 3"):
         run_backward(backend, np.ones((0, 2), np.float32), np.array([0, 1, 2]), np.array([0]), 5)
 
 
@@ -198,25 +198,25 @@ def test_bad_arguments(backend):
     def call(grad, **kw):
         return hbk.embedding_bag_backward(backend.put(grad), v, o, **dict(dict(num_rows=4), **kw))
 
-    with pytest.raises(ValueError, match=r"grad_out must be \[B, D\] = \[2"):
+    with raises(ValueError, match=r"grad_out must be \[B, D\] = \[2"):
         call(np.ones((3, 3), np.float32))
-    with pytest.raises(ValueError, match=r"grad_out must be \[B, D\]"):
+    with raises(ValueError, match=r"grad_out must be \[B, D\]"):
         call(np.ones(2, np.float32))
-    with pytest.raises(ValueError, match=r"grad_out must be \[B, D\]"):
+    with raises(ValueError, match=r"grad_out must be \[B, D\]"):
         call(np.ones((2, 0), np.float32))
-    with pytest.raises(ValueError, match="float16, bfloat16, float32 or float64"):
+    with raises(ValueError, match="float16, bfloat16, float32 or float64"):
         call(g.astype(np.int32))
-    with pytest.raises(ValueError, match="num_rows must be >= 0"):
+    with raises(ValueError, match="num_rows must be >= 0"):
         call(g, num_rows=-1)
-    with pytest.raises(ValueError, match="num_rows must be an integer"):
+    with raises(ValueError, match="num_rows must be an integer"):
         call(g, num_rows=4.0)
-    with pytest.raises(ValueError, match="combiner must be one of"):
+    with raises(ValueError, match="combiner must be one of"):
         call(g, combiner="max")
-    with pytest.raises(ValueError, match="bounds must be one of"):
+    with raises(ValueError, match="bounds must be one of"):
         call(g, bounds="clip")
-    with pytest.raises(ValueError, match="shape of values"):
+    with raises(ValueError, match="shape of values"):
         call(g, per_sample_weights=backend.put(np.ones(2, np.float32)))
-    with pytest.raises(TypeError):
+    with raises(TypeError):
         hbk.embedding_bag_backward(g, [0, 1, 1], np.array([0, 1, 3]), num_rows=4)
 
 

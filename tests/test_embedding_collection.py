@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import raises
 
 import hbkernels as hbk
 
@@ -188,7 +189,7 @@ TS = hbk.TableSpec
 ], ids=["empty", "str", "dict", "rows0", "dim0", "rows-float", "no-name", "combiner", "dtype",
         "no-features", "duplicate-name", "feature-in-two-tables"])
 def test_bad_table_specs(tables, exc):
-    with pytest.raises(exc):
+    with raises(exc):
         hbk.EmbeddingCollection(tables(), comm=local(), optimizer=hbk.optim.SGD(lr=0.1),
                                 plan="table_wise")
 
@@ -201,7 +202,7 @@ def test_bad_table_specs(tables, exc):
 ], ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
 def test_bad_requests(kwargs):
     kwargs = {"plan": "table_wise", "optimizer": hbk.optim.SGD(lr=0.1), **kwargs}
-    with pytest.raises((ValueError, TypeError)):
+    with raises((ValueError, TypeError)):
         hbk.EmbeddingCollection(TABLES, comm=local(), **kwargs)
 
 
@@ -286,38 +287,38 @@ def test_forward_and_backward_errors():
     w_before = {t.name: coll.full_weights(t.name).copy() for t in TABLES}
     gb = cr.global_batch(TABLES, "errors", 0, 8)
     feats, psw, grads = gb.local(0, 8)
-    with pytest.raises(ValueError, match="nope"):
+    with raises(ValueError, match="nope"):
         coll.forward({**feats, "nope": np.zeros(8, np.int64)}, per_sample_weights=psw)
-    with pytest.raises(ValueError, match="nope"):
+    with raises(ValueError, match="nope"):
         coll.forward(feats, per_sample_weights={**psw, "nope": np.ones(2, np.float32)})
-    with pytest.raises(ValueError):  # per-sample weights of the wrong length
+    with raises(ValueError):  # per-sample weights of the wrong length
         long = np.ones(len(psw["tiny"]) + 1, np.float32)
         coll.forward(feats, per_sample_weights={**psw, "tiny": long})
-    with pytest.raises((ValueError, TypeError)):  # float ids
+    with raises((ValueError, TypeError)):  # float ids
         coll.forward({**feats, "cat": feats["cat"].astype(np.float32)}, per_sample_weights=psw)
     bad = dict(feats)
     v, o = feats["user"]
     v = v.copy()
     v[1] = 300
     bad["user"] = hbk.Ragged(v, o)
-    with pytest.raises(hbk.BoundsError, match="300"):
+    with raises(hbk.BoundsError, match="300"):
         coll.forward(bad, per_sample_weights=psw)
-    with pytest.raises(hbk.BoundsError, match="-1"):
+    with raises(hbk.BoundsError, match="-1"):
         coll.forward({**feats, "cat": np.concatenate([[-1], feats["cat"][1:]])}, per_sample_weights=psw)
     for t in TABLES:
         np.testing.assert_array_equal(coll.full_weights(t.name), w_before[t.name])
 
     coll2 = make("table_wise")
-    with pytest.raises((ValueError, RuntimeError)):  # backward before any forward
+    with raises((ValueError, RuntimeError)):  # backward before any forward
         coll2.backward(grads)
     coll.forward(feats, per_sample_weights=psw)
-    with pytest.raises(ValueError, match="user"):
+    with raises(ValueError, match="user"):
         coll.backward({k: g for k, g in grads.items() if k != "user"})
-    with pytest.raises(ValueError, match="user"):
+    with raises(ValueError, match="user"):
         coll.backward({**grads, "user": np.zeros((8, 9), np.float32)})
-    with pytest.raises(ValueError, match="item"):
+    with raises(ValueError, match="item"):
         coll.backward({**grads, "item": np.zeros((9, 5), np.float32)})
-    with pytest.raises(ValueError, match="nope"):
+    with raises(ValueError, match="nope"):
         coll.backward({**grads, "nope": np.zeros((8, 2), np.float32)})
     for t in TABLES:  # rejected calls change nothing
         np.testing.assert_array_equal(coll.full_weights(t.name), w_before[t.name])
@@ -427,7 +428,7 @@ def _corruption_case(tmp_path):
 
 
 def _expect_checkpoint_error(path, name):
-    with pytest.raises(hbk.CheckpointError) as e:
+    with raises(hbk.CheckpointError) as e:
         hbk.EmbeddingCollection.load(str(path), comm=local())
     assert name in str(e.value), f"the message does not name {name}: {e.value}"
 
@@ -559,7 +560,7 @@ def test_a_save_that_crashes_midway_leaves_the_previous_checkpoint(tmp_path, mon
     for k in range(1, n + 1):
         with monkeypatch.context() as m:
             events = _patch_writes(m, tmp_path, k)
-            with pytest.raises(Exception) as e:
+            with raises(Exception) as e:
                 coll.save(str(path))
             assert _crashed(e.value), f"save raised {e.value!r}, not the simulated crash"
         try:

@@ -6,6 +6,7 @@ import importlib.util
 import numpy as np
 import pytest
 from conftest import assert_close, random_offsets
+from helpers import raises
 
 import hbkernels as hbk
 
@@ -89,7 +90,7 @@ def test_bounds_error_on_gpu_names_first_bad_position(rng):
     values[123_456] = 1000
     values[400_000] = -7
     offsets = np.arange(0, values.size + 1, 50)
-    with pytest.raises(hbk.BoundsError, match=r"values\[123456\] = 1000"):
+    with raises(hbk.BoundsError, match=r"values\[123456\] = 1000"):
         hbk.embedding_bag(cupy.ones((1000, 8), cupy.float32), cupy.asarray(values),
                           cupy.asarray(offsets))
 
@@ -105,7 +106,7 @@ def test_torch_cuda_tensor_through_cuda_array_interface(rng):
     assert isinstance(out, cupy.ndarray)
     assert out.data.ptr != w.data_ptr()
     np.testing.assert_array_equal(cupy.asnumpy(out), w[ids].cpu().numpy())
-    with pytest.raises(TypeError, match="move them to one device"):
+    with raises(TypeError, match="move them to one device"):
         hbk.lookup(w, ids.cpu().numpy())
 
 

@@ -1,6 +1,7 @@
 """hbk.HashTable against the dict model (hbkernels.reference.DictTable) on both backends."""
 import numpy as np
 import pytest
+from helpers import raises
 
 import hbkernels as hbk
 from hbkernels import reference
@@ -166,7 +167,7 @@ def test_capacity_error_changes_nothing(backend):
     t = make(backend, 4, evict="none", name="item")
     first = backend.get(t.slots(backend.put(np.array([1, 2, 3], np.int64)))).tolist()
     before = [backend.get(a).tolist() for a in t.items()] + [t.step, t.size]
-    with pytest.raises(hbk.CapacityError, match=r"item is full: capacity 4") as err:
+    with raises(hbk.CapacityError, match=r"item is full: capacity 4") as err:
         t.slots(backend.put(np.array([1, 4, 5], np.int64)))
     assert isinstance(err.value, RuntimeError)
     assert [backend.get(a).tolist() for a in t.items()] + [t.step, t.size] == before
@@ -176,7 +177,7 @@ def test_capacity_error_changes_nothing(backend):
 def test_a_call_never_evicts_an_id_it_uses(backend):
     t = make(backend, 4, evict="lru", name="user")
     first = backend.get(t.slots(backend.put(np.array([1, 2, 3, 4], np.int64)))).tolist()
-    with pytest.raises(hbk.CapacityError, match=r"user: .*need 3 more slots.*capacity 4"):
+    with raises(hbk.CapacityError, match=r"user: .*need 3 more slots.*capacity 4"):
         t.slots(backend.put(np.array([1, 2, 5, 6, 7], np.int64)))
     assert backend.get(t.ids()).tolist() == [1, 2, 3, 4] and t.step == 1
     got = backend.get(t.slots(backend.put(np.array([1, 2, 5, 6], np.int64)))).tolist()
@@ -194,16 +195,16 @@ def test_empty_calls_and_shapes(backend):
 
 def test_bad_input(backend):
     t = make(backend, 4)
-    with pytest.raises(ValueError, match="ids must hold int32 or int64 ids"):
+    with raises(ValueError, match="ids must hold int32 or int64 ids"):
         t.slots(backend.put(np.array([1.0])))
     other = "cuda" if not backend.is_cuda else "cpu"
     if other == "cpu":
-        with pytest.raises(TypeError, match="pass CUDA ids"):
+        with raises(TypeError, match="pass CUDA ids"):
             t.slots(np.array([1]))
     for kw, match in [({"capacity": 0}, "capacity"), ({"capacity": 4, "evict": "fifo"}, "evict"),
                       ({"capacity": 4, "admit_count": 0}, "admit_count"),
                       ({"capacity": 4, "device": "tpu"}, "device")]:
-        with pytest.raises(ValueError, match=match):
+        with raises(ValueError, match=match):
             hbk.HashTable(**kw)
 
 
@@ -225,6 +226,6 @@ def test_evict_lowest_takes_the_policys_first_ids_outside_keep():
     ids, slots = t.evict_lowest(3, keep=np.array([10]))
     assert sorted(ids.tolist()) == [11, 12, 13] and t.size == 3 and t.evicted == 3
     assert sorted(t.slots(np.array([20, 21, 22])).tolist()) == sorted(slots.tolist())
-    with pytest.raises(hbk.CapacityError):
+    with raises(hbk.CapacityError):
         t.evict_lowest(7)  # one more than it holds
     assert t.evict_lowest(0)[0].shape == (0,)

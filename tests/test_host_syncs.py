@@ -1,10 +1,13 @@
-"""Host synchronisations per CUDA op and bounds mode, as docs/kernels.md states them.
+"""Host synchronisations and kernel launches per CUDA op and bounds mode, as
+docs/kernels.md states them.
 
 Every device-to-host read of the CUDA backend goes through
-``hbkernels.cuda._device.to_host``, which counts them; scratch comes from
+``hbkernels.cuda._device.read``, which counts them; every kernel launch through
+``hbkernels.cuda._launcher.launch``, which counts them; scratch comes from
 ``_device`` (CuPy's pool on a GPU), never from Numba's ``device_array``
-(cuMemAlloc/cuMemFree synchronise the device). Runs on the CUDA path (the
-simulator here, a GPU where there is one)."""
+(cuMemAlloc/cuMemFree synchronise the device). Checks an op leaves pending are
+read by a later wait, so the ops that need no result on the host never wait.
+Runs on the CUDA path (the simulator here, a GPU where there is one)."""
 import ast
 from pathlib import Path
 
@@ -18,15 +21,38 @@ PACKAGE = Path(hbk.__file__).parent
 
 @pytest.fixture
 def cuda(cuda_backend):
-    from hbkernels.cuda import _device
+    from hbkernels.cuda import _device, _launcher
+
+    hbk.synchronize()  # nothing left pending by an earlier test
 
     def syncs(call):
         before = _device.HOST_SYNCS[0]
         call()
         return _device.HOST_SYNCS[0] - before
 
-    cuda_backend.syncs = syncs
-    return cuda_backend
+    def launches(call):
+        """Kernel launches of ``call``, not counting the fills of a Numba array family's
+        allocations (CuPy arrays get theirs from a memset)."""
+        from hbkernels.cuda._launch import fill_kernel
+
+        call()  # compiles, and takes the error ledger, outside the count
+        seen, chained = [], _launcher.RECORDER[0]
+
+        def record(kernel, argtypes, threads):
+            seen.append(kernel)
+            if chained is not None:
+                chained(kernel, argtypes, threads)
+
+        _launcher.RECORDER[0] = record
+        try:
+            call()
+        finally:
+            _launcher.RECORDER[0] = chained
+        return sum(kernel is not fill_kernel for kernel in seen)
+
+    cuda_backend.syncs, cuda_backend.launches = syncs, launches
+    yield cuda_backend
+    hbk.synchronize()
 
 
 def inputs(backend, rng, dim=4):
@@ -37,16 +63,20 @@ def inputs(backend, rng, dim=4):
     return table, values, offsets, grad_out
 
 
-@pytest.mark.parametrize("bounds, expected", [("raise", 1), ("zero", 1), ("unchecked", 0)])
-def test_embedding_bag(cuda, rng, bounds, expected):
+@pytest.mark.parametrize("bounds", ["raise", "zero", "unchecked"])
+def test_embedding_bag(cuda, rng, bounds):
     table, values, offsets, _ = inputs(cuda, rng)
-    assert cuda.syncs(lambda: hbk.embedding_bag(table, values, offsets, bounds=bounds)) == expected
+    call = lambda: hbk.embedding_bag(table, values, offsets, bounds=bounds)  # noqa: E731
+    assert cuda.syncs(call) == 0
+    assert cuda.launches(call) == 1
 
 
-@pytest.mark.parametrize("bounds, expected", [("raise", 1), ("zero", 0), ("unchecked", 0)])
-def test_lookup(cuda, rng, bounds, expected):
+@pytest.mark.parametrize("bounds", ["raise", "zero", "unchecked"])
+def test_lookup(cuda, rng, bounds):
     table, values, _, _ = inputs(cuda, rng)
-    assert cuda.syncs(lambda: hbk.lookup(table, values, bounds=bounds)) == expected
+    call = lambda: hbk.lookup(table, values, bounds=bounds)  # noqa: E731
+    assert cuda.syncs(call) == 0
+    assert cuda.launches(call) == 1
 
 
 @pytest.mark.parametrize("bounds", ["raise", "zero", "unchecked"])
@@ -65,16 +95,36 @@ def test_fused_step(cuda, rng, bounds, nonfinite):
     table, values, offsets, grad_out = inputs(cuda, rng)
     opt = hbk.optim.RowWiseAdagrad(lr=0.1, nonfinite=nonfinite)
     state = opt.init_state(table)
-    expected = 0 if (bounds == "unchecked" and nonfinite == "skip") else 1
     call = lambda: opt.fused_step(table, state, grad_out, values, offsets,  # noqa: E731
                                   bounds=bounds)
-    assert cuda.syncs(call) == expected
+    assert cuda.syncs(call) == 0
+    # the finiteness pass, the per-bag pass, the run heads and bounds, the update
+    # (and CuPy's sort and scan between them)
+    assert cuda.launches(call) == (5 if nonfinite == "raise" else 4)
 
 
 def test_unique_reads_its_size_once(cuda, rng):
     ids = cuda.put(rng.integers(0, 9, 40))
     assert cuda.syncs(lambda: hbk.unique(ids, return_inverse=True, return_counts=True,
                                          sorted=True)) == 1
+
+
+def test_synchronize_waits_once(cuda):
+    assert cuda.syncs(hbk.synchronize) == 1
+
+
+def test_no_launch_outside_the_launcher():
+    """Every kernel launch goes through ``_launcher.launch`` (no ``kernel[grid, block](...)``)."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "_launcher.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)
+                    and isinstance(node.func.slice, ast.Tuple)
+                    and len(node.func.slice.elts) in (2, 3, 4)):
+                found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    assert not found, "launched outside _launcher.launch:\n" + "\n".join(found)
 
 
 def test_no_allocation_or_read_outside_the_device_module():
@@ -92,25 +142,31 @@ def test_no_allocation_or_read_outside_the_device_module():
     assert not found, "\n".join(found)
 
 
-@pytest.mark.parametrize("bounds, expected", [("raise", 1), ("zero", 0), ("unchecked", 0)])
-def test_segment_sum(cuda, rng, bounds, expected):
+@pytest.mark.parametrize("bounds", ["raise", "zero", "unchecked"])
+def test_segment_sum(cuda, rng, bounds):
     data = cuda.put(rng.standard_normal((24, 3)).astype(np.float32))
     segs = cuda.put(rng.integers(0, 5, 24))
-    assert cuda.syncs(lambda: hbk.segment_sum(data, segs, 5, bounds=bounds)) == expected
+    call = lambda: hbk.segment_sum(data, segs, 5, bounds=bounds)  # noqa: E731
+    assert cuda.syncs(call) == 0
+    assert cuda.launches(call) == 1
 
 
-@pytest.mark.parametrize("bounds, expected", [("raise", 1), ("zero", 1), ("unchecked", 0)])
-def test_per_sample_weights_backward(cuda, rng, bounds, expected):
+@pytest.mark.parametrize("bounds", ["raise", "zero", "unchecked"])
+def test_per_sample_weights_backward(cuda, rng, bounds):
     weights = cuda.put(rng.standard_normal((10, 3)).astype(np.float32))
     grad = cuda.put(rng.standard_normal((2, 3)).astype(np.float32))
     values, offsets = cuda.put(rng.integers(0, 10, 6)), cuda.put(np.array([0, 4, 6]))
     psw = cuda.put(rng.random(6).astype(np.float32))
-    assert cuda.syncs(lambda: hbk.per_sample_weights_backward(
-        grad, weights, values, offsets, psw, bounds=bounds)) == expected
+    call = lambda: hbk.per_sample_weights_backward(  # noqa: E731
+        grad, weights, values, offsets, psw, bounds=bounds)
+    assert cuda.syncs(call) == 0
+    assert cuda.launches(call) == (2 if bounds == "unchecked" else 3)  # the check, dots, scale
 
 
-def test_segment_reduce_and_partition_read_once(cuda, rng):
+def test_segment_reduce_never_waits_and_partition_reads_once(cuda, rng):
     data = cuda.put(rng.standard_normal((12, 3)).astype(np.float32))
-    assert cuda.syncs(lambda: hbk.segment_reduce(data, cuda.put(np.array([0, 5, 12])))) == 1
+    offsets = cuda.put(np.array([0, 5, 12]))
+    assert cuda.syncs(lambda: hbk.segment_reduce(data, offsets)) == 0
+    assert cuda.launches(lambda: hbk.segment_reduce(data, offsets)) == 1
     ids = cuda.put(rng.integers(0, 50, 30))
     assert cuda.syncs(lambda: hbk.partition(ids, 3)) == 1

@@ -1,6 +1,7 @@
 import numpy as np
 import pytest
 from conftest import assert_close
+from helpers import raises
 
 import hbkernels as hbk
 
@@ -75,7 +76,7 @@ def test_empty_ids(backend):
 def test_bounds_modes(backend):
     weights = np.arange(8, dtype=np.float32).reshape(4, 2)
     ids = np.array([[3, -1], [4, 0]], np.int64)
-    with pytest.raises(hbk.BoundsError, match=r"ids\[1\] = -1"):
+    with raises(hbk.BoundsError, match=r"ids\[1\] = -1"):
         hbk.lookup(backend.put(weights), backend.put(ids))
     out = backend.get(hbk.lookup(backend.put(weights), backend.put(ids), bounds="zero"))
     np.testing.assert_array_equal(out, [[[6, 7], [0, 0]], [[0, 0], [0, 1]]])
@@ -96,7 +97,7 @@ def test_bad_ids_in_every_bounds_mode(backend, rng, bounds, dim, dtype):
         ids[position] = value
     args = (backend.put(weights), backend.put(ids))
     if bounds == "raise":
-        with pytest.raises(hbk.BoundsError) as info:
+        with raises(hbk.BoundsError) as info:
             hbk.lookup(*args)
         assert (info.value.position, info.value.value, info.value.limit) == (9, -1, 12)
         return
@@ -119,7 +120,7 @@ def test_bad_ids_give_zero_rows_whatever_row_0_holds(backend):
 
 def test_table_without_rows(backend):
     args = (backend.put(np.ones((0, 4), np.float32)), backend.put(np.array([[2, 0]])))
-    with pytest.raises(hbk.BoundsError) as info:
+    with raises(hbk.BoundsError) as info:
         hbk.lookup(*args)
     assert info.value.position == 0
     np.testing.assert_array_equal(backend.get(hbk.lookup(*args, bounds="zero")),
@@ -127,7 +128,7 @@ def test_table_without_rows(backend):
 
 
 def test_bad_arguments():
-    with pytest.raises(ValueError, match="int32 or int64"):
+    with raises(ValueError, match="int32 or int64"):
         hbk.lookup(np.ones((2, 2), np.float32), np.array([0.0]))
-    with pytest.raises(ValueError, match="D >= 1"):
+    with raises(ValueError, match="D >= 1"):
         hbk.lookup(np.ones((2, 0), np.float32), np.array([0]))

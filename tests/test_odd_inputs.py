@@ -6,6 +6,7 @@ import warnings
 
 import numpy as np
 import pytest
+from helpers import raises
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -102,15 +103,15 @@ def test_zero_d_ids_and_tables(rng):
     inputs = case(rng)
     w = inputs["weights"]
     np.testing.assert_array_equal(hbk.lookup(w, np.array(3)), w[3])
-    with pytest.raises(ValueError, match="2-D table"):
+    with raises(ValueError, match="2-D table"):
         hbk.lookup(np.ones((), np.float32), np.array([0]))
-    with pytest.raises(ValueError, match="2-D table"):
+    with raises(ValueError, match="2-D table"):
         hbk.lookup(np.float32(1.0), np.array([0]))  # a NumPy scalar is a 0-d array
-    with pytest.raises(ValueError, match="values must be 1-D"):
+    with raises(ValueError, match="values must be 1-D"):
         hbk.embedding_bag(w, np.array(3), np.array([0, 1]))
-    with pytest.raises(ValueError, match="offsets must be 1-D"):
+    with raises(ValueError, match="offsets must be 1-D"):
         hbk.embedding_bag(w, np.array([3]), np.array(1))
-    with pytest.raises(ValueError, match="ids must be 1-D"):
+    with raises(ValueError, match="ids must be 1-D"):
         hbk.partition(np.array(3), 2)
 
 
@@ -133,7 +134,7 @@ def test_options_of_the_wrong_type(rng, value):
         lambda: hbk.optim.Adagrad(lr=0.1, nonfinite=value),
     ]
     for call in calls:
-        with pytest.raises(ValueError, match=r"must be one of \[.*\], got"):
+        with raises(ValueError, match=r"must be one of \[.*\], got"):
             call()
 
 
@@ -149,7 +150,7 @@ def test_counts_out_of_range_or_of_the_wrong_type(rng, value):
         lambda: hbk.partition(a["values"], 2, mode="div", num_rows=value),
     ]
     for call in calls:
-        with pytest.raises(ValueError, match="must be (an integer|>= |<= )|needs num_rows"):
+        with raises(ValueError, match="must be (an integer|>= |<= )|needs num_rows"):
             call()
 
 

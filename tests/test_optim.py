@@ -3,7 +3,7 @@ import math
 import numpy as np
 import pytest
 from conftest import assert_close
-from helpers import RULES, Table, bags, make_opt, state_names, within_one_ulp
+from helpers import RULES, Table, bags, make_opt, raises, state_names, within_one_ulp
 
 import hbkernels as hbk
 from hbkernels import optim, reference
@@ -335,16 +335,16 @@ def test_nonfinite_raises_and_leaves_everything(backend, rng, name, bad):
     before = table.states()
     rows = rng.standard_normal((4, 3)).astype(np.float32)
     rows[2, 1] = bad
-    with pytest.raises(ValueError, match=r"grad.rows has NaN or Inf in row 2"):
+    with raises(ValueError, match=r"grad.rows has NaN or Inf in row 2"):
         table.step(np.array([1, 4, 5, 7]), rows)
     grad_out = rng.standard_normal((2, 3)).astype(np.float32)
     grad_out[1, 0] = bad
     values, offsets = np.array([1, 2, 3]), np.array([0, 1, 3])
-    with pytest.raises(ValueError, match=r"grad_out has NaN or Inf in row 1"):
+    with raises(ValueError, match=r"grad_out has NaN or Inf in row 1"):
         table.bag_step(grad_out, values, offsets, True)
     grad_out[1, 0] = 1.0
     psw = np.array([1.0, bad, 1.0], np.float32)
-    with pytest.raises(ValueError, match=r"per_sample_weights has NaN or Inf in row 1"):
+    with raises(ValueError, match=r"per_sample_weights has NaN or Inf in row 1"):
         table.bag_step(grad_out, values, offsets, True, psw)
     np.testing.assert_array_equal(table.weights(), w0)
     after = table.states()
@@ -428,36 +428,43 @@ def test_bad_ids_raise(backend):
     w0 = np.ones((5, 2), np.float32)
     table = Table(backend, make_opt("SGD"), w0)
     rows = np.ones((3, 2), np.float32)
-    with pytest.raises(hbk.BoundsError, match=r"grad.ids\[1\] = 5 .*\[0, 5\)") as info:
+    with raises(hbk.BoundsError, match=r"grad.ids\[1\] = 5 .*\[0, 5\)") as info:
         table.step(np.array([0, 5, 1]), rows)
     assert info.value.position == 1
-    with pytest.raises(hbk.BoundsError, match=r"grad.ids\[2\] = -1 "):
+    with raises(hbk.BoundsError, match=r"grad.ids\[2\] = -1 "):
         table.step(np.array([0, 1, -1], np.int32), rows)
-    with pytest.raises(hbk.BoundsError, match=r"values\[1\] = 7 "):
+    with raises(hbk.BoundsError, match=r"values\[1\] = 7 "):
         table.bag_step(np.ones((1, 2), np.float32), np.array([0, 7]), np.array([0, 2]), True)
-    with pytest.raises(ValueError, match=r"offsets\[1\] = 3, expected len\(values\) = 2"):
+    with raises(ValueError, match=r"offsets\[1\] = 3, expected len\(values\) = 2"):
         table.bag_step(np.ones((1, 2), np.float32), np.array([0, 1]), np.array([0, 3]), True,
                        bounds="zero")
     np.testing.assert_array_equal(table.weights(), w0)
     assert table.states()["step"][0] == 0
 
 
-@pytest.mark.parametrize("bounds, expected", [
-    (0, [(-1, 1), (2, -1), (-1, -1), (0, -1)]),
-    (1, [(-1, -1), (2, -1), (-1, -1), (0, -1)]),
-    (2, [(-1, -1), (-1, -1), (-1, -1), (-1, -1)])])
-def test_check_ragged(backend, bounds, expected):
-    """The backends' CSR check (EmbeddingCollection's, before its kernels): the first bad
-    offset, else (bounds 0) the first id outside [0, num_rows)."""
-    from hbkernels._dispatch import kernels, resolve
+BAD_ID = (hbk.BoundsError, r"values\[1\] = 7 is out of range \[0, 5\)")
+DECREASING = (ValueError, r"offsets\[2\] = 2 < offsets\[1\] = 3")
+NOT_ZERO = (ValueError, r"offsets\[0\] = 1, expected 0")
 
+
+@pytest.mark.parametrize("bounds, expected", [
+    ("raise", [BAD_ID, DECREASING, None, NOT_ZERO]),
+    ("zero", [None, DECREASING, None, NOT_ZERO]),
+    ("unchecked", [None, None, None, None])])
+def test_check_ragged(backend, bounds, expected):
+    """The CSR check (EmbeddingCollection's, before its kernels): the first bad offset,
+    else (bounds="raise") the first id outside [0, num_rows)."""
     cases = [([0, 7, -1, 2], [0, 2, 4]), ([0, 1, 2, 3], [0, 3, 2, 4]), ([], [0]), ([], [1])]
     for (values, offsets), want in zip(cases, expected):
-        family, a = resolve(values=backend.put(np.array(values, np.int64)),
-                            offsets=backend.put(np.array(offsets, np.int64)))
-        got = kernels(family, "ragged").check_ragged(family, a["values"], a["offsets"], 5,
-                                                            bounds)
-        assert tuple(got) == want, (values, offsets)
+        call = lambda: hbk.ops.check_ragged(  # noqa: E731
+            backend.put(np.array(values, np.int64)), backend.put(np.array(offsets, np.int64)),
+            5, bounds=bounds)
+        if want is None:
+            call()
+            hbk.synchronize()
+        else:
+            with raises(want[0], match=want[1]):
+                call()
 
 
 def test_bad_arguments(backend):
@@ -466,34 +473,34 @@ def test_bad_arguments(backend):
     opt = make_opt("Adagrad")
     state = opt.init_state(w)
     ids = put(np.array([0, 1]))
-    with pytest.raises(ValueError, match=r"grad.rows must be \[len\(ids\), D\] = \[2, 2\]"):
+    with raises(ValueError, match=r"grad.rows must be \[len\(ids\), D\] = \[2, 2\]"):
         opt.step(w, state, hbk.SparseGrad(ids, put(np.ones((2, 3), np.float32))))
-    with pytest.raises(ValueError, match=r"grad.rows must be \[len\(ids\), D\]"):
+    with raises(ValueError, match=r"grad.rows must be \[len\(ids\), D\]"):
         opt.step(w, state, hbk.SparseGrad(ids, put(np.ones((3, 2), np.float32))))
-    with pytest.raises(ValueError, match="grad.rows must be float16, bfloat16, float32 or float64"):
+    with raises(ValueError, match="grad.rows must be float16, bfloat16, float32 or float64"):
         opt.step(w, state, hbk.SparseGrad(ids, put(np.ones((2, 2), np.int32))))
-    with pytest.raises(ValueError, match="grad.ids must hold int32 or int64"):
+    with raises(ValueError, match="grad.ids must hold int32 or int64"):
         opt.step(w, state, hbk.SparseGrad(put(np.array([0.0, 1.0])),
                                           put(np.ones((2, 2), np.float32))))
-    with pytest.raises(TypeError, match="SparseGrad"):
+    with raises(TypeError, match="SparseGrad"):
         opt.step(w, state, (ids, put(np.ones((2, 2), np.float32))))
     grad = hbk.SparseGrad(ids, put(np.ones((2, 2), np.float32)))
-    with pytest.raises(ValueError, match="state must be the dict"):
+    with raises(ValueError, match="state must be the dict"):
         opt.step(w, {}, grad)
-    with pytest.raises(ValueError, match="state lacks 'sum'"):
+    with raises(ValueError, match="state lacks 'sum'"):
         opt.step(w, {"step": np.zeros(1, np.int64)}, grad)
-    with pytest.raises(ValueError, match=r"state\['sum'\] must be \(5, 2\) float32"):
+    with raises(ValueError, match=r"state\['sum'\] must be \(5, 2\) float32"):
         opt.step(w, dict(state, sum=put(np.zeros((5, 2), np.float64))), grad)
-    with pytest.raises(ValueError, match=r"state\['sum'\] must be \(5, 2\) float32"):
+    with raises(ValueError, match=r"state\['sum'\] must be \(5, 2\) float32"):
         opt.step(w, dict(state, sum=put(np.zeros((4, 2), np.float32))), grad)
-    with pytest.raises(ValueError, match=r"state\['momentum'\] must be \(5,\) float32"):
+    with raises(ValueError, match=r"state\['momentum'\] must be \(5,\) float32"):
         optim.RowWiseAdagrad(lr=0.1).step(
             w, {"step": np.zeros(1, np.int64), "momentum": put(np.zeros((5, 2), np.float32))}, grad)
-    with pytest.raises(ValueError, match="grad_out has D = 3 columns but the table has 2"):
+    with raises(ValueError, match="grad_out has D = 3 columns but the table has 2"):
         opt.fused_step(w, state, put(np.ones((1, 3), np.float32)), ids, put(np.array([0, 2])))
-    with pytest.raises(ValueError, match=r"grad_out must be \[B, D\] = \[1"):
+    with raises(ValueError, match=r"grad_out must be \[B, D\] = \[1"):
         opt.fused_step(w, state, put(np.ones((2, 2), np.float32)), ids, put(np.array([0, 2])))
-    with pytest.raises(ValueError, match="2-D table"):
+    with raises(ValueError, match="2-D table"):
         opt.init_state(put(np.ones(5, np.float32)))
     np.testing.assert_array_equal(backend.get(w), 1.0)
     assert state["step"][0] == 0
@@ -518,28 +525,28 @@ def test_a_failed_step_changes_nothing(backend, name, fused):
             opt.step(table.w, state, hbk.SparseGrad(put(ids), put(rows)))
 
     good_ids, good_rows = np.array([0, 4]), np.ones((2, 2), np.float32)
-    with pytest.raises(hbk.BoundsError):
+    with raises(hbk.BoundsError):
         attempt(np.array([0, 5]), good_rows if not fused else good_rows[:1])
-    with pytest.raises(ValueError, match="NaN or Inf"):
+    with raises(ValueError, match="NaN or Inf"):
         attempt(good_ids, np.full((2 if not fused else 1, 2), np.nan, np.float32))
     for bad_step in (3, np.zeros(1, np.int32), np.zeros(2, np.int64), np.zeros((), np.int64)):
-        with pytest.raises(ValueError, match=r"state\['step'\] must be the 1-element int64"):
+        with raises(ValueError, match=r"state\['step'\] must be the 1-element int64"):
             attempt(good_ids, good_rows if not fused else good_rows[:1],
                     dict(table.state, step=bad_step))
     if not backend.is_cuda:  # read-only NumPy arrays (CUDA arrays are always writable)
         frozen = table.state["step"].copy()
         frozen.flags.writeable = False
-        with pytest.raises(ValueError, match=r"state\['step'\] is read-only"):
+        with raises(ValueError, match=r"state\['step'\] is read-only"):
             attempt(good_ids, good_rows if not fused else good_rows[:1],
                     dict(table.state, step=frozen))
         table.w.flags.writeable = False
-        with pytest.raises(ValueError, match="weights is read-only"):
+        with raises(ValueError, match="weights is read-only"):
             attempt(good_ids, good_rows if not fused else good_rows[:1])
         table.w.flags.writeable = True
         for slot in state_names(opt):
             ro = table.state[slot].copy()
             ro.flags.writeable = False
-            with pytest.raises(ValueError, match=f"state\\['{slot}'\\] is read-only"):
+            with raises(ValueError, match=f"state\\['{slot}'\\] is read-only"):
                 attempt(good_ids, good_rows if not fused else good_rows[:1],
                         dict(table.state, **{slot: ro}))
     np.testing.assert_array_equal(table.weights(), before_w)
@@ -549,26 +556,26 @@ def test_a_failed_step_changes_nothing(backend, name, fused):
 
 def test_constructor_checks():
     for lr in (0.0, -5, float("nan"), float("inf"), "fast", None):
-        with pytest.raises(ValueError, match=r"lr must be a finite number > 0, got"):
+        with raises(ValueError, match=r"lr must be a finite number > 0, got"):
             optim.SGD(lr=lr)
-    with pytest.raises(ValueError, match="rounding must be one of"):
+    with raises(ValueError, match="rounding must be one of"):
         optim.SGD(lr=0.1, rounding="up")
-    with pytest.raises(ValueError, match="nonfinite must be one of"):
+    with raises(ValueError, match="nonfinite must be one of"):
         optim.SGD(lr=0.1, nonfinite="ignore")
-    with pytest.raises(ValueError, match="betas"):
+    with raises(ValueError, match="betas"):
         optim.Adam(lr=0.1, betas=(1.0, 0.9))
     for opt in (optim.Adam, optim.Adagrad, optim.RowWiseAdagrad):
-        with pytest.raises(ValueError, match="eps must be a finite number >= 0, got -1"):
+        with raises(ValueError, match="eps must be a finite number >= 0, got -1"):
             opt(lr=0.1, eps=-1)
-    with pytest.raises(ValueError, match="initial_accumulator_value must be a finite number >= 0"):
+    with raises(ValueError, match="initial_accumulator_value must be a finite number >= 0"):
         optim.Adagrad(lr=0.1, initial_accumulator_value=-0.5)
-    with pytest.raises(ValueError, match="lr_power must be a finite number <= 0"):
+    with raises(ValueError, match="lr_power must be a finite number <= 0"):
         optim.Ftrl(lr=0.1, lr_power=0.5)
-    with pytest.raises(ValueError, match="l1 must be a finite number >= 0"):
+    with raises(ValueError, match="l1 must be a finite number >= 0"):
         optim.Ftrl(lr=0.1, l1=-1.0)
-    with pytest.raises(ValueError, match="l2 must be a finite number >= 0"):
+    with raises(ValueError, match="l2 must be a finite number >= 0"):
         optim.Ftrl(lr=0.1, l2=float("inf"))
-    with pytest.raises(ValueError, match="initial_accumulator_value must be a finite number > 0"):
+    with raises(ValueError, match="initial_accumulator_value must be a finite number > 0"):
         optim.Ftrl(lr=0.1, initial_accumulator_value=0.0)
     optim.Ftrl(lr=0.1, lr_power=0.0, initial_accumulator_value=0.0)  # fixed rate: 0 allowed
 

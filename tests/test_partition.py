@@ -1,5 +1,6 @@
 import numpy as np
 import pytest
+from helpers import raises
 
 import hbkernels as hbk
 from hbkernels import reference
@@ -41,18 +42,18 @@ def test_div_uneven_blocks(backend):
 
 
 def test_bad_ids(backend):
-    with pytest.raises(hbk.BoundsError, match=r"ids\[2\] = -4"):
+    with raises(hbk.BoundsError, match=r"ids\[2\] = -4"):
         hbk.partition(backend.put(np.array([1, 2, -4, -5])), 2)
-    with pytest.raises(hbk.BoundsError, match=r"ids\[1\] = 10 is out of range \[0, 10\)"):
+    with raises(hbk.BoundsError, match=r"ids\[1\] = 10 is out of range \[0, 10\)"):
         hbk.partition(backend.put(np.array([1, 10])), 2, mode="div", num_rows=10)
 
 
 def test_bad_arguments():
-    with pytest.raises(ValueError, match="needs num_rows"):
+    with raises(ValueError, match="needs num_rows"):
         hbk.partition(np.array([1]), 2, mode="div")
-    with pytest.raises(ValueError, match="num_shards must be >= 1"):
+    with raises(ValueError, match="num_shards must be >= 1"):
         hbk.partition(np.array([1]), 0)
-    with pytest.raises(ValueError, match="mode must be one of"):
+    with raises(ValueError, match="mode must be one of"):
         hbk.partition(np.array([1]), 2, mode="hash")
-    with pytest.raises(ValueError, match="1-D"):
+    with raises(ValueError, match="1-D"):
         hbk.partition(np.array([[1]]), 2)

@@ -3,6 +3,7 @@ the reference against torch autograd through a plain float64 forward."""
 import numpy as np
 import pytest
 from conftest import assert_close, random_offsets
+from helpers import raises
 
 import hbkernels as hbk
 from hbkernels import reference
@@ -84,7 +85,7 @@ def test_bad_ids_get_zero_and_count_in_no_denominator(backend, rng, combiner):
                                                          combiner, bounds="zero")
         assert_close(out, expected, np.float32)
         assert np.all(out[bad] == 0)
-    with pytest.raises(hbk.BoundsError, match=r"values\[0\] = -1 is out of range \[0, 10\)"):
+    with raises(hbk.BoundsError, match=r"values\[0\] = -1 is out of range \[0, 10\)"):
         run(backend, grad_out, weights, values, offsets, psw, combiner=combiner)
 
 
@@ -116,17 +117,17 @@ def test_empty_inputs(backend):
 def test_bad_input_is_a_clear_error():
     g, w = np.ones((1, 2), np.float32), np.ones((3, 2), np.float32)
     values, offsets, psw = np.array([0, 1]), np.array([0, 2]), np.ones(2, np.float32)
-    with pytest.raises(ValueError, match="grad_out has D = 3 columns but the table has 2"):
+    with raises(ValueError, match="grad_out has D = 3 columns but the table has 2"):
         hbk.per_sample_weights_backward(np.ones((1, 3), np.float32), w, values, offsets, psw)
-    with pytest.raises(ValueError, match=r"grad_out must be \[B, D\]"):
+    with raises(ValueError, match=r"grad_out must be \[B, D\]"):
         hbk.per_sample_weights_backward(np.ones((2, 2), np.float32), w, values, offsets, psw)
-    with pytest.raises(ValueError, match="per_sample_weights must have the shape of values"):
+    with raises(ValueError, match="per_sample_weights must have the shape of values"):
         hbk.per_sample_weights_backward(g, w, values, offsets, np.ones(3, np.float32))
-    with pytest.raises(TypeError, match="per_sample_weights must be a NumPy or CUDA array"):
+    with raises(TypeError, match="per_sample_weights must be a NumPy or CUDA array"):
         hbk.per_sample_weights_backward(g, w, values, offsets, None)
-    with pytest.raises(ValueError, match="offsets"):
+    with raises(ValueError, match="offsets"):
         hbk.per_sample_weights_backward(g, w, values, np.array([0, 3]), psw)
-    with pytest.raises(ValueError, match="combiner must be one of"):
+    with raises(ValueError, match="combiner must be one of"):
         hbk.per_sample_weights_backward(g, w, values, offsets, psw, combiner="max")
 
 

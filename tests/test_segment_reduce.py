@@ -1,6 +1,7 @@
 import numpy as np
 import pytest
 from conftest import assert_close, random_offsets
+from helpers import raises
 
 import hbkernels as hbk
 from hbkernels import reference
@@ -36,5 +37,5 @@ def test_empty(backend):
 
 
 def test_malformed_offsets(backend):
-    with pytest.raises(ValueError, match=r"expected len\(values\) = 3"):
+    with raises(ValueError, match=r"expected len\(values\) = 3"):
         hbk.segment_reduce(backend.put(np.ones(3, np.float32)), backend.put(np.array([0, 2])))

@@ -1,6 +1,7 @@
 import numpy as np
 import pytest
 from conftest import assert_close
+from helpers import raises
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -33,18 +34,18 @@ def test_empty_and_zero_segments(backend):
 def test_bounds_modes(backend):
     data = np.array([[1.0], [2.0], [4.0], [8.0]], np.float32)
     seg = np.array([0, 3, -1, 1], np.int64)
-    with pytest.raises(hbk.BoundsError, match=r"segment_ids\[1\] = 3 .*\[0, 3\)"):
+    with raises(hbk.BoundsError, match=r"segment_ids\[1\] = 3 .*\[0, 3\)"):
         hbk.segment_sum(backend.put(data), backend.put(seg), 3)
     out = backend.get(hbk.segment_sum(backend.put(data), backend.put(seg), 3, bounds="zero"))
     np.testing.assert_array_equal(out, [[1.0], [8.0], [0.0]])
 
 
 def test_bad_arguments():
-    with pytest.raises(ValueError, match="one entry per row"):
+    with raises(ValueError, match="one entry per row"):
         hbk.segment_sum(np.ones(3, np.float32), np.array([0, 1]), 2)
-    with pytest.raises(ValueError, match="num_segments must be >= 0"):
+    with raises(ValueError, match="num_segments must be >= 0"):
         hbk.segment_sum(np.ones(2, np.float32), np.array([0, 1]), -1)
-    with pytest.raises(ValueError, match="num_segments must be an integer"):
+    with raises(ValueError, match="num_segments must be an integer"):
         hbk.segment_sum(np.ones(2, np.float32), np.array([0, 1]), 2.5)
 
 

@@ -6,6 +6,7 @@ int32 ids, save/load, the torch front end, and 2 ranks under mpiexec for every p
 (tests/mpi/sequence.py)."""
 import numpy as np
 import pytest
+from helpers import raises
 
 import hbkernels as hbk
 from mpirun import mpirun, needs_mpi
@@ -85,7 +86,7 @@ def test_gradient_shape_is_checked(rng):
     coll = make()
     values, offsets = history(rng, 4)
     coll.forward({"hist": hbk.Ragged(values, offsets), "user": np.arange(4)})
-    with pytest.raises(ValueError, match=r"grad of 'hist' must be \[N, dim\]"):
+    with raises(ValueError, match=r"grad of 'hist' must be \[N, dim\]"):
         coll.backward({"hist": np.zeros((values.size + 1, DIM), np.float32),  # one row too many
                        "user": np.zeros((4, 3), np.float32)})
 

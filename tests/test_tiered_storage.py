@@ -9,6 +9,7 @@ import textwrap
 
 import numpy as np
 import pytest
+from helpers import raises
 from mpirun import ROOT, assert_ok, mpirun, needs_mpi
 
 import hbkernels as hbk
@@ -228,7 +229,7 @@ def test_checkpoints_hold_touched_rows_and_chain(rng, tmp_path, monkeypatch):
         loaded = back.full_state(name)
         for k in state:
             assert_same(loaded[k], state[k], (name, k))
-    with pytest.raises(ValueError, match="not tables of storage='mmap'"):
+    with raises(ValueError, match="not tables of storage='mmap'"):
         hbk.EmbeddingCollection.load(tmp_path / "inc", comm=LOCAL, paths={"u": tmp_path / "d"})
 
 
@@ -310,15 +311,15 @@ def test_bad_specs_and_a_path_in_use(tmp_path):
            dict(storage="host", cache_rows=2, cache_policy="none"),
            dict(storage="host", device="cpu")]
     for kw in bad:
-        with pytest.raises(ValueError, match="table 't'"):
+        with raises(ValueError, match="table 't'"):
             hbk.types.table_spec(hbk.TableSpec("t", num_rows=5, dim=2, **kw))
     spec = [hbk.TableSpec("t", num_rows=5, dim=2, storage="mmap", path=str(tmp_path / "x"))]
     first = collection(spec)
-    with pytest.raises(ValueError, match="in use"):
+    with raises(ValueError, match="in use"):
         collection(spec)
     del first
     collection(spec)  # the files are free again once their collection is gone
-    with pytest.raises(ValueError, match="has no cache"):
+    with raises(ValueError, match="has no cache"):
         collection(tables(tmp_path, "host")).cache_stats("t")
 
 
@@ -329,7 +330,7 @@ def test_plan_counts_the_cache_not_the_table(tmp_path):
                           cache_rows=1000)]
     plan = make_plan(spec, 1, memory_per_rank=10**6)
     assert plan["t"].kind in hbk.types.PLACEMENTS
-    with pytest.raises(ValueError, match="does not fit"):
+    with raises(ValueError, match="does not fit"):
         make_plan([spec[0]._replace(storage="device", path=None, cache_rows=None)], 1,
                            memory_per_rank=10**6)
 
@@ -349,7 +350,7 @@ def test_checkpoint_error_names_a_missing_rows_file(tmp_path, rng):
     manifest = read_manifest(tmp_path / "ck")
     rows = next(f for f in manifest["files"] if f["table"] == "t" and f["array"] == "rows")
     os.remove(tmp_path / "ck" / rows["file"])
-    with pytest.raises(CheckpointError, match="rows"):
+    with raises(CheckpointError, match="rows"):
         hbk.EmbeddingCollection.load(tmp_path / "ck", comm=LOCAL, paths={"t": tmp_path / "b"})
 
 
@@ -380,10 +381,10 @@ def test_a_full_disk_is_an_error_not_a_crash(tmp_path, monkeypatch):
 
     got.forward({"t": np.array([1, 2])})
     monkeypatch.setattr(os, "statvfs", Full)
-    with pytest.raises(OSError) as error:
+    with raises(OSError) as error:
         got.forward({"t": np.array([3, 4])})  # evicts rows 1 and 2: their write-back fails
         got.forward({"t": np.array([5])})
     assert error.value.errno == errno.ENOSPC and "free on its disk" in str(error.value)
     uncached = collection(tables(tmp_path, "mmap", None, where="u"))
-    with pytest.raises(OSError, match="free on its disk"):
+    with raises(OSError, match="free on its disk"):
         uncached.forward({"t": np.array([3])})

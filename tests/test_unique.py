@@ -1,5 +1,6 @@
 import numpy as np
 import pytest
+from helpers import raises
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -55,7 +56,7 @@ def test_cpu_order_is_first_occurrence():
 
 
 def test_bad_dtype():
-    with pytest.raises(ValueError, match="int32 or int64"):
+    with raises(ValueError, match="int32 or int64"):
         hbk.unique(np.array([1.0, 2.0]))
 
 

@@ -42,9 +42,9 @@ Execution paths (chosen per lowering platform with ``jax.lax.platform_dependent`
   stream field, so no implicit sync) is viewed by CuPy without a copy, and the
   Numba CUDA kernels run on XLA's own stream (``ctx.stream`` made CuPy's
   current stream). The kernel's result is copied device-to-device into XLA's
-  output buffer on that stream; the table is never copied. The default
-  ``bounds="raise"`` reads the kernels' error flags back, which synchronises
-  XLA's stream once per call. Not compatible with command buffers / CUDA
+  output buffer on that stream; the table is never copied. The kernels' checks
+  are read back inside the callback (``hbk.synchronize()``), which waits for the
+  device once per call. Not compatible with command buffers / CUDA
   graphs (``command_buffer_compatible=False``).
 * **CUDA fallback** (JAX without ``buffer_callback``, or no CuPy):
   ``jax.pure_callback``, i.e. through host memory: per forward call XLA copies
@@ -230,6 +230,7 @@ def _buffer_call(kernel_into, out_type, *args):
         cp = _cupy()
         with cp.cuda.Device(device_id), cp.cuda.ExternalStream(ctx.stream, device_id):
             kernel_into(cp.asarray(out), *(cp.asarray(b) for b in buffers))
+            ops.synchronize()  # the kernels' checks, raised inside the callback
 
     return _buffer_callback(callback, out_type, vmap_method="sequential")(*args)
 

@@ -28,8 +28,9 @@ Eager mode
     own ops do (int32 ids are widened to int64 there, since TF keeps int32
     "GPU" tensors in host memory; the gradient's ids are then int64). TF
     exposes no handle on its CUDA stream, so the GPU path synchronises TF's
-    devices before the kernel and CuPy's stream after it: correct, but every
-    call is a host sync. Errors are hbkernels' own
+    devices before the kernel and the device after it (``hbk.synchronize()``,
+    which raises the kernels' checks at the call): correct, but every call is a
+    host sync. Errors are hbkernels' own
     (:class:`hbkernels.BoundsError`, ``ValueError``).
 
 Graph mode (``tf.function``, ``Model.fit``)
@@ -173,7 +174,7 @@ def _eager_call(fn, tensors, device_of):
                    for t in tensors]
     tf.test.experimental.sync_devices()  # TF's stream is not ours to order on
     result = fn(*[kernel_array(t) for t in tensors])
-    _cupy().cuda.get_current_stream().synchronize()
+    _ops.synchronize()  # the kernels' checks too: their errors are raised here
     return result
 
 

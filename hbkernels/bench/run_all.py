@@ -16,6 +16,7 @@ from . import (
     bench_embedding_bag_backward,
     bench_fused_step,
     bench_hash_table,
+    bench_launch,
     bench_lookup,
     bench_partition,
     bench_per_sample_weights_backward,
@@ -40,6 +41,7 @@ BENCHMARKS = {
     "per_sample_weights_backward": bench_per_sample_weights_backward,
     "train": bench_train,
     "tiered": bench_tiered,
+    "host_per_call": bench_launch,
 }
 
 

@@ -5,7 +5,7 @@
     hbkernels train --steps 200                      # DLRM-style CTR model on synthetic data
     mpiexec -n 2 hbkernels train --steps 200         # the same on 2 ranks
     hbkernels data convert criteo SRC DST            # text -> Parquet (also: data synthetic)
-    hbkernels warmup                                 # compile the CPU kernels once, into the cache
+    hbkernels warmup [--device cuda]                 # compile the kernels once, into the cache
 
 Each subcommand lives in its own module (``info.py``, ``bench.py``,
 ``train.py``, ``warmup.py``) with ``add_command(subparsers)``, which sets ``run(args) -> int``

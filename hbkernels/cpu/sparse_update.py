@@ -400,9 +400,11 @@ def sparse_update(family, rule, weights, state1, state2, hp, ids, rows, skip_non
 
 
 def fused_sparse_update(family, rule, weights, state1, state2, hp, grad_out, values, offsets,
-                        psw, combiner, bounds, finite, skip_nonfinite, stochastic, key):
+                        psw, combiner, bounds, finite, skip_nonfinite, stochastic, key,
+                        on_error=None):
     """The checks of :func:`fused_checks`, then, when all pass, the update. Returns the
-    checks' first bad positions (all -1: the update ran)."""
+    checks' first bad positions (all -1: the update ran); the caller raises, so
+    ``on_error`` (for checks read later, as on the GPU) is not used."""
     bad = fused_checks(family, grad_out, psw, values, offsets, weights.shape[0], bounds, finite)
     if any(b != -1 for b in bad):
         return bad

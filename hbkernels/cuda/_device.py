@@ -8,11 +8,12 @@
 * :func:`scratch` / :func:`full`: temporary arrays from CuPy's memory pool on
   the current stream (no ``cuMemAlloc``/``cuMemFree``, which synchronise the
   device); NumPy arrays under the simulator.
-* :func:`kernel` / :func:`array`: the Numba view a kernel takes of an ``xp``
-  array, and the ``xp`` view of a Numba device array; neither copies.
+* :func:`array`: the ``xp`` view of a device array (Numba's, CuPy's or a simulator
+  array), no copy; :func:`c_contiguous` asks any of them for its layout.
 * :func:`to_host`: the backend's one way from device to host. It waits for the
   stream, so it is a host synchronisation; :data:`HOST_SYNCS` counts them (the
-  tests hold each op to its documented number per ``bounds`` mode).
+  tests hold each op to its documented number per ``bounds`` mode). Having waited,
+  it reads the checks ops left pending (:mod:`._pending`) and raises their first error.
 
 On a GPU, CuPy is required (``pip install "hbkernels[cuda12]"`` or ``[cuda13]``);
 Numba device arrays are still accepted and returned, viewed by CuPy without a copy.
@@ -23,6 +24,7 @@ import numpy as np
 from .._machine import cupy as _cupy, simulator_enabled
 
 HOST_SYNCS = [0]  # host synchronisations by to_host since import
+AFTER_WAIT = []  # functions to_host calls after its read (registered by ._pending)
 
 
 def xp():
@@ -45,20 +47,6 @@ def full(shape, value, dtype):
     return xp().full(shape, value, dtype)
 
 
-def kernel(a):
-    """The Numba device-array view of an ``xp`` array (no copy); a Numba device
-    array passes through."""
-    if not isinstance(a, np.ndarray) and not _is_cupy(a):
-        return a
-    if simulator_enabled():
-        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
-
-        return FakeCUDAArray(a)
-    from numba import cuda
-
-    return cuda.as_cuda_array(a, sync=False)
-
-
 def array(k):
     """The ``xp`` view of a Numba device array or an ``xp`` array (no copy)."""
     if simulator_enabled():
@@ -68,17 +56,49 @@ def array(k):
 
 def to_family(family, a):
     """An ``xp`` array as an array of ``family`` (CuPy as is, else a Numba view)."""
-    return a if family.name == "cupy" else kernel(a)
+    if family.name == "cupy":
+        return a
+    if simulator_enabled():
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+        return a if not isinstance(a, np.ndarray) else FakeCUDAArray(a)
+    from numba import cuda
+
+    return cuda.as_cuda_array(a, sync=False)
 
 
-def _is_cupy(a):
-    return (type(a).__module__ or "").startswith("cupy")
+def c_contiguous(a):
+    """Whether the device array ``a`` (CuPy, Numba or simulator) is C-contiguous."""
+    flags = a.flags
+    return bool(flags["C_CONTIGUOUS"] if isinstance(flags, dict) else flags.c_contiguous)
 
 
-def to_host(a):
+def wait(stream=None):
+    """Wait for ``stream`` (a CuPy stream), or for every stream of the current device
+    when None; nothing to wait for under the simulator. Not counted: callers count."""
+    if simulator_enabled():
+        return
+    if stream is None:
+        _cupy().cuda.Device().synchronize()
+    else:
+        stream.synchronize()
+
+
+def read(a, count=True):
     """A NumPy copy of a (small) device array or ``xp`` array, after the work queued
-    before it on the current stream: one host synchronisation."""
-    HOST_SYNCS[0] += 1
+    before it on the current stream; ``count``: a host synchronisation of its own."""
+    if count:
+        HOST_SYNCS[0] += 1
     if simulator_enabled():
         return np.array(array(a))
     return _cupy().asnumpy(array(a))
+
+
+def to_host(a):
+    """:func:`read` of ``a`` (one host synchronisation), then the functions of
+    :data:`AFTER_WAIT` (:mod:`._pending` reads the checks ops queued before it, with no
+    further wait, and raises their first error)."""
+    out = read(a)
+    for after in AFTER_WAIT:
+        after()
+    return out

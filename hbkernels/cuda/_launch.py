@@ -1,4 +1,5 @@
-"""Launch helpers shared by the CUDA kernels: grid sizes, fills and error slots.
+"""Helpers shared by the CUDA kernels: grid sizes, device functions, fills and error
+slots (the launches themselves go through :func:`._launcher.launch`).
 
 Kernels report the first bad position of an input by ``cuda.atomic.min`` into
 an int64 *error slot* that starts at ``NO_ERROR_SLOT``; the launcher reads the
@@ -17,6 +18,7 @@ from .. import _bits
 from .._machine import simulator_enabled
 from .._validate import accumulator_dtype, is_bfloat16
 from . import _device
+from ._launcher import launch
 
 
 NO_ERROR_SLOT = np.iinfo(np.int64).max
@@ -192,30 +194,30 @@ def columns_per_lane(dim, group):
 
 
 @cuda.jit
-def _fill_kernel(flat, value):
+def fill_kernel(flat, value):
     start, step = cuda.grid(1), cuda.gridsize(1)
     for i in range(start, flat.shape[0], step):
         flat[i] = value
 
 
-def fill(a, value, stream=0):
+def fill(a, value):
     """Set every element of a contiguous device array to ``value``."""
     flat = a.reshape(a.size) if a.ndim != 1 else a
     if flat.shape[0] == 0:
         return
     tpb = threads_per_block()
-    _fill_kernel[blocks_for(flat.shape[0], tpb), tpb, stream](flat, value)
+    launch(fill_kernel, blocks_for(flat.shape[0], tpb), tpb, flat, value)
 
 
 def error_slots(count):
     """``count`` error slots (int64, ``NO_ERROR_SLOT``), from the scratch pool."""
-    return _device.kernel(_device.full(count, NO_ERROR_SLOT, np.int64))
+    return _device.full(count, NO_ERROR_SLOT, np.int64)
 
 
 def no_error_slots():
     """Stand-in slots for a launch that records nothing (``bounds="unchecked"``):
     zero-sized, so nothing to fill or read back."""
-    return _device.kernel(_device.scratch(0, np.int64))
+    return _device.scratch(0, np.int64)
 
 
 def error_positions(values):

@@ -35,6 +35,7 @@ from numba import cuda
 
 from . import _device
 from ._launch import blocks_for, threads_per_block
+from ._launcher import launch
 
 CHUNK = 256  # items one row group sums serially, at most (occurrences or partial rows)
 
@@ -92,9 +93,9 @@ def compact_kernel(keys, order, run, starts, ids, count):
             count[0] = r + 1
 
 
-def group(keys, stream=0):
+def group(keys):
     """:class:`Grouping` of ``keys`` (a 1-D integer ``xp`` array, at least one entry),
-    queued on ``stream``."""
+    queued on the current stream."""
     xp = _device.xp()
     n = keys.shape[0]
     index = index_dtype(n)
@@ -102,15 +103,12 @@ def group(keys, stream=0):
     heads = _device.scratch(n, np.int8)
     tpb = threads_per_block()
     blocks = blocks_for(n, tpb)
-    k_keys, k_order = _device.kernel(keys), _device.kernel(order)
-    heads_kernel[blocks, tpb, stream](k_keys, k_order, _device.kernel(heads))
+    launch(heads_kernel, blocks, tpb, keys, order, heads)
     run = xp.cumsum(heads, dtype=index)
     starts = _device.scratch(n + 1, index)
     ids = _device.scratch(n, keys.dtype)
     count = _device.scratch(1, np.int64)
-    compact_kernel[blocks, tpb, stream](k_keys, k_order, _device.kernel(run),
-                                        _device.kernel(starts), _device.kernel(ids),
-                                        _device.kernel(count))
+    launch(compact_kernel, blocks, tpb, keys, order, run, starts, ids, count)
     return Grouping(order, run, starts, ids, count)
 
 

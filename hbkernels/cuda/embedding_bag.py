@@ -26,8 +26,8 @@ The same kernel checks its input on the way: offsets are clamped to
 ``[0, len(values)]`` so malformed CSR never reads out of range, the group's lane 0
 records the first malformed offset position in error slot 0 and the lane that read an
 out-of-range id its position in slot 1 (``cuda.atomic.min``); out-of-range ids are
-always skipped. The slots are read back once, except under ``bounds="unchecked"``
-(no host sync).
+always skipped. The slots are read at the next flush of :mod:`._pending` (the op
+itself never waits for the device); ``bounds="unchecked"`` records nothing.
 """
 import math
 
@@ -35,21 +35,21 @@ import numpy as np
 from numba import cuda
 
 from .._modes import Bounds, Combiner
-from . import _device, _vector
+from .._validate import raise_ragged
+from . import _device, _pending, _vector
 from ._launch import (
     WIDEN,
     accumulator_dtype,
     blocks_for,
     dtype_key,
-    error_slots,
     jit_kernel,
     kernel_factory,
     load_as_float,
     no_error_slots,
-    read_error_slots,
     store_as,
     threads_per_block,
 )
+from ._launcher import launch
 from ._warp import group_mask, shfl_idx
 
 ROWS_IN_FLIGHT = 4  # U: rows whose vectors a lane loads before the first add
@@ -250,17 +250,15 @@ def empty_batch_bad_offset(family, offsets, n_values):
 
 
 def pool(family, table, values, offsets, n_values, weights, combiner, identity, check_offsets,
-         record_ids):
-    """Launch the pooling kernel. Returns ``(out [B, D] in the table's dtype, stream, slots)``;
-    ``slots`` (first bad offset, first bad id) is None when nothing was recorded or launched."""
-    stream = family.stream()
+         record_ids, slots):
+    """Launch the pooling kernel: ``out`` ``[B, D]`` in the table's dtype. ``slots``: two
+    error slots (first bad offset, first bad id) when ``check_offsets`` or
+    ``record_ids``, else None."""
     num_bags = offsets.shape[0] - 1
     dim = table.shape[1]
     out = family.empty((num_bags, dim), table.dtype)
     if num_bags == 0:
-        return out, stream, None
-    record = check_offsets or record_ids
-    slots = error_slots(2) if record else no_error_slots()
+        return out
     k_table = family.kernel_array(table)
     k_offsets = family.kernel_array(offsets)
     k_values = k_offsets if identity else family.kernel_array(values)
@@ -271,24 +269,27 @@ def pool(family, table, values, offsets, n_values, weights, combiner, identity, 
                          dtype_key(None if weights is None else weights.dtype),
                          width, group, chunks_per_lane, bool(identity),
                          table.shape[0] < 2**31)
-    kernel[blocks_for(num_bags, tpb // group), tpb, stream](
-        k_table, k_values, k_offsets, n_values, k_weights, combiner, check_offsets, record_ids,
-        family.kernel_array(out), slots,
-    )
-    return out, stream, (slots if record else None)
+    launch(kernel, blocks_for(num_bags, tpb // group), tpb,
+           k_table, k_values, k_offsets, n_values, k_weights, combiner, check_offsets, record_ids,
+           family.kernel_array(out), no_error_slots() if slots is None else slots)
+    return out
 
 
 def embedding_bag(family, weights, values, offsets, per_sample_weights, combiner, bounds):
+    """One launch; the checks (offsets unless ``bounds="unchecked"``, ids under
+    ``"raise"``) are left pending (:mod:`._pending`): nothing is read back."""
     n_values = values.shape[0]
     check = bounds != Bounds.UNCHECKED
+    raise_ids = bounds == Bounds.RAISE
     if offsets.shape[0] == 1:
         bad_offset = empty_batch_bad_offset(family, offsets, n_values) if check else -1
         return family.empty((0, weights.shape[1]), weights.dtype), bad_offset, -1
-    out, stream, slots = pool(
-        family, weights, values, offsets, n_values, per_sample_weights, combiner, False,
-        check, bounds == Bounds.RAISE,
-    )
-    if slots is None:
-        return out, -1, -1
-    bad_offset, bad_id = read_error_slots(slots)
-    return out, bad_offset, (bad_id if bounds == Bounds.RAISE else -1)
+    num_rows = weights.shape[0]
+
+    def report(bad):
+        raise_ragged(family, values, offsets, bad[0], bad[1] if raise_ids else -1, num_rows)
+
+    slots = _pending.slots(2, "embedding_bag", report, (values, offsets)) if check else None
+    out = pool(family, weights, values, offsets, n_values, per_sample_weights, combiner, False,
+               check, raise_ids, slots)
+    return out, -1, -1

@@ -64,6 +64,7 @@ from ._launch import (
     store_as,
     threads_per_block,
 )
+from ._launcher import launch
 from ._segments import device_final_level as final_level
 from ._segments import device_level_base as level_base
 from ._segments import device_partial_row as partial_row
@@ -183,12 +184,9 @@ def prepare(family, values, offsets, weights, combiner, num_rows, acc_dtype, che
     tpb = threads_per_block()
     kernel = prepare_kernel(dtype_key(acc_dtype),
                             dtype_key(None if weights is None else weights.dtype), scaled)
-    kernel[blocks_for(num_bags, tpb), tpb, family.stream()](
-        k_values, family.kernel_array(offsets), n, num_rows, k_weights, combiner,
-        check_offsets, record_ids, _device.kernel(keys), _device.kernel(bag_of),
-        _device.kernel(coef), slots,
-    )
-    return keys, bag_of, coef, _device.array(slots)
+    launch(kernel, blocks_for(num_bags, tpb), tpb, k_values, family.kernel_array(offsets), n,
+           num_rows, k_weights, combiner, check_offsets, record_ids, keys, bag_of, coef, slots)
+    return keys, bag_of, coef, slots
 
 
 # ---------------------------------------------------------------------------
@@ -209,16 +207,15 @@ class Occurrences:
 
     def kernel_arrays(self):
         """``(order, bag_of, coef, partials)`` as the kernels take them."""
-        return (_device.kernel(self.grouping.order), _device.kernel(self.bag_of),
-                _device.kernel(self.coef), _device.kernel(self.partials))
+        return (self.grouping.order, self.bag_of, self.coef, self.partials)
 
 
-def occurrences(keys, bag_of, coef, dim, acc_dtype, stream):
+def occurrences(keys, bag_of, coef, dim, acc_dtype):
     """Group ``keys`` (no host synchronisation) and take the partial buffer."""
     chunk = _segments.CHUNK
     levels, rows = _segments.partial_levels(keys.shape[0], chunk)
     partials = _device.scratch((max(rows, 1), dim), acc_dtype)
-    return Occurrences(_segments.group(keys, stream), bag_of, coef, partials, levels, chunk)
+    return Occurrences(_segments.group(keys), bag_of, coef, partials, levels, chunk)
 
 
 # ---------------------------------------------------------------------------
@@ -386,7 +383,7 @@ def partial_kernel(acc_dtype, grad_dtype, columns):
     return partial_kernel
 
 
-def sum_partials(family, grad, occ, columns, stream):
+def sum_partials(family, grad, occ, columns):
     """Launch the partial kernels, level by level (none when no run can be long)."""
     if not occ.levels:
         return
@@ -395,13 +392,12 @@ def sum_partials(family, grad, occ, columns, stream):
     n = occ.grouping.order.shape[0]
     kernel = partial_kernel(dtype_key(occ.partials.dtype), dtype_key(grad.dtype), columns)
     g = occ.grouping
-    args = (family.kernel_array(grad), *occ.kernel_arrays(), _device.kernel(g.run),
-            _device.kernel(g.starts), _device.kernel(g.ids))
+    args = (family.kernel_array(grad), *occ.kernel_arrays(), g.run, g.starts, g.ids)
     width = 1
     for level in range(1, occ.levels + 1):
         width *= occ.chunk
         slots = 2 * -(-n // width)
-        kernel[blocks_for(slots, tpb // group), tpb, stream](*args, level, occ.chunk, group)
+        launch(kernel, blocks_for(slots, tpb // group), tpb, *args, level, occ.chunk, group)
 
 
 @kernel_factory
@@ -477,18 +473,17 @@ def embedding_bag_backward(family, grad_out, values, offsets, num_rows, per_samp
     if num_bags == 0:
         bad_offset = empty_batch_bad_offset(family, offsets, n) if check else -1
         return (*empty(), bad_offset, -1)
-    stream = family.stream()
     acc_dtype = accumulator_dtype(grad_out.dtype)
     keys, bag_of, coef, slots = prepare(family, values, offsets, per_sample_weights, combiner,
                                         num_rows, acc_dtype, check, check)
     if n == 0:
-        bad_offset = read_error_slots(_device.kernel(slots))[0] if check else -1
+        bad_offset = read_error_slots(slots)[0] if check else -1
         return (*empty(), bad_offset, -1)
-    occ = occurrences(keys, bag_of, coef, dim, acc_dtype, stream)
+    occ = occurrences(keys, bag_of, coef, dim, acc_dtype)
     grouping = occ.grouping
     if padded:  # every distinct key (-1 for out-of-range ids), then -1: no count read back
         if check:
-            bad_offset, bad_id = read_error_slots(_device.kernel(slots))
+            bad_offset, bad_id = read_error_slots(slots)
             if bad_offset != -1 or (bounds == Bounds.RAISE and bad_id != -1):
                 return (*empty(), bad_offset, bad_id if bounds == Bounds.RAISE else -1)
         skip, num_ids = 0, n
@@ -511,24 +506,20 @@ def embedding_bag_backward(family, grad_out, values, offsets, num_rows, per_samp
     tpb = threads_per_block()
     k_grad = family.kernel_array(grad_out)
     if deterministic:
-        sum_partials(family, grad_out, occ, columns, stream)
+        sum_partials(family, grad_out, occ, columns)
         rows = family.empty((num_ids, dim), grad_out.dtype)
-        gather_kernel(dtype_key(grad_out.dtype), columns)[
-            blocks_for(num_ids, tpb // group), tpb, stream](
-            k_grad, *occ.kernel_arrays(), _device.kernel(grouping.starts),
-            _device.kernel(grouping.count), occ.chunk, skip, group, family.kernel_array(rows),
-        )
+        launch(gather_kernel(dtype_key(grad_out.dtype), columns),
+               blocks_for(num_ids, tpb // group), tpb, k_grad, *occ.kernel_arrays(),
+               grouping.starts, grouping.count, occ.chunk, skip, group, family.kernel_array(rows))
         return ids, rows, -1, -1
     acc = family.zeros((num_ids, dim), acc_dtype)
     k_acc = family.kernel_array(acc)
     order, bag_of, coef, _ = occ.kernel_arrays()
-    scatter_kernel(dtype_key(grad_out.dtype))[blocks_for(n, tpb // group), tpb, stream](
-        k_grad, order, bag_of, coef, _device.kernel(grouping.run), skip, group, k_acc,
-    )
+    launch(scatter_kernel(dtype_key(grad_out.dtype)), blocks_for(n, tpb // group), tpb,
+           k_grad, order, bag_of, coef, grouping.run, skip, group, k_acc)
     if acc_dtype == np.dtype(grad_out.dtype):
         return ids, acc, -1, -1
     rows = family.empty((num_ids, dim), grad_out.dtype)
-    cast_kernel(dtype_key(rows.dtype))[blocks_for(acc.size, tpb), tpb, stream](
-        k_acc.reshape(acc.size), family.kernel_array(rows).reshape(acc.size)
-    )
+    launch(cast_kernel(dtype_key(rows.dtype)), blocks_for(acc.size, tpb), tpb,
+           k_acc.reshape(acc.size), family.kernel_array(rows).reshape(acc.size))
     return ids, rows, -1, -1

@@ -23,6 +23,7 @@ from numba import cuda, int64, uint64
 from .._modes import IndexKey
 from . import _device
 from ._launch import blocks_for, fib_hash, threads_per_block
+from ._launcher import launch
 
 xp = _device.xp
 
@@ -137,8 +138,7 @@ def _shift(index):
 
 def _launch(family, kernel, n, *args):
     tpb = threads_per_block()
-    kernel[blocks_for(n, tpb), tpb, family.stream()](
-        *(_device.kernel(a) if hasattr(a, "shape") else a for a in args))
+    launch(kernel, blocks_for(n, tpb), tpb, *args)
 
 
 def find(family, index, reserved, ids):

@@ -8,23 +8,23 @@ step, grid-stride over steps: each lane reads the ``U`` ids, loads its ``K`` (1 
 vectors of all ``U`` rows, and only then stores them (wider rows take further passes).
 Out-of-range ids always give zero rows (all bits 0: +0.0); they load row 0, which is
 not stored, so nothing is read out of range in any mode. Under ``bounds="raise"`` lane
-0 also records the first bad position in an error slot, read back once;
-``"unchecked"`` reads nothing back.
+0 also records the first bad position in an error slot left pending (:mod:`._pending`):
+no mode reads anything back.
 """
 import numpy as np
 from numba import cuda
 
 from .._modes import Bounds
-from . import _vector
+from .._validate import raise_bad_id
+from . import _device, _pending, _vector
 from ._launch import (
     blocks_for,
-    error_slots,
     jit_kernel,
     kernel_factory,
     no_error_slots,
-    read_error_slots,
     threads_per_block,
 )
+from ._launcher import launch
 
 IDS_IN_FLIGHT = 4  # U
 
@@ -106,7 +106,7 @@ def gather_kernel(dtype, width, group, chunks_per_lane):
 def as_bits(a):
     """The 2-D kernel array ``a`` as the integers the gather copies: 32-bit words when
     ``a`` is C-contiguous with rows of whole words, else integers of its itemsize."""
-    if a.is_c_contiguous() and a.shape[1] * a.dtype.itemsize % 4 == 0:
+    if _device.c_contiguous(a) and a.shape[1] * a.dtype.itemsize % 4 == 0:
         return a.view(np.int32)
     return a.view({2: np.int16, 4: np.int32, 8: np.int64}[a.dtype.itemsize])
 
@@ -120,17 +120,17 @@ def lookup(family, weights, ids, bounds):
     out = family.empty((n, dim), weights.dtype)
     if n == 0:
         return out, -1
-    stream = family.stream()
-    slots = error_slots(1) if record else no_error_slots()
+    num_rows = weights.shape[0]
+
+    def report(bad):
+        raise_bad_id(family, "ids", ids, bad[0], num_rows)
+
+    slots = _pending.slots(1, "lookup", report, (ids,)) if record else no_error_slots()
     table, k_out = as_bits(family.kernel_array(weights)), as_bits(family.kernel_array(out))
     width, group, chunks_per_lane = _vector.geometry(table)
     tpb = threads_per_block()
     kernel = gather_kernel(np.dtype(table.dtype), width, group, chunks_per_lane)
     steps = -(-n // IDS_IN_FLIGHT)
-    kernel[blocks_for(steps, tpb // group), tpb, stream](
-        table, family.kernel_array(ids), record, k_out, slots,
-    )
-    if not record:
-        return out, -1
-    (bad,) = read_error_slots(slots)
-    return out, bad
+    launch(kernel, blocks_for(steps, tpb // group), tpb, table, family.kernel_array(ids), record,
+           k_out, slots)
+    return out, -1

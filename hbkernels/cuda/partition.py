@@ -14,6 +14,7 @@ from numba import cuda
 from .._modes import PartitionMode, shard_block
 from . import _device
 from ._launch import blocks_for, error_slots, read_error_slots, threads_per_block
+from ._launcher import launch
 from ._segments import stable_argsort
 
 
@@ -44,9 +45,8 @@ def partition(family, ids, num_shards, mode, num_rows):
     tpb = threads_per_block()
     shard = _device.scratch(n, np.int64)
     err = error_slots(1)
-    _shard_of[blocks_for(n, tpb), tpb, family.stream()](
-        family.kernel_array(ids), num_shards, mode, block, limit, _device.kernel(shard), err
-    )
+    launch(_shard_of, blocks_for(n, tpb), tpb, family.kernel_array(ids), num_shards, mode, block,
+           limit, shard, err)
     order = stable_argsort(xp, shard)
     bounds = xp.searchsorted(shard[order], xp.arange(num_shards + 1), side="left")
     (bad,) = read_error_slots(err)

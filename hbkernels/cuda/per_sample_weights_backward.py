@@ -31,6 +31,7 @@ from ._launch import (
     store_as,
     threads_per_block,
 )
+from ._launcher import launch
 from ._warp import group_mask, shfl_xor
 
 
@@ -130,16 +131,13 @@ def per_sample_weights_backward(family, grad_out, weights, values, offsets, per_
         dtype_key(weights.dtype), dtype_key(grad_out.dtype), dtype_key(per_sample_weights.dtype),
         acc_dtype)
     dots = _device.scratch(n, acc_dtype)
-    stream = family.stream()
     tpb = threads_per_block()
     group = group_size(weights.shape[1])
-    k_values, k_offsets, k_dots = (family.kernel_array(values), family.kernel_array(offsets),
-                                   _device.kernel(dots))
-    dots_kernel[blocks_for(n, tpb // group), tpb, stream](
-        family.kernel_array(weights), family.kernel_array(grad_out), k_values, k_offsets, group,
-        k_dots)
+    k_values, k_offsets = family.kernel_array(values), family.kernel_array(offsets)
+    launch(dots_kernel, blocks_for(n, tpb // group), tpb, family.kernel_array(weights),
+           family.kernel_array(grad_out), k_values, k_offsets, group, dots)
     num_bags = offsets.shape[0] - 1
-    scale_kernel[blocks_for(num_bags, tpb), tpb, stream](
-        k_values, k_offsets, family.kernel_array(per_sample_weights), weights.shape[0],
-        int(combiner), k_dots, family.kernel_array(out))
+    launch(scale_kernel, blocks_for(num_bags, tpb), tpb, k_values, k_offsets,
+           family.kernel_array(per_sample_weights), weights.shape[0], int(combiner), dots,
+           family.kernel_array(out))
     return out

@@ -1,8 +1,12 @@
-"""CSR input checks on the GPU: the first bad offset, then the first id out of range."""
+"""CSR input checks on the GPU: the first bad offset, then the first id out of range,
+left pending (:mod:`._pending`): one launch, nothing read back."""
 from numba import cuda
 
 from .._modes import Bounds
-from ._launch import blocks_for, error_slots, read_error_slots, threads_per_block
+from .._validate import raise_ragged
+from . import _pending
+from ._launch import blocks_for, threads_per_block
+from ._launcher import launch
 from .embedding_bag import check_bag_offsets, empty_batch_bad_offset
 
 
@@ -19,19 +23,23 @@ def _ragged_kernel(values, offsets, n_values, num_rows, record_ids, slots):
 
 
 def check_ragged(family, values, offsets, num_rows, bounds):
-    """``(first bad offset, first bad id)`` of CSR input (-1: none), as the forward
-    reports them: ``Bounds.RAISE`` checks offsets and ids, ``Bounds.ZERO`` offsets
-    only, ``Bounds.UNCHECKED`` nothing (no launch, no sync)."""
+    """``(-1, -1)``, the check of CSR input left pending as the forward leaves its own:
+    ``Bounds.RAISE`` checks offsets and ids, ``Bounds.ZERO`` offsets only,
+    ``Bounds.UNCHECKED`` nothing (no launch). An empty batch's one offset is read
+    back at once."""
     num_bags = offsets.shape[0] - 1
     n = values.shape[0]
     if bounds == Bounds.UNCHECKED:
         return -1, -1
     if num_bags == 0:
         return empty_batch_bad_offset(family, offsets, n), -1
-    slots = error_slots(2)
+    raise_ids = bounds == Bounds.RAISE
+
+    def report(bad):
+        raise_ragged(family, values, offsets, bad[0], bad[1] if raise_ids else -1, num_rows)
+
+    slots = _pending.slots(2, "check_ragged", report, (values, offsets))
     tpb = threads_per_block()
-    _ragged_kernel[blocks_for(max(num_bags, n), tpb), tpb, family.stream()](
-        family.kernel_array(values), family.kernel_array(offsets), n, num_rows, bounds == Bounds.RAISE,
-        slots)
-    bad_offset, bad_id = read_error_slots(slots)
-    return bad_offset, (bad_id if bounds == Bounds.RAISE else -1)
+    launch(_ragged_kernel, blocks_for(max(num_bags, n), tpb), tpb, family.kernel_array(values),
+           family.kernel_array(offsets), n, num_rows, raise_ids, slots)
+    return -1, -1

@@ -2,9 +2,10 @@
 
 Segment ``b`` reduces rows ``data[offsets[b]:offsets[b+1]]`` (row = position,
 weight 1): sum, mean (/ length) or sqrtn (/ sqrt(length)); empty gives zeros.
-Offsets are always validated; their error slot is read back once.
+Offsets are always validated; the check is left pending (:mod:`._pending`).
 """
-from ._launch import read_error_slots
+from .._validate import raise_bad_offsets
+from . import _pending
 from .embedding_bag import empty_batch_bad_offset, pool
 
 
@@ -13,6 +14,9 @@ def segment_reduce(family, data, offsets, combiner):
     if offsets.shape[0] == 1:
         bad_offset = empty_batch_bad_offset(family, offsets, n_rows)
         return family.empty((0, data.shape[1]), data.dtype), bad_offset
-    out, stream, slots = pool(family, data, None, offsets, n_rows, None, combiner, True, True, False)
-    bad_offset, _ = read_error_slots(slots)
-    return out, bad_offset
+
+    def report(bad):
+        raise_bad_offsets(family, offsets, n_rows, bad[0])
+
+    slots = _pending.slots(2, "segment_reduce", report, (offsets,))
+    return pool(family, data, None, offsets, n_rows, None, combiner, True, True, False, slots), -1

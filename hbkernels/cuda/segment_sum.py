@@ -6,25 +6,27 @@ over rows; lane ``d`` adds columns ``d, d+G, ...`` with ``cuda.atomic.add`` into
 fp32 and fp64 data; fp16 and bf16 data sum into an fp32 buffer, then a cast
 kernel rounds it into the output (to nearest even). Rows with a segment id
 outside ``[0, num_segments)`` are always dropped; under ``bounds="raise"``
-lane 0 also records the first bad position in an error slot, read back once.
+lane 0 also records the first bad position in an error slot left pending
+(:mod:`._pending`): nothing is read back.
 """
 
 from numba import cuda
 
 from .._modes import Bounds
+from .._validate import raise_bad_id
+from . import _pending
 from ._launch import (
     accumulator_dtype,
     blocks_for,
     dtype_key,
-    error_slots,
     group_size,
     kernel_factory,
     load_as_float,
     no_error_slots,
-    read_error_slots,
     store_as,
     threads_per_block,
 )
+from ._launcher import launch
 
 
 @kernel_factory
@@ -71,23 +73,23 @@ def segment_sum(family, data, segment_ids, num_segments, bounds):
     acc = family.zeros((num_segments, dim), acc_dtype)
     if n == 0:
         return (acc if acc_dtype == data.dtype else family.zeros(acc.shape, data.dtype)), -1
-    stream = family.stream()
     record = bounds == Bounds.RAISE
-    slots = error_slots(1) if record else no_error_slots()
+
+    def report(bad):
+        raise_bad_id(family, "segment_ids", segment_ids, bad[0], num_segments)
+
+    slots = (_pending.slots(1, "segment_sum", report, (segment_ids,)) if record
+             else no_error_slots())
     group = group_size(dim)
     tpb = threads_per_block()
     k_acc = family.kernel_array(acc)
-    scatter_add_kernel(dtype_key(data.dtype))[blocks_for(n, tpb // group), tpb, stream](
-        family.kernel_array(data), family.kernel_array(segment_ids), record, group, k_acc, slots,
-    )
+    launch(scatter_add_kernel(dtype_key(data.dtype)), blocks_for(n, tpb // group), tpb,
+           family.kernel_array(data), family.kernel_array(segment_ids), record, group, k_acc, slots)
     out = acc
     if acc_dtype != data.dtype:
         out = family.empty(acc.shape, data.dtype)
         if out.size:
             flat_out = family.kernel_array(out).reshape(out.size)
-            cast_kernel(dtype_key(out.dtype))[blocks_for(out.size, tpb), tpb, stream](
-                k_acc.reshape(acc.size), flat_out)
-    if not record:
-        return out, -1
-    (bad,) = read_error_slots(slots)
-    return out, bad
+            launch(cast_kernel(dtype_key(out.dtype)), blocks_for(out.size, tpb), tpb,
+                   k_acc.reshape(acc.size), flat_out)
+    return out, -1

@@ -19,9 +19,9 @@ pass, the first sweep keeps ``g`` in a per-lane array of the kernel's ``passes``
 x 4 elements and the second applies the rule from it: each row is summed once.
 
 The fused gradient is summed in the table's accumulator type (as the CPU).
-``fused_sparse_update`` checks its input first and reads the checks back once
-before it writes anything (not at all under ``bounds="unchecked"`` with
-``nonfinite="skip"``).
+``fused_sparse_update`` never waits for the device: its checks go to slots left
+pending (:mod:`._pending`), which the update kernel reads first, writing nothing
+when one holds an error.
 """
 import functools
 import math
@@ -30,9 +30,11 @@ import numpy as np
 from numba import cuda, from_dtype, int32, int64, uint64
 
 from .._modes import Bounds
+from .._validate import raise_nonfinite, raise_ragged
 from .. import _rules as rules
-from . import _device
+from . import _device, _pending
 from ._launch import (
+    NO_ERROR_SLOT,
     UNROLL,
     WIDEN,
     accumulator_dtype,
@@ -46,10 +48,12 @@ from ._launch import (
     jit_kernel,
     kernel_factory,
     load_as_float,
+    no_error_slots,
     read_error_slots,
     store_as,
     threads_per_block,
 )
+from ._launcher import launch
 from ._warp import group_mask, shfl_xor
 from .embedding_bag import empty_batch_bad_offset
 from .embedding_bag_backward import (
@@ -87,8 +91,7 @@ def first_out_of_range(family, ids, limit):
         return -1
     slots = error_slots(1)
     tpb = threads_per_block()
-    _out_of_range_kernel[blocks_for(n, tpb), tpb, family.stream()](
-        family.kernel_array(ids), limit, slots)
+    launch(_out_of_range_kernel, blocks_for(n, tpb), tpb, family.kernel_array(ids), limit, slots)
     return read_error_slots(slots)[0]
 
 
@@ -135,8 +138,7 @@ def _record_nonfinite(family, a, slots, slot):
     if size:
         tpb = threads_per_block()
         kernel = nonfinite_kernel(dtype_key(a.dtype))
-        kernel[blocks_for(-(-size // 4), tpb), tpb, family.stream()](
-            family.kernel_array(a), slots, slot)
+        launch(kernel, blocks_for(-(-size // 4), tpb), tpb, family.kernel_array(a), slots, slot)
 
 
 def first_nonfinite_row(family, a):
@@ -317,7 +319,10 @@ def _update_kernel(table_dtype, grad_dtype, fused, columns, passes):
     def update_kernel(weights, state1, state2, ids, count, grad, order, bag_of, coef, partials,
                       starts, chunk, rule, lr64, eps64, one_m_b1_64,
                       one_m_b2_64, l1_64, two_l2_64, neg_power64, sqrt_power, step64, inv_dim64,
-                      skip_nonfinite, stochastic, key_lo, key_hi, group):
+                      skip_nonfinite, stochastic, key_lo, key_hi, group, checks):
+        for k in range(checks.shape[0]):  # a failed input check: nothing is written
+            if checks[k] != NO_ERROR_SLOT:
+                return
         kept = cuda.local.array(kept_size, acc_type)  # g of every pass, when row-wide
         num_ids = count[0]
         n = order.shape[0]
@@ -405,13 +410,13 @@ def _state_view(family, state, acc_dtype):
     """State as the 2-D array the kernel indexes ([E, D], or [E, 1] for per-row state);
     a zero-size dummy when the rule has no such slot."""
     if state is None:
-        return _device.kernel(_device.scratch((0, 1), acc_dtype))
+        return _device.scratch((0, 1), acc_dtype)
     k = family.kernel_array(state)
     return k.reshape((k.shape[0], 1)) if k.ndim == 1 else k
 
 
 def _launch_update(family, rule, weights, state1, state2, hp, ids, count, grad, occ, grad_dtype,
-                   num_ids_bound, skip_nonfinite, stochastic, key):
+                   num_ids_bound, skip_nonfinite, stochastic, key, checks):
     dim = weights.shape[1]
     table_acc = accumulator_dtype(weights.dtype)
     stochastic = bool(stochastic) and np.dtype(weights.dtype).name in STOCHASTIC_FORMATS
@@ -422,25 +427,25 @@ def _launch_update(family, rule, weights, state1, state2, hp, ids, count, grad, 
     passes = -(-dim // (UNROLL * group))
     fused = occ is not None
     if fused:
-        sums = (*occ.kernel_arrays(), _device.kernel(occ.grouping.starts), occ.chunk)
+        sums = (*occ.kernel_arrays(), occ.grouping.starts, occ.chunk)
     else:
-        none_i = _device.kernel(_device.scratch(0, np.int64))
-        sums = (none_i, none_i, _device.kernel(_device.scratch(0, table_acc)),
-                _device.kernel(_device.scratch((0, dim), table_acc)), none_i, 1)
+        none_i = _device.scratch(0, np.int64)
+        sums = (none_i, none_i, _device.scratch(0, table_acc),
+                _device.scratch((0, dim), table_acc), none_i, 1)
     kernel = _update_kernel(dtype_key(weights.dtype), dtype_key(grad_dtype), fused, columns,
                             passes)
-    kernel[blocks_for(num_ids_bound, tpb // group), tpb, family.stream()](
-        family.kernel_array(weights),
-        _state_view(family, state1, table_acc),
-        _state_view(family, state2, table_acc),
-        ids, count, grad, *sums, int(rule),
-        float(hp[rules.LR]), float(hp[rules.EPS]), 1.0 - float(hp[rules.BETA1]),
-        1.0 - float(hp[rules.BETA2]), float(hp[rules.L1]), 2.0 * float(hp[rules.L2]),
-        -float(hp[rules.LR_POWER]), float(hp[rules.LR_POWER]) == -0.5, float(hp[rules.STEP_SIZE]),
-        1.0 / dim,
-        bool(skip_nonfinite), stochastic,
-        np.uint64(key & 0xFFFFFFFF), np.uint64((key >> 32) & 0xFFFFFFFF), group,
-    )
+    launch(kernel, blocks_for(num_ids_bound, tpb // group), tpb,
+           family.kernel_array(weights),
+           _state_view(family, state1, table_acc),
+           _state_view(family, state2, table_acc),
+           ids, count, grad, *sums, int(rule),
+           float(hp[rules.LR]), float(hp[rules.EPS]), 1.0 - float(hp[rules.BETA1]),
+           1.0 - float(hp[rules.BETA2]), float(hp[rules.L1]), 2.0 * float(hp[rules.L2]),
+           -float(hp[rules.LR_POWER]), float(hp[rules.LR_POWER]) == -0.5,
+           float(hp[rules.STEP_SIZE]), 1.0 / dim,
+           bool(skip_nonfinite), stochastic,
+           np.uint64(key & 0xFFFFFFFF), np.uint64((key >> 32) & 0xFFFFFFFF), group,
+           no_error_slots() if checks is None else checks)
 
 
 def sparse_update(family, rule, weights, state1, state2, hp, ids, rows, skip_nonfinite,
@@ -449,24 +454,26 @@ def sparse_update(family, rule, weights, state1, state2, hp, ids, rows, skip_non
     num_ids = ids.shape[0]
     if num_ids == 0:
         return
-    count = _device.kernel(_device.full(1, num_ids, np.int64))
+    count = _device.full(1, num_ids, np.int64)
     _launch_update(family, rule, weights, state1, state2, hp, family.kernel_array(ids), count,
                    family.kernel_array(rows), None, rows.dtype, num_ids, skip_nonfinite,
-                   stochastic, key)
+                   stochastic, key, None)
 
 
 def fused_sparse_update(family, rule, weights, state1, state2, hp, grad_out, values, offsets,
-                        psw, combiner, bounds, finite, skip_nonfinite, stochastic, key):
-    """``sparse_update(*embedding_bag_backward(...))`` without materialising the rows,
-    after the checks. Returns ``(first non-finite row of grad_out, of psw, first bad
-    offset, first bad id)`` (-1: none); the table is updated only when all are -1.
+                        psw, combiner, bounds, finite, skip_nonfinite, stochastic, key,
+                        on_error=None):
+    """``sparse_update(*embedding_bag_backward(...))`` without materialising the rows.
+    Returns ``(-1, -1, -1, -1)`` (no check is read back here; an empty batch's offset
+    excepted, reported as the third entry).
 
     The checks: finiteness when ``finite`` (its own pass), offsets and ids under
-    ``bounds`` (0: both, 1: offsets, 2: none) inside ``prepare``, read back once
-    before anything is written (no read-back when nothing is checked). Then one row
-    group per distinct id sums its occurrences (for an id with more than ``CHUNK``
-    of them, its partial rows) in order in registers and applies the rule; ids out
-    of range are skipped in every mode."""
+    ``bounds`` (0: both, 1: offsets, 2: none) inside ``prepare``, into four slots left
+    pending (:mod:`._pending`; its report calls ``on_error()``, then raises as the CPU
+    step does). Then one row group per distinct id sums its occurrences (for an id
+    with more than ``CHUNK`` of them, its partial rows) in order in registers and
+    applies the rule, unless a slot holds an error: then the update kernel writes
+    nothing. Ids out of range are skipped in every mode."""
     n = values.shape[0]
     num_bags = offsets.shape[0] - 1
     clean = (-1, -1, -1, -1)
@@ -474,27 +481,32 @@ def fused_sparse_update(family, rule, weights, state1, state2, hp, grad_out, val
         bad = empty_batch_bad_offset(family, offsets, n)
         if bad != -1:
             return -1, -1, bad, -1
+    num_rows = weights.shape[0]
+    raise_ids = bounds == Bounds.RAISE
+
+    def report(bad):
+        if on_error is not None:
+            on_error()
+        raise_nonfinite("grad_out", bad[0])
+        raise_nonfinite("per_sample_weights", bad[1])
+        raise_ragged(family, values, offsets, bad[2], bad[3] if raise_ids else -1, num_rows)
+
     checked = finite or bounds != Bounds.UNCHECKED
-    slots = error_slots(4) if checked else None
+    slots = _pending.slots(4, "fused_step", report, (values, offsets)) if checked else None
     if finite:
         _record_nonfinite(family, grad_out, slots, 0)
         if psw is not None:
             _record_nonfinite(family, psw.reshape(-1, 1), slots, 1)
     dim = weights.shape[1]
     grad_acc = accumulator_dtype(weights.dtype)  # as the CPU: summed in the table's type
-    keys, bag_of, coef, _ = prepare(family, values, offsets, psw, combiner, weights.shape[0],
-                                    grad_acc, bounds != Bounds.UNCHECKED, bounds == Bounds.RAISE,
+    keys, bag_of, coef, _ = prepare(family, values, offsets, psw, combiner, num_rows,
+                                    grad_acc, bounds != Bounds.UNCHECKED, raise_ids,
                                     slots=None if slots is None else slots[2:])
-    if checked:
-        bad_grad, bad_psw, bad_offset, bad_id = read_error_slots(slots)
-        bad = (bad_grad, bad_psw, bad_offset, bad_id if bounds == Bounds.RAISE else -1)
-        if bad != clean:
-            return bad
     if n == 0 or num_bags == 0:
         return clean
-    occ = occurrences(keys, bag_of, coef, dim, grad_acc, family.stream())
-    sum_partials(family, grad_out, occ, columns_per_lane(dim, group_size(dim)), family.stream())
-    _launch_update(family, rule, weights, state1, state2, hp, _device.kernel(occ.grouping.ids),
-                   _device.kernel(occ.grouping.count), family.kernel_array(grad_out), occ,
-                   grad_out.dtype, n, skip_nonfinite, stochastic, key)
+    occ = occurrences(keys, bag_of, coef, dim, grad_acc)
+    sum_partials(family, grad_out, occ, columns_per_lane(dim, group_size(dim)))
+    _launch_update(family, rule, weights, state1, state2, hp, occ.grouping.ids,
+                   occ.grouping.count, family.kernel_array(grad_out), occ,
+                   grad_out.dtype, n, skip_nonfinite, stochastic, key, slots)
     return clean

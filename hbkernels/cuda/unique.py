@@ -22,6 +22,7 @@ from numba import cuda, int64, uint64
 
 from . import _device
 from ._launch import blocks_for, fmix32, threads_per_block
+from ._launcher import launch
 from ._segments import stable_argsort
 
 EMPTY = np.int64(np.iinfo(np.int64).min)
@@ -116,7 +117,6 @@ def unique(family, ids, return_inverse, return_counts, sorted):
             family.empty(0, np.int64) if return_counts else None,
         )
     xp = _device.xp()
-    stream = family.stream()
     tpb = threads_per_block()
     grid_n = blocks_for(n, tpb)
     bits = max(1, (2 * n - 1).bit_length())  # 2^bits >= 2N
@@ -128,32 +128,26 @@ def unique(family, ids, return_inverse, return_counts, sorted):
     dummy = _device.scratch(1, np.int64)
     slot_of = _device.scratch(n, np.int64) if return_inverse else dummy
     hits = _device.zeros(size + 1, np.int64) if return_counts else dummy
-    k_table, k_occ = _device.kernel(table), _device.kernel(occ)
-    _insert[grid_n, tpb, stream](family.kernel_array(ids), k_table, bits, _device.kernel(slot_of),
-                                 return_inverse, _device.kernel(hits), return_counts, k_occ)
-    _occupancy[grid_t, tpb, stream](k_table, k_occ)
+    launch(_insert, grid_n, tpb, family.kernel_array(ids), table, bits, slot_of, return_inverse,
+           hits, return_counts, occ)
+    launch(_occupancy, grid_t, tpb, table, occ)
     rank = _device.zeros(size + 2, np.int64)  # rank[s]: distinct index of slot s; rank[-1] = K
     rank[1:] = xp.cumsum(occ)
     k = int(_device.to_host(rank[-1:])[0])
 
     ukeys = _device.scratch(k, ids.dtype)
     slots = _device.scratch(k, np.int64)
-    k_rank = _device.kernel(rank)
-    _compact[grid_t, tpb, stream](k_table, size, k_rank, _device.kernel(ukeys),
-                                  _device.kernel(slots))
+    launch(_compact, grid_t, tpb, table, size, rank, ukeys, slots)
     write_rank = sorted and k > 1
     if write_rank:
         order = stable_argsort(xp, ukeys)
         ukeys, slots = ukeys[order], slots[order]
     counts = family.empty(k, np.int64) if return_counts else None
     if write_rank or return_counts:
-        _finalize[blocks_for(k, tpb), tpb, stream](
-            _device.kernel(slots), k_rank, write_rank, _device.kernel(hits),
-            family.kernel_array(counts) if return_counts else _device.kernel(dummy), return_counts,
-        )
+        launch(_finalize, blocks_for(k, tpb), tpb, slots, rank, write_rank, hits,
+               family.kernel_array(counts) if return_counts else dummy, return_counts)
     inverse = None
     if return_inverse:
         inverse = family.empty(n, np.int64)
-        _gather_inverse[grid_n, tpb, stream](_device.kernel(slot_of), k_rank,
-                                             family.kernel_array(inverse))
+        launch(_gather_inverse, grid_n, tpb, slot_of, rank, family.kernel_array(inverse))
     return _device.to_family(family, ukeys), inverse, counts

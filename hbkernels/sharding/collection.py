@@ -123,8 +123,9 @@ def _device_of(device):
 
 def _memory_per_rank(device, world_size):
     """Bytes a rank may hold by default: 80% of the GPU's memory, or of the host's
-    memory shared by ``world_size`` ranks (they may all be on this host)."""
-    if device == "cuda":
+    memory shared by ``world_size`` ranks (they may all be on this host; under Numba's
+    CUDA simulator the "GPU" is host memory too)."""
+    if device == "cuda" and not simulator_enabled():
         return int(0.8 * cupy().cuda.Device().mem_info[1])
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -1,0 +1,258 @@
+"""Every kernel launch of the CUDA backend: ``launch(kernel, blocks, threads, *args)``,
+queued on the current stream (CuPy's; Numba's default under the simulator).
+
+Arguments are device arrays (CuPy, Numba, anything with ``__cuda_array_interface__``;
+NumPy arrays under the simulator; bf16 arrays as their int16 bits), Python
+``bool``/``int``/``float`` (Numba's boolean, int64, float64) and NumPy scalars.
+Their *kinds* (an array's dtype, ndim and C-contiguity; a scalar's type) make the
+launch's signature.
+
+On a GPU a kernel is compiled once per signature and device, to a cubin
+(:mod:`._kernel_cache`: memory, then disk, else :mod:`._compile`), loaded
+through CuPy's driver module; a launch then packs its arguments in Numba's
+kernel ABI (an array is ``meminfo, parent, nitems, itemsize, data, shape...,
+strides...``; each parameter in an 8-byte slot of one per-thread buffer, one
+``struct.pack_into``) and calls ``cuLaunchKernel``: no ``DeviceNDArray``, no type
+dispatch. Under the simulator the kernel's dispatcher runs it as Python.
+
+:data:`LAUNCHES` counts launches; :data:`RECORDER` (when set) sees each launch's kernel
+and signature (``tests/compile_kernels.py`` compiles those for an H100).
+"""
+import ctypes
+import struct
+import threading
+
+import numpy as np
+from numba import from_dtype, types
+
+from .._machine import cupy, simulator_enabled
+from .._validate import is_bfloat16
+
+LAUNCHES = [0]  # kernel launches since import
+RECORDER = [None]  # None or f(kernel, argtypes, threads), called at every launch
+
+_SCALARS = {bool: types.boolean, int: types.int64, float: types.float64}
+# struct code and PTX parameter type of each scalar Numba type
+_CODES = {types.int64: ("q", "u64"), types.uint64: ("Q", "u64"), types.int32: ("i", "u32"),
+          types.uint32: ("I", "u32"), types.int16: ("h", "u16"), types.uint16: ("H", "u16"),
+          types.int8: ("b", "u8"), types.uint8: ("B", "u8"), types.boolean: ("?", "u8"),
+          types.float16: ("e", "u16"), types.float32: ("f", "f32"), types.float64: ("d", "f64")}
+_ARRAY_HEAD = (("Q", "u64"), ("Q", "u64"), ("q", "u64"), ("q", "u64"), ("Q", "u64"))
+_SLOT = 8  # bytes per parameter in the argument buffer
+_SIMULATOR = simulator_enabled()
+_PAD = {1: "7x", 2: "6x", 4: "4x", 8: ""}
+
+
+# -- signatures ---------------------------------------------------------------------------------
+def _element_type(dtype):
+    return types.int16 if is_bfloat16(dtype) else from_dtype(np.dtype(dtype))
+
+
+def numba_type(kind):
+    """The Numba type of an argument kind: ``(dtype, ndim, c_contiguous)`` for an array,
+    a Python or NumPy scalar type otherwise."""
+    if isinstance(kind, tuple):
+        dtype, ndim, contiguous = kind
+        return types.Array(_element_type(dtype), ndim, "C" if contiguous else "A")
+    if kind in _SCALARS:
+        return _SCALARS[kind]
+    return from_dtype(np.dtype(kind))
+
+
+def parameters(argtypes):
+    """``[(struct code, PTX type), ...]``: the kernel parameters of ``argtypes`` in Numba's
+    ABI (an array flattened to ``5 + 2·ndim`` of them)."""
+    out = []
+    for ty in argtypes:
+        if isinstance(ty, types.Array):
+            out += _ARRAY_HEAD + (("q", "u64"),) * (2 * ty.ndim)
+        elif ty in _CODES:
+            out.append(_CODES[ty])
+        else:
+            raise TypeError(f"no launch ABI for a kernel argument of type {ty}")
+    return out
+
+
+def packer(argtypes):
+    """``struct.Struct`` packing the flattened arguments of ``argtypes``, one per 8 bytes."""
+    codes = [code for code, _ in parameters(argtypes)]
+    return struct.Struct("<" + "".join(c + _PAD[struct.calcsize(c)] for c in codes))
+
+
+# -- arguments ----------------------------------------------------------------------------------
+def _c_strides(shape, itemsize):
+    strides, step = [], itemsize
+    for extent in reversed(shape):
+        strides.append(step)
+        step *= max(int(extent), 1)
+    return tuple(reversed(strides))
+
+
+def _cupy_fields(a):
+    return ((a.dtype, a.ndim, a.flags.c_contiguous),
+            (0, 0, a.size, a.itemsize, a.data.ptr, *a.shape, *a.strides))
+
+
+def _interface_fields(a):
+    """Fields of any array with ``__cuda_array_interface__`` (Numba's device arrays)."""
+    cai = a.__cuda_array_interface__
+    dtype = np.dtype(getattr(a, "dtype", cai["typestr"]))
+    shape = tuple(int(s) for s in cai["shape"])
+    dense = _c_strides(shape, dtype.itemsize)
+    strides = tuple(cai.get("strides") or dense)
+    contiguous = all(s == d for s, d, n in zip(strides, dense, shape) if n > 1)
+    size = int(np.prod(shape, dtype=np.int64))
+    return ((dtype, len(shape), contiguous),
+            (0, 0, size, dtype.itemsize, cai["data"][0] or 0, *shape, *strides))
+
+
+_FIELDS = {}  # array type -> fields function, filled on first sight
+_PLAIN = set(_SCALARS)  # scalar types passed as they are: Python's and NumPy's seen so far
+
+
+def _first_sight(t, a):
+    """Register the type ``t`` of argument ``a``: an array type in :data:`_FIELDS`, a NumPy
+    scalar type in :data:`_PLAIN`; False for anything else."""
+    if issubclass(t, np.generic):
+        _PLAIN.add(t)
+    elif (t.__module__ or "").startswith("cupy") and hasattr(a, "data"):
+        _FIELDS[t] = _cupy_fields
+    elif hasattr(a, "__cuda_array_interface__"):
+        _FIELDS[t] = _interface_fields
+    else:
+        return False
+    return True
+
+
+def arguments(args):
+    """``(kinds, flat values)`` of a launch's arguments on a GPU."""
+    kinds, flat = [], []
+    for a in args:
+        t = type(a)
+        fields = _FIELDS.get(t)
+        if fields is not None:
+            kind, values = fields(a)
+            kinds.append(kind)
+            flat += values
+        elif t in _PLAIN:
+            kinds.append(t)
+            flat.append(a)
+        elif isinstance(a, int):  # an IntEnum member
+            kinds.append(int)
+            flat.append(int(a))
+        elif _first_sight(t, a):
+            return arguments(args)
+        else:
+            raise TypeError(f"a kernel argument must be a CUDA array or a scalar, "
+                            f"got {t.__module__}.{t.__name__}")
+    return tuple(kinds), flat
+
+
+def simulator_kind(a):
+    """The kind a simulator argument (NumPy array, FakeCUDAArray or scalar) has on a GPU."""
+    if isinstance(a, np.generic) or type(a) in _SCALARS:
+        return type(a)
+    if isinstance(a, int):
+        return int
+    ary = getattr(a, "_ary", a)
+    return (ary.dtype, ary.ndim, bool(ary.flags.c_contiguous))
+
+
+# -- launching ----------------------------------------------------------------------------------
+class _Loaded:
+    """A kernel's cubin loaded on one device, and how to pack its arguments."""
+
+    __slots__ = ("module", "function", "packer", "count", "local", "name")
+
+    def __init__(self, module, function, argtypes, name):
+        self.module = module  # keeps the module loaded
+        self.function = function
+        self.packer = packer(argtypes)
+        self.count = len(parameters(argtypes))
+        self.local = threading.local()
+        self.name = name
+
+    def buffers(self):
+        """This thread's ``(argument buffer, address of its parameter pointer array)``."""
+        held = getattr(self.local, "held", None)
+        if held is None:
+            buf = ctypes.create_string_buffer(max(self.count, 1) * _SLOT)
+            base = ctypes.addressof(buf)
+            pointers = (ctypes.c_void_p * max(self.count, 1))(
+                *[base + _SLOT * i for i in range(self.count)])
+            held = self.local.held = (buf, pointers, ctypes.addressof(pointers))
+        return held[0], held[2]
+
+
+_LOADED = {}  # (kernel, kinds, device) -> _Loaded
+_LOCK = threading.Lock()
+_GPU = {}  # CuPy entry points, looked up once
+
+
+def _gpu():
+    if not _GPU:
+        cp = cupy()
+        _GPU.update(launch=cp.cuda.driver.launchKernel, device=cp.cuda.runtime.getDevice,
+                    stream=cp.cuda.get_current_stream, module=cp.cuda.function.Module,
+                    capability=lambda d: cp.cuda.Device(d).compute_capability)
+    return _GPU
+
+
+def _load(kernel, kinds, device):
+    from . import _kernel_cache
+
+    with _LOCK:
+        loaded = _LOADED.get((kernel, kinds, device))
+        if loaded is not None:
+            return loaded
+        gpu = _gpu()
+        argtypes = tuple(numba_type(k) for k in kinds)
+        cc = divmod(int(gpu["capability"](device)), 10)
+        cubin, name = _kernel_cache.compiled(kernel, argtypes, cc)
+        module = gpu["module"]()
+        try:
+            module.load(cubin)
+        except Exception:  # noqa: BLE001 - a damaged cached file: compile afresh, once
+            cubin, name = _kernel_cache.compiled(kernel, argtypes, cc, fresh=True)
+            module.load(cubin)
+        loaded = _Loaded(module, module.get_function(name).ptr, argtypes, name)
+        _LOADED[(kernel, kinds, device)] = loaded
+        return loaded
+
+
+def _simulate(kernel, blocks, threads, args):
+    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+    views = []
+    for a in args:
+        if isinstance(a, np.ndarray):
+            a = FakeCUDAArray(a.view(np.int16) if is_bfloat16(a.dtype) else a)
+        elif isinstance(a, FakeCUDAArray) and is_bfloat16(a.dtype):
+            a = a.view(np.int16)
+        views.append(a)
+    if RECORDER[0] is not None:
+        RECORDER[0](kernel, tuple(numba_type(simulator_kind(a)) for a in views), threads)
+    kernel[blocks, threads, 0](*views)
+
+
+def launch(kernel, blocks, threads, *args):
+    """Launch ``kernel`` (a ``cuda.jit`` kernel) on ``blocks`` x ``threads`` (1-D) threads
+    with ``args`` on the current stream; returns at once (nothing is waited for)."""
+    LAUNCHES[0] += 1
+    if _SIMULATOR:
+        _simulate(kernel, blocks, threads, args)
+        return
+    gpu = _GPU or _gpu()
+    kinds, flat = arguments(args)
+    if RECORDER[0] is not None:
+        RECORDER[0](kernel, tuple(numba_type(k) for k in kinds), threads)
+    device = gpu["device"]()
+    loaded = _LOADED.get((kernel, kinds, device)) or _load(kernel, kinds, device)
+    buf, pointers = loaded.buffers()
+    try:
+        loaded.packer.pack_into(buf, 0, *flat)
+    except struct.error as error:
+        raise OverflowError(f"an argument of kernel {loaded.name} does not fit its parameter "
+                            f"type: {error}") from None
+    gpu["launch"](loaded.function, blocks, 1, 1, threads, 1, 1, 0, gpu["stream"]().ptr,
+                  pointers, 0)

@@ -1,0 +1,136 @@
+"""Input checks that the GPU finishes after an op has returned.
+
+An op that otherwise need not wait for the device (``embedding_bag``, ``lookup``,
+``segment_sum``, ``segment_reduce``, ``per_sample_weights_backward``, the fused
+optimizer step) takes its error slots from the device's *ledger* instead of reading
+them back: :func:`slots` hands out ``count`` int64 slots (``NO_ERROR_SLOT`` while
+clean; the kernels ``atomic.min`` first bad positions into them) and notes the call
+with ``report(positions)``, which raises for the positions found (-1: none).
+
+:func:`flush` reads every noted slot in one copy, resets them, and raises the first
+error found; the others found by the same read follow, one per later flush, so each
+is raised exactly once and none is lost. A flush happens where hbkernels waits for
+the device anyway: ``hbk.synchronize()``, any read-back of an op
+(:func:`._device.to_host`), a CUDA family's ``sync`` and ``to_numpy``; and before a
+call whose slots would not fit (:data:`CAPACITY` slots, :data:`MAX_PENDING` calls,
+or more than :data:`MAX_HELD_BYTES` of input arrays kept for the messages), which is
+then the one call that waits.
+"""
+import threading
+
+import numpy as np
+
+from .._machine import cupy, simulator_enabled
+from . import _device
+from ._launch import NO_ERROR_SLOT, error_positions
+
+CAPACITY = 1024  # slots per device
+MAX_PENDING = 64  # calls noted between two flushes
+MAX_HELD_BYTES = 1 << 28  # input arrays kept for the error messages
+
+_LOCK = threading.RLock()
+_LEDGERS = {}  # device id -> _Ledger
+_FOUND = []  # errors read by a flush and not yet raised, oldest first
+_FLUSHING = [False]
+
+
+class _Ledger:
+    def __init__(self):
+        self.array = _device.full(CAPACITY, NO_ERROR_SLOT, np.int64)
+        self.used = 0
+        self.held = 0
+        self.calls = []  # (op, first slot, count, report, stream or None)
+
+
+def _device_id():
+    return 0 if simulator_enabled() else int(cupy().cuda.runtime.getDevice())
+
+
+def _stream():
+    return None if simulator_enabled() else cupy().cuda.get_current_stream()
+
+
+def slots(count, op, report, holds=()):
+    """``count`` error slots (an int64 device array, clean) for one call of ``op``;
+    ``report(positions)`` (a list of ``count`` first bad positions, -1 where none;
+    called only when one is not -1) raises the call's error. ``holds``: the arrays
+    ``report`` reads, kept alive until the flush."""
+    held = sum(int(getattr(a, "nbytes", 0)) for a in holds)
+    with _LOCK:
+        device = _device_id()
+        ledger = _LEDGERS.get(device)
+        if ledger is not None and (ledger.used + count > CAPACITY
+                                   or len(ledger.calls) >= MAX_PENDING
+                                   or (ledger.calls and ledger.held + held > MAX_HELD_BYTES)):
+            flush(wait=True)
+        if ledger is None:
+            ledger = _LEDGERS[device] = _Ledger()
+        first = ledger.used
+        ledger.used += count
+        ledger.held += held
+        ledger.calls.append((op, first, count, report, _stream()))
+        return ledger.array[first:first + count]
+
+
+def synchronize():
+    """Wait for the current device (every stream), then :func:`flush`: one host
+    synchronisation."""
+    _device.wait()
+    _device.HOST_SYNCS[0] += 1
+    flush()
+
+
+def pending():
+    """How many calls' checks wait for a flush, on every device."""
+    return sum(len(ledger.calls) for ledger in _LEDGERS.values())
+
+
+def flush(wait=False):
+    """Read the current device's noted slots (waiting for its current stream, and
+    for any other stream a noted call ran on), reset them, and raise the oldest error
+    found and not yet raised. ``wait``: this is a wait of its own (counted in
+    :data:`._device.HOST_SYNCS`); otherwise the caller has just waited."""
+    with _LOCK:
+        if _FLUSHING[0]:
+            return
+        ledger = _LEDGERS.get(_device_id())
+        if ledger is not None and ledger.calls:
+            _FLUSHING[0] = True
+            try:
+                _read(ledger, wait)
+            finally:
+                _FLUSHING[0] = False
+        if _FOUND:
+            raise _FOUND.pop(0)
+
+
+def after_wait():
+    """:func:`flush` when there is anything to read or raise (the caller has just waited
+    for the device): what :func:`._device.to_host` and the CUDA families' reads call."""
+    if _FOUND or any(ledger.calls for ledger in _LEDGERS.values()):
+        flush()
+
+
+_device.AFTER_WAIT.append(after_wait)
+
+
+def _read(ledger, wait):
+    calls, used = ledger.calls, ledger.used
+    current = _stream()
+    others = {s.ptr: s for *_, s in calls if s is not None and s.ptr != current.ptr}
+    for stream in others.values():
+        _device.wait(stream)
+    values = _device.read(ledger.array[:used], count=wait)
+    ledger.array[:used] = NO_ERROR_SLOT
+    if others:  # later calls on those streams must see the reset
+        _device.wait(current)
+    ledger.calls, ledger.used, ledger.held = [], 0, 0
+    for op, first, count, report, _ in calls:
+        positions = error_positions(values[first:first + count])
+        if any(p != -1 for p in positions):
+            try:
+                report(positions)
+            except Exception as error:  # noqa: BLE001 - every check's error is raised later
+                if error.args and isinstance(error.args[0], str):
+                    error.args = (f"{op}: {error.args[0]}",) + error.args[1:]
+                _FOUND.append(error)

@@ -1,0 +1,235 @@
+"""The GPU launch path (hbkernels.cuda._launcher) without a GPU: argument kinds and
+flattened values, the packed parameter buffer as the driver reads it (each pointer of
+the parameter array at its 8-byte slot), one compile per signature and device, and
+the on-disk kernel cache (hbkernels.cuda._kernel_cache). The PTX parameters of every
+kernel the suite launches are held to the same packing by tests/compile_kernels.py."""
+import ctypes
+import struct
+import threading
+import types as pytypes
+import warnings
+
+import numpy as np
+import pytest
+
+pytest.importorskip("numba.cuda")
+from numba import types  # noqa: E402
+
+from hbkernels.cuda import _kernel_cache, _launcher  # noqa: E402
+
+
+class FakeCupy:
+    """The attributes the launcher reads of a CuPy array."""
+
+    def __init__(self, shape, dtype, strides=None, ptr=0x7F0000001000):
+        self.shape, self.dtype = tuple(shape), np.dtype(dtype)
+        self.ndim, self.itemsize = len(self.shape), self.dtype.itemsize
+        self.size = int(np.prod(self.shape, dtype=np.int64))
+        dense = _launcher._c_strides(self.shape, self.itemsize)
+        self.strides = tuple(strides) if strides is not None else dense
+        self.flags = pytypes.SimpleNamespace(c_contiguous=self.strides == dense or self.size <= 1)
+        self.data = pytypes.SimpleNamespace(ptr=ptr)
+
+
+FakeCupy.__module__ = "cupy._core.core"
+
+
+class Interface:
+    """An array known only by ``__cuda_array_interface__`` (as Numba's device arrays)."""
+
+    def __init__(self, shape, dtype, strides=None, ptr=0x7F0000002000):
+        self.__cuda_array_interface__ = {"shape": tuple(shape), "typestr": np.dtype(dtype).str,
+                                         "strides": strides, "data": (ptr, False), "version": 3}
+
+
+def test_kinds_and_flat_values():
+    a = FakeCupy((5, 3), np.float32)
+    b = Interface((7,), np.int64)
+    kinds, flat = _launcher.arguments((a, b, 4, True, 2.5, np.uint64(9), np.float32(1.5)))
+    assert kinds == ((np.dtype(np.float32), 2, True), (np.dtype(np.int64), 1, True), int, bool,
+                     float, np.uint64, np.float32)
+    assert flat == [0, 0, 15, 4, a.data.ptr, 5, 3, 12, 4,
+                    0, 0, 7, 8, 0x7F0000002000, 7, 8, 4, True, 2.5, 9, 1.5]
+    assert [_launcher.numba_type(k) for k in kinds] == [
+        types.Array(types.float32, 2, "C"), types.Array(types.int64, 1, "C"), types.int64,
+        types.boolean, types.float64, types.uint64, types.float32]
+
+
+def test_strided_bf16_and_empty_arrays():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    strided = FakeCupy((4, 2), np.float32, strides=(32, 4))
+    bf16 = FakeCupy((3, 8), ml_dtypes.bfloat16)
+    empty = Interface((0, 5), np.int32, ptr=0)
+    kinds, flat = _launcher.arguments((strided, bf16, empty))
+    assert [_launcher.numba_type(k) for k in kinds] == [
+        types.Array(types.float32, 2, "A"), types.Array(types.int16, 2, "C"),
+        types.Array(types.int32, 2, "C")]
+    assert flat[:9] == [0, 0, 8, 4, strided.data.ptr, 4, 2, 32, 4]
+    assert flat[-9:] == [0, 0, 0, 4, 0, 0, 5, 20, 4]
+
+
+def test_an_unknown_argument_is_a_type_error():
+    with pytest.raises(TypeError, match="CUDA array or a scalar, got builtins.list"):
+        _launcher.arguments(([1, 2],))
+
+
+def test_parameters_follow_numbas_kernel_abi():
+    argtypes = (types.Array(types.float32, 2, "C"), types.int32, types.boolean, types.float64)
+    assert [ptx for _, ptx in _launcher.parameters(argtypes)] == ["u64"] * 9 + ["u32", "u8", "f64"]
+    packed = _launcher.packer(argtypes).pack(0, 0, 6, 4, 0x1000, 2, 3, 12, 4, -7, True, 0.5)
+    assert len(packed) == 12 * 8
+    assert struct.unpack_from("<i", packed, 9 * 8)[0] == -7
+    assert packed[10 * 8] == 1 and struct.unpack_from("<d", packed, 11 * 8)[0] == 0.5
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """The launcher's GPU path with a driver that decodes each launch's parameters
+    through the pointer array it was given, and a compiler that only counts."""
+    launched, compiled = [], []
+
+    def decode(pointers, argtypes):
+        params = _launcher.parameters(argtypes)
+        addresses = (ctypes.c_void_p * len(params)).from_address(pointers)
+        return [struct.unpack(code, ctypes.string_at(addresses[i], struct.calcsize(code)))[0]
+                for i, (code, _) in enumerate(params)]
+
+    class Module:
+        def load(self, cubin):
+            assert cubin == b"cubin"
+
+        def get_function(self, name):
+            return pytypes.SimpleNamespace(ptr=0xF00D)
+
+    def launch(function, gx, gy, gz, bx, by, bz, shared, stream, pointers, extra):
+        argtypes = fake_gpu.argtypes
+        launched.append(((function, gx, gy, gz, bx, by, bz, shared, stream, extra),
+                         decode(pointers, argtypes)))
+
+    def compile_(kernel, argtypes, cc, fresh=False):
+        compiled.append((kernel, argtypes, cc))
+        fake_gpu.argtypes = argtypes
+        return b"cubin", "entry"
+
+    fake_gpu = pytypes.SimpleNamespace(launched=launched, compiled=compiled, argtypes=None)
+    monkeypatch.setattr(_launcher, "_SIMULATOR", False)
+    monkeypatch.setattr(_launcher, "_LOADED", {})
+    monkeypatch.setattr(_launcher, "RECORDER", [None])  # these kernels are not compiled
+    monkeypatch.setattr(_launcher, "_GPU", dict(
+        launch=launch, device=lambda: 0, stream=lambda: pytypes.SimpleNamespace(ptr=0x5EED),
+        module=Module, capability=lambda d: "90"))
+    monkeypatch.setattr(_kernel_cache, "compiled", compile_)
+    return fake_gpu
+
+
+def test_a_launch_packs_what_the_kernel_reads(fake_gpu):
+    kernel = object()
+    table, ids = FakeCupy((100, 16), np.float32), FakeCupy((33,), np.int32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no Numba dispatch, no occupancy warnings
+        _launcher.launch(kernel, 7, 256, table, ids, 33, False, np.uint64(2**63 + 5))
+    (config, values), = fake_gpu.launched
+    assert config == (0xF00D, 7, 1, 1, 256, 1, 1, 0, 0x5EED, 0)
+    assert values == [0, 0, 1600, 4, table.data.ptr, 100, 16, 64, 4,
+                      0, 0, 33, 4, ids.data.ptr, 33, 4, 33, False, 2**63 + 5]
+    (_, argtypes, cc), = fake_gpu.compiled
+    assert cc == (9, 0) and argtypes[1] == types.Array(types.int32, 1, "C")
+
+
+def test_one_compile_per_signature(fake_gpu):
+    kernel = object()
+    for n in range(3):
+        _launcher.launch(kernel, 1, 32, FakeCupy((n + 1,), np.int64), n)
+    _launcher.launch(kernel, 1, 32, FakeCupy((4,), np.int32), 0)  # another signature
+    assert len(fake_gpu.compiled) == 2 and len(fake_gpu.launched) == 4
+    assert [v[2] for _, v in fake_gpu.launched] == [1, 2, 3, 4]
+
+
+def test_threads_pack_into_their_own_buffers(fake_gpu):
+    kernel = object()
+    _launcher.launch(kernel, 1, 32, 1)
+    (loaded,) = _launcher._LOADED.values()
+    here = loaded.buffers()
+    there = []
+    thread = threading.Thread(target=lambda: there.append(loaded.buffers()))
+    thread.start()
+    thread.join()
+    assert here[1] != there[0][1] and loaded.buffers()[1] == here[1]
+
+
+def test_a_value_that_does_not_fit_is_an_overflow_error(fake_gpu):
+    with pytest.raises(OverflowError, match="kernel entry"):
+        _launcher.launch(object(), 1, 32, 2**64)
+    assert not fake_gpu.launched
+
+
+# -- the on-disk cache --------------------------------------------------------------------------
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("HBK_CUDA_CACHE_DIR", str(tmp_path / "kernels"))
+    monkeypatch.setattr(_kernel_cache, "_MEMORY", {})
+    _kernel_cache.directory.cache_clear()
+    yield tmp_path / "kernels"
+    _kernel_cache.directory.cache_clear()
+
+
+def test_the_cache_directory(tmp_path, monkeypatch):
+    _kernel_cache.directory.cache_clear()
+    try:
+        monkeypatch.setenv("HBK_CUDA_CACHE_DIR", "off")
+        assert _kernel_cache.directory() is None
+        _kernel_cache.directory.cache_clear()
+        monkeypatch.delenv("HBK_CUDA_CACHE_DIR")
+        monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path / "numba"))
+        assert _kernel_cache.directory() == str(tmp_path / "numba" / "hbkernels-cuda")
+        _kernel_cache.directory.cache_clear()
+        monkeypatch.delenv("NUMBA_CACHE_DIR")
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+        assert _kernel_cache.directory() == str(tmp_path / "xdg" / "hbkernels" / "cuda")
+    finally:
+        _kernel_cache.directory.cache_clear()
+
+
+def test_compiled_once_per_machine(cache_dir, monkeypatch):
+    from hbkernels.cuda import _compile, _segments
+
+    calls = []
+    monkeypatch.setattr(_compile, "ptx", lambda k, a, cc: calls.append(cc) or
+                        ".visible .entry _Z6kernelPx(\n.param .u64 _Z6kernelPx_param_0\n)")
+    monkeypatch.setattr(_compile, "link", lambda ptx, cc: (b"\x7fELF-cubin", "log"))
+    argtypes = (types.Array(types.int64, 1, "C"),) * 3
+    kernel = _segments.heads_kernel
+    stats = dict(_kernel_cache.STATS)
+    assert _kernel_cache.compiled(kernel, argtypes, (9, 0)) == (b"\x7fELF-cubin", "_Z6kernelPx")
+    assert _kernel_cache.compiled(kernel, argtypes, (9, 0))[1] == "_Z6kernelPx"  # memory
+    monkeypatch.setattr(_kernel_cache, "_MEMORY", {})  # a new process: from the disk
+    assert _kernel_cache.compiled(kernel, argtypes, (9, 0))[0] == b"\x7fELF-cubin"
+    _kernel_cache.compiled(kernel, argtypes, (10, 0))  # another architecture compiles
+    assert calls == [(9, 0), (10, 0)]
+    assert {k: _kernel_cache.STATS[k] - stats[k] for k in stats} == \
+        {"memory": 1, "disk": 1, "compiled": 2}
+    files = sorted(cache_dir.iterdir())
+    assert len(files) == 2 and all(f.suffix == ".cubin" for f in files)
+    files[0].write_bytes(b"not a cubin")  # damaged: compiled again
+    monkeypatch.setattr(_kernel_cache, "_MEMORY", {})
+    assert _kernel_cache.load(files[0]) is None
+    _kernel_cache.compiled(kernel, argtypes, (9, 0))
+    _kernel_cache.compiled(kernel, argtypes, (10, 0))
+    assert len(calls) == 3
+
+
+def test_keys_name_what_was_compiled():
+    from hbkernels.cuda import _segments
+    from hbkernels.cuda.embedding_bag import pool_kernel
+
+    a64, a32 = types.Array(types.int64, 1, "C"), types.Array(types.int32, 1, "C")
+    key = _kernel_cache.key
+    assert key(_segments.heads_kernel, (a64,), (9, 0)) != key(_segments.heads_kernel, (a32,), (9, 0))
+    assert key(_segments.heads_kernel, (a64,), (9, 0)) != key(_segments.heads_kernel, (a64,), (8, 0))
+    assert key(_segments.heads_kernel, (a64,), (9, 0)) != key(_segments.compact_kernel, (a64,), (9, 0))
+    f32, f16 = np.dtype(np.float32), np.dtype(np.float16)
+    one = pool_kernel(f32, None, 4, 4, 1, False, True)
+    other = pool_kernel(f16, None, 4, 4, 1, False, True)
+    assert _kernel_cache.identity(one)[:3] == ("hbkernels.cuda.embedding_bag", "pool_kernel",
+                                               (f32, None, 4, 4, 1, False, True))
+    assert key(one, (a64,), (9, 0)) != key(other, (a64,), (9, 0))
