@@ -7,7 +7,10 @@ sharded tables all ask the family):
 * ``numpy``  -> the CPU kernels in :mod:`hbkernels.cpu`;
 * ``cupy``   -> the CUDA kernels in :mod:`hbkernels.cuda`, results as CuPy arrays;
 * ``numba``  -> the CUDA kernels, results as Numba device arrays (also the
-  family of the CUDA simulator, ``NUMBA_ENABLE_CUDASIM=1``).
+  simulator's device arrays under ``NUMBA_ENABLE_CUDASIM=1``);
+* ``simulated`` -> the CUDA kernels under the simulator, results as
+  :class:`hbkernels._simulator.SimArray`: CuPy's stand-in there, so that code written
+  for CuPy (a collection on ``device="cuda"``) runs without a GPU.
 
 Any other object exposing ``__cuda_array_interface__`` or a CUDA ``__dlpack__``
 is viewed, without a copy, as CuPy (or Numba when CuPy is not installed).
@@ -21,6 +24,7 @@ import warnings
 import numpy as np
 
 from . import _validate
+from . import _simulator
 from ._machine import cupy, has_cupy, numba_cuda, simulator_enabled
 from .memory import aligned_full
 from .threads import start_numba_pool
@@ -106,49 +110,61 @@ class CudaFamily:
     device = "cuda"
 
     # -- computing with array-module code (CuPy; Numba arrays through the host) -
+    def _module(self):
+        """CuPy, its simulator stand-in, or None for Numba arrays."""
+        if self.name == "cupy":
+            return cupy()
+        return _simulator.xp if self.name == "simulated" else None
+
     @property
     def xp(self):
         """The array module to compute on this family's arrays with."""
-        return cupy() if self.name == "cupy" else np
+        return self._module() or np
 
     def compute(self, x):
         """``x`` as an array of :attr:`xp` (a host copy for Numba device arrays)."""
-        return x if self.name == "cupy" else self.to_numpy(x)
+        return x if self._module() is not None else self.to_numpy(x)
 
     def from_compute(self, a):
         """An :attr:`xp` result as an array of this family."""
         if self.name == "numba" and isinstance(a, np.ndarray):
             return self.from_numpy(np.ascontiguousarray(a))
+        if self.name == "simulated":
+            return _simulator.device(a)
         return a
 
     def put(self, a):
         """``a`` in this family (a copy only when it lives elsewhere)."""
-        if self.name == "cupy":
-            return cupy().asarray(a)
+        module = self._module()
+        if module is not None:
+            return module.asarray(a)
         return a if not isinstance(a, np.ndarray) else self.from_numpy(a)
 
     def sync(self):
         """Wait for the work queued on CuPy's current stream, then raise the first error
         of the checks ops left pending (:mod:`hbkernels.cuda._pending`)."""
-        if self.name == "cupy" and not simulator_enabled():
+        if self.name == "cupy":
             cupy().cuda.get_current_stream().synchronize()
         _flush_checks()
 
     # -- allocation, in the caller's family ---------------------------------
     def empty(self, shape, dtype):
-        if self.name == "cupy":
-            return cupy().empty(shape, dtype)
+        module = self._module()
+        if module is not None:
+            return module.empty(shape, dtype)
         return numba_cuda().device_array(shape, dtype)
 
     def zeros(self, shape, dtype):
-        if self.name == "cupy":
-            return cupy().zeros(shape, dtype)
+        module = self._module()
+        if module is not None:
+            return module.zeros(shape, dtype)
         return self.full(shape, 0, dtype)
 
     def full(self, shape, value, dtype, aligned=False):
         """``aligned`` is always true here: CUDA allocations start on 256 bytes."""
-        if self.name == "cupy":
-            return cupy().full(shape, value, dtype)
+        module = self._module()
+        if module is not None:
+            return module.full(shape, value, dtype)
         out = self.empty(shape, dtype)
         from .cuda._launch import fill
 
@@ -159,13 +175,15 @@ class CudaFamily:
 
     def to_numpy(self, a):
         """A host copy of ``a`` (a wait for the device: pending checks are read too)."""
-        out = cupy().asnumpy(a) if self.name == "cupy" else a.copy_to_host()
+        module = self._module()
+        out = module.asnumpy(a) if module is not None else a.copy_to_host()
         _flush_checks()
         return out
 
     def from_numpy(self, a):
-        if self.name == "cupy":
-            return cupy().asarray(a)
+        module = self._module()
+        if module is not None:
+            return module.asarray(a)
         return numba_cuda().to_device(np.ascontiguousarray(a))
 
     def reshape(self, a, shape):
@@ -194,7 +212,7 @@ def _flush_checks():
 def host(a):
     """A NumPy array of ``a`` (a NumPy array as is; CuPy and Numba arrays copied, a wait
     for the device that reads the pending checks too)."""
-    if isinstance(a, np.ndarray):
+    if isinstance(a, np.ndarray) and type(a) is not _simulator.SimArray:
         return a
     out = a.get() if hasattr(a, "get") else a.copy_to_host()
     _flush_checks()
@@ -203,16 +221,18 @@ def host(a):
 
 def device_family(device):
     """The family a collection on ``device`` (``"cpu"`` or ``"cuda"``) keeps its arrays
-    in: NumPy, or CuPy on the current GPU (Numba's arrays under the simulator)."""
+    in: NumPy, or CuPy on the current GPU (its stand-in under the simulator)."""
     if device == "cpu":
         return NUMPY
     if simulator_enabled():
-        return CudaFamily("numba", 0)
+        return CudaFamily("simulated", 0)
     return CudaFamily("cupy", int(cupy().cuda.Device().id))
 
 
 def classify(x):
     """(family, array to use) for one argument, or raise TypeError."""
+    if type(x) is _simulator.SimArray:
+        return CudaFamily("simulated", 0), x
     if isinstance(x, np.ndarray):
         return NUMPY, x
     if isinstance(x, np.generic):  # a NumPy scalar: a 0-d array
@@ -305,8 +325,8 @@ def resolve(optional=(), inplace=(), row_tables=(), **arrays):
 def rows_contiguous(a):
     """Whether ``a`` is a 2-D NumPy array in native byte order whose every row is
     contiguous (its last stride the item size), whatever its row stride."""
-    return (isinstance(a, np.ndarray) and a.ndim == 2 and a.dtype.isnative
-            and (a.strides[1] == a.itemsize or a.shape[1] <= 1))
+    return (isinstance(a, np.ndarray) and type(a) is not _simulator.SimArray and a.ndim == 2
+            and a.dtype.isnative and (a.strides[1] == a.itemsize or a.shape[1] <= 1))
 
 
 COPY_WARN_BYTES = 1 << 26
@@ -347,6 +367,8 @@ def kernel_ready(a, table_name=None):
     if not _needs_copy(a):
         return a
     native = np.dtype(a.dtype).newbyteorder("=")
+    if type(a) is _simulator.SimArray:
+        return _simulator.device(np.ascontiguousarray(a, dtype=native))
     if isinstance(a, np.ndarray):
         if table_name is not None:
             _warn_table_copy(table_name, a)

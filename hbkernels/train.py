@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from .cli._errors import CLIError, error_line
+from ._machine import simulator_enabled
 from .cli.progress import Progress
 from .threads import Governor, pool_limit, set_num_threads, usable_cores
 
@@ -46,7 +47,10 @@ class Trainer:
         self.args, self.comm, self.device = args, comm, device
         self.rank, self.world = comm.rank, comm.world_size
         self.root = self.rank == 0
-        if device == "cuda":
+        # the dense part's device: under Numba's CUDA simulator the tables are on "cuda"
+        # (simulated) and torch on the CPU
+        self.torch_device = "cpu" if simulator_enabled() else device
+        if self.torch_device == "cuda":
             import cupy
 
             torch.cuda.set_device(cupy.cuda.Device().id)
@@ -150,12 +154,12 @@ class Trainer:
                                             batch_size_hint=hint, device=self.device)
         torch.manual_seed(a.seed)
         self.model = DLRM(EmbeddingCollectionModule(coll), self.features, self.num_dense, a.dim,
-                          bottom=a.bottom, top=a.top).to(self.device)
+                          bottom=a.bottom, top=a.top).to(self.torch_device)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=a.dense_lr, fused=True)
         self.dense_params = [p for p in self.model.parameters() if p.requires_grad]
         self.collection = coll
         if state is not None:
-            dense = torch.load(state["dir"] / "dense.pt", map_location=self.device, weights_only=True)
+            dense = torch.load(state["dir"] / "dense.pt", map_location=self.torch_device, weights_only=True)
             missing, unexpected = self.model.load_state_dict(dense["model"], strict=False)
             if unexpected or any(not k.startswith("embeddings.") for k in missing):
                 raise CLIError(f"checkpoint {state['dir']}: dense.pt does not fit the model "
@@ -173,7 +177,7 @@ class Trainer:
 
         def t(a):
             a = np.ascontiguousarray(a)
-            return torch.from_numpy(a if a.flags.writeable else a.copy()).to(self.device)
+            return torch.from_numpy(a if a.flags.writeable else a.copy()).to(self.torch_device)
 
         sparse = {f: (t(x.values), t(x.offsets)) if isinstance(x, Ragged) else t(x)
                   for f, x in batch.sparse.items()}
@@ -243,7 +247,7 @@ class Trainer:
 
     def allreduce(self, tensor):
         torch = self.torch
-        if self.device == "cuda":
+        if self.torch_device == "cuda":
             import cupy
 
             return torch.from_dlpack(self.comm.allreduce(cupy.from_dlpack(tensor.contiguous())))

@@ -142,9 +142,9 @@ def test_help_shows_defaults_and_no_markup():
     assert "torchrun" in text
 
 
-def run_cli(*args, cwd):
+def run_cli(*args, cwd, **env):
     return subprocess.run([sys.executable, "-m", "hbkernels", *map(str, args)], cwd=cwd,
-                          env=_env(), capture_output=True, text=True, timeout=180)
+                          env=_env(**env), capture_output=True, text=True, timeout=180)
 
 
 def cuda_gpu_present():
@@ -179,7 +179,8 @@ def test_user_errors_are_one_line(tmp_path, criteo_parquet, case):
         "nothing to resume": (["--checkpoint", tmp_path / "ck", "--resume"], "no checkpoint to resume"),
         "epochs on synthetic": (["--epochs", "2"], "need Parquet --data"),
     }[case]
-    res = run_cli("train", *args, "--steps", 2, cwd=tmp_path)
+    # no simulator either: under it, --device cuda runs the CUDA kernels there
+    res = run_cli("train", *args, "--steps", 2, cwd=tmp_path, NUMBA_ENABLE_CUDASIM="0")
     assert res.returncode == 1, res.stdout + res.stderr
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("hbkernels train: error: "), res.stderr
@@ -317,6 +318,29 @@ def test_warmup_runs_every_op(tmp_path):
                          capture_output=True, text=True, timeout=600, cwd=tmp_path, env=_env())
     assert res.returncode == 0, res.stderr
     assert "ops D=16 float32" in res.stdout and res.stdout.rstrip().splitlines()[-1].startswith("done")
+
+
+TINY = ["--steps", "2", "--batch-size", "16", "--eval-samples", "16", "--threads", "1",
+        "--table", "a:50:2", "--table", "b:30:1", "--dim", "4", "--bottom", "4", "--top", "4",
+        "--dense-features", "2"]
+
+
+def test_train_on_the_cuda_path_gives_the_cpu_results(tmp_path):
+    """``hbkernels train --device cuda`` with the CUDA kernels in Numba's simulator (the
+    tables on the simulator's CUDA arrays, torch on the CPU): the CPU's losses and eval."""
+    metrics = {}
+    for device in ("cpu", "cuda"):
+        out = tmp_path / f"{device}.json"
+        res = subprocess.run([sys.executable, "-m", "hbkernels", "train", "--device", device,
+                              *TINY, "--metrics", str(out)], capture_output=True, text=True,
+                             timeout=600, cwd=tmp_path, env=_env(NUMBA_ENABLE_CUDASIM="1"))
+        assert res.returncode == 0, res.stderr[-3000:]
+        metrics[device] = json.loads(out.read_text())
+    assert metrics["cuda"]["device"] == "cuda"
+    np.testing.assert_allclose(losses(metrics["cuda"]), losses(metrics["cpu"]), rtol=1e-5)
+    cpu, cuda = metrics["cpu"]["final"], metrics["cuda"]["final"]
+    assert cuda["eval_auc"] == pytest.approx(cpu["eval_auc"], abs=1e-9)
+    assert cuda["eval_logloss"] == pytest.approx(cpu["eval_logloss"], rel=1e-5)
 
 
 def test_warmup_runs_every_op_on_the_cuda_path(tmp_path):

@@ -6,6 +6,7 @@ float64 torch (autograd gives the reference gradients), and the collection's SGD
 step is checked row by row against it."""
 import numpy as np
 import pytest
+from conftest import HAVE_NUMBA_CUDA, SIMULATOR
 
 torch = pytest.importorskip("torch")
 
@@ -19,10 +20,11 @@ TABLES = {"user": (23, ("user",)), "item": (31, ("item", "clicked")), "geo": (7,
 FEATURE_TABLE = {f: t for t, (_, fs) in TABLES.items() for f in fs}
 
 
-def make_collection(dim, seed):
+def make_collection(dim, seed, device="cpu", optimizer=None):
     specs = [hbk.TableSpec(t, num_rows=n, dim=dim, features=fs) for t, (n, fs) in TABLES.items()]
     return hbk.EmbeddingCollection(specs, comm=hbk.dist.init("local"),
-                                   optimizer=hbk.optim.SGD(lr=LR), device="cpu", seed=seed)
+                                   optimizer=optimizer or hbk.optim.SGD(lr=LR), device=device,
+                                   seed=seed)
 
 
 def make_batch(rng, batch, kinds, dense_width):
@@ -240,3 +242,45 @@ def test_empty_batch(rng, num_dense):
     ref = Reference(model, coll)
     expected = ref.forward(dense, bags, list(kinds), num_dense, dim)
     torch.testing.assert_close(model(dense, sparse).double(), expected.detach(), rtol=1e-4, atol=1e-5)
+
+
+def test_the_gpu_training_step_gives_the_cpu_result_without_waiting(rng):
+    """The DLRM step with the collection on device="cuda" (in CI Numba's simulator, whose
+    collection takes the CPU tensors as its CUDA arrays; torch on the GPU otherwise):
+    the CPU's losses and tables, 10 kernel launches a step (a CSR check per feature, one
+    forward for the four features of the tables' one fused group, the fused Adagrad
+    step's five kernels) and no host synchronisation."""
+    if not HAVE_NUMBA_CUDA:
+        pytest.skip("numba-cuda is not installed")
+    if not SIMULATOR and not torch.cuda.is_available():
+        pytest.skip("needs torch on the GPU")
+    from hbkernels._dispatch import host
+    from hbkernels.cuda import _device, _launcher
+
+    kinds = {"item": "multi", "user": "one", "geo": "one", "clicked": "multi"}
+    batches = [make_batch(rng, 6, kinds, 3)[:2] for _ in range(3)]
+    seed, tables = int(rng.integers(2**31)), {}
+    for device in ("cpu", "cuda"):
+        torch_device = "cuda" if device == "cuda" and not SIMULATOR else "cpu"
+        coll = make_collection(4, seed, device, hbk.optim.Adagrad(lr=0.1))
+        torch.manual_seed(seed)
+        model = DLRM(EmbeddingCollectionModule(coll), list(kinds), num_dense=3, dim=4,
+                     bottom=(4,), top=(4,)).to(torch_device)
+        losses, counts = [], []
+        for dense, sparse in batches:
+            dense = dense.to(torch_device)
+            sparse = {f: tuple(t.to(torch_device) for t in x) if isinstance(x, tuple)
+                      else x.to(torch_device) for f, x in sparse.items()}
+            hbk.synchronize()
+            launches, syncs = _launcher.LAUNCHES[0], _device.HOST_SYNCS[0]
+            loss = model(dense, sparse).sum()
+            loss.backward()
+            counts.append((_launcher.LAUNCHES[0] - launches, _device.HOST_SYNCS[0] - syncs))
+            losses.append(float(loss.detach()))
+        tables[device] = (losses, {t: np.asarray(host(coll.full_weights(t))) for t in TABLES})
+        if device == "cuda":
+            assert counts == [(10, 0)] * len(batches)
+    np.testing.assert_allclose(tables["cuda"][0], tables["cpu"][0], rtol=1e-5)
+    for t in TABLES:
+        np.testing.assert_allclose(tables["cuda"][1][t], tables["cpu"][1][t], rtol=1e-5,
+                                   atol=1e-6)

@@ -117,7 +117,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(_launcher, "RECORDER", [None])  # these kernels are not compiled
     monkeypatch.setattr(_launcher, "_GPU", dict(
         launch=launch, device=lambda: 0, stream=lambda: pytypes.SimpleNamespace(ptr=0x5EED),
-        module=Module, capability=lambda d: "90"))
+        module=Module, capability=lambda d: "90", context=lambda: (1, 1)))
     monkeypatch.setattr(_kernel_cache, "compiled", compile_)
     return fake_gpu
 

@@ -43,8 +43,7 @@ Execution paths (chosen per lowering platform with ``jax.lax.platform_dependent`
   Numba CUDA kernels run on XLA's own stream (``ctx.stream`` made CuPy's
   current stream). The kernel's result is copied device-to-device into XLA's
   output buffer on that stream; the table is never copied. The kernels' checks
-  are read back inside the callback (``hbk.synchronize()``), which waits for the
-  device once per call. Not compatible with command buffers / CUDA
+  are read back inside the callback, which waits for XLA's stream once per call. Not compatible with command buffers / CUDA
   graphs (``command_buffer_compatible=False``).
 * **CUDA fallback** (JAX without ``buffer_callback``, or no CuPy):
   ``jax.pure_callback``, i.e. through host memory: per forward call XLA copies
@@ -227,10 +226,12 @@ def _buffer_call(kernel_into, out_type, *args):
         if device_type == _DLPACK_CPU:
             kernel_into(np.asarray(out), *(np.asarray(b) for b in buffers))
             return
+        from ..cuda import _pending
+
         cp = _cupy()
         with cp.cuda.Device(device_id), cp.cuda.ExternalStream(ctx.stream, device_id):
             kernel_into(cp.asarray(out), *(cp.asarray(b) for b in buffers))
-            ops.synchronize()  # the kernels' checks, raised inside the callback
+            _pending.check_now()  # the kernels' checks, raised inside the callback
 
     return _buffer_callback(callback, out_type, vmap_method="sequential")(*args)
 

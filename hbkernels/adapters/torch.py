@@ -51,9 +51,9 @@ import contextlib
 import numpy as np
 import torch
 
-from .. import ops as _ops
+from .. import _simulator, ops as _ops
 from .._dispatch import cupy_bfloat16
-from .._machine import cupy as _cupy
+from .._machine import cupy as _cupy, simulator_enabled
 from ..sharding import kjt as _kjt
 from ..sharding.kjt import is_keyed_jagged_tensor, kjt_tensors, kjt_weights
 from .._validate import BOUNDS, COMBINERS, is_bfloat16
@@ -100,6 +100,12 @@ def kernel_array(t):
         a = cupy.ndarray(tuple(t.shape), dtype, cupy.cuda.MemoryPointer(mem, 0))
         return cupy_bfloat16(a) if bf16 else a
     raise TypeError(f"hbkernels runs on CPU and CUDA tensors, got one on {t.device}")
+
+
+def _simulated_array(t):
+    """:func:`kernel_array` of the CPU tensor ``t`` as a simulated CUDA array (a view)."""
+    a = kernel_array(t)
+    return None if a is None else _simulator.device(a)
 
 
 def from_kernel_array(a):
@@ -577,7 +583,7 @@ class _CollectionStep(torch.autograd.Function):
                                "(retain_graph); the collection's update is applied once per forward")
         module._backward_done = ctx.generation
         with cuda_stream_of(*grads):
-            module.collection.backward({f: kernel_array(g) for f, g in zip(ctx.names, grads)})
+            module.collection.backward({f: module._array(g) for f, g in zip(ctx.names, grads)})
         return None, None, None, None, None
 
 
@@ -666,7 +672,11 @@ class EmbeddingCollectionModule(torch.nn.Module):
         self.collection = collection
         self._generation = 0
         self._backward_done = 0
-        device = "cuda" if collection.device == "cuda" else "cpu"
+        # under Numba's CUDA simulator a collection on "cuda" takes CPU tensors as its CUDA
+        # arrays (SimArray views, no copy): there is no CUDA tensor to give it
+        simulated = collection.device == "cuda" and simulator_enabled()
+        self._array = _simulated_array if simulated else kernel_array
+        device = "cuda" if collection.device == "cuda" and not simulated else "cpu"
         self._anchor = torch.zeros((), device=device, requires_grad=True)
 
     @torch.compiler.disable
@@ -686,14 +696,14 @@ class EmbeddingCollectionModule(torch.nn.Module):
             if isinstance(x, (tuple, list, Ragged)):
                 if len(x) != 2:
                     raise ValueError(f"feature {f!r}: expected (values, offsets), got {len(x)} items")
-                arrays[f] = Ragged(kernel_array(x[0]), kernel_array(x[1]))
+                arrays[f] = Ragged(self._array(x[0]), self._array(x[1]))
                 tensors += list(x)
             else:
-                arrays[f] = kernel_array(x)
+                arrays[f] = self._array(x)
                 tensors.append(x)
         psws = None
         if per_sample_weights:
-            psws = {f: kernel_array(w) for f, w in per_sample_weights.items()}
+            psws = {f: self._array(w) for f, w in per_sample_weights.items()}
             tensors += list(per_sample_weights.values())
         with cuda_stream_of(*tensors):
             if torch.is_grad_enabled():

@@ -164,6 +164,10 @@ def resolve_device(requested):
     """'cpu' or 'cuda'; CLIError when ``cuda`` is asked for and there is none."""
     if requested == "cpu":
         return "cpu"
+    from .._machine import simulator_enabled
+
+    if requested == "cuda" and simulator_enabled():
+        return "cuda"  # the collection on the simulator's CUDA arrays, torch on the CPU
     from .info import probe_cuda
 
     devices, reason = probe_cuda()

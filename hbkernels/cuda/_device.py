@@ -21,6 +21,7 @@ Numba device arrays are still accepted and returned, viewed by CuPy without a co
 
 import numpy as np
 
+from .. import _simulator
 from .._machine import cupy as _cupy, simulator_enabled
 
 HOST_SYNCS = [0]  # host synchronisations by to_host since import
@@ -55,9 +56,12 @@ def array(k):
 
 
 def to_family(family, a):
-    """An ``xp`` array as an array of ``family`` (CuPy as is, else a Numba view)."""
+    """An ``xp`` array as an array of ``family`` (CuPy as is, else a Numba view; under
+    the simulator a FakeCUDAArray, or for CuPy's stand-in a SimArray)."""
     if family.name == "cupy":
         return a
+    if family.name == "simulated":
+        return _simulator.device(a)
     if simulator_enabled():
         from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
 

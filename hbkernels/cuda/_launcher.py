@@ -173,9 +173,12 @@ class _Loaded:
         self.name = name
 
     def buffers(self):
-        """This thread's ``(argument buffer, address of its parameter pointer array)``."""
+        """This thread's ``(argument buffer, address of its parameter pointer array)``; the
+        first call in a thread also makes the device's context current there (the driver's
+        launch does not, and a thread that has made no CUDA runtime call has none)."""
         held = getattr(self.local, "held", None)
         if held is None:
+            _GPU["context"]()
             buf = ctypes.create_string_buffer(max(self.count, 1) * _SLOT)
             base = ctypes.addressof(buf)
             pointers = (ctypes.c_void_p * max(self.count, 1))(
@@ -194,7 +197,8 @@ def _gpu():
         cp = cupy()
         _GPU.update(launch=cp.cuda.driver.launchKernel, device=cp.cuda.runtime.getDevice,
                     stream=cp.cuda.get_current_stream, module=cp.cuda.function.Module,
-                    capability=lambda d: cp.cuda.Device(d).compute_capability)
+                    capability=lambda d: cp.cuda.Device(d).compute_capability,
+                    context=cp.cuda.runtime.memGetInfo)  # makes the device's context current
     return _GPU
 
 
@@ -206,6 +210,7 @@ def _load(kernel, kinds, device):
         if loaded is not None:
             return loaded
         gpu = _gpu()
+        gpu["context"]()  # the linker and the module load need it current
         argtypes = tuple(numba_type(k) for k in kinds)
         cc = divmod(int(gpu["capability"](device)), 10)
         cubin, name = _kernel_cache.compiled(kernel, argtypes, cc)
@@ -225,7 +230,8 @@ def _simulate(kernel, blocks, threads, args):
 
     views = []
     for a in args:
-        if isinstance(a, np.ndarray):
+        if isinstance(a, np.ndarray):  # SimArrays too, as the plain arrays they view
+            a = np.asarray(a)
             a = FakeCUDAArray(a.view(np.int16) if is_bfloat16(a.dtype) else a)
         elif isinstance(a, FakeCUDAArray) and is_bfloat16(a.dtype):
             a = a.view(np.int16)

@@ -3,9 +3,12 @@
 An op that otherwise need not wait for the device (``embedding_bag``, ``lookup``,
 ``segment_sum``, ``segment_reduce``, ``per_sample_weights_backward``, the fused
 optimizer step) takes its error slots from the device's *ledger* instead of reading
-them back: :func:`slots` hands out ``count`` int64 slots (``NO_ERROR_SLOT`` while
-clean; the kernels ``atomic.min`` first bad positions into them) and notes the call
-with ``report(positions)``, which raises for the positions found (-1: none).
+them back: ``with checks(count, op, report) as slots:`` hands out ``count`` int64 slots
+(``NO_ERROR_SLOT`` while clean; the kernels ``atomic.min`` first bad positions into
+them) for the launches inside the block, and notes the call with
+``report(positions)``, which raises for the positions found (-1: none). No flush runs
+between the slots' handing out and the end of the block (the launches are queued by
+then), in any thread.
 
 :func:`flush` reads every noted slot in one copy, resets them, and raises the first
 error found; the others found by the same read follow, one per later flush, so each
@@ -16,6 +19,7 @@ call whose slots would not fit (:data:`CAPACITY` slots, :data:`MAX_PENDING` call
 or more than :data:`MAX_HELD_BYTES` of input arrays kept for the messages), which is
 then the one call that waits.
 """
+import contextlib
 import threading
 
 import numpy as np
@@ -32,11 +36,13 @@ _LOCK = threading.RLock()
 _LEDGERS = {}  # device id -> _Ledger
 _FOUND = []  # errors read by a flush and not yet raised, oldest first
 _FLUSHING = [False]
+_OPEN = [0]  # checks blocks open (in the thread holding the lock): their slots are in use
 
 
 class _Ledger:
     def __init__(self):
         self.array = _device.full(CAPACITY, NO_ERROR_SLOT, np.int64)
+        _device.wait(_stream())  # filled before a kernel on any stream can write into it
         self.used = 0
         self.held = 0
         self.calls = []  # (op, first slot, count, report, stream or None)
@@ -50,11 +56,29 @@ def _stream():
     return None if simulator_enabled() else cupy().cuda.get_current_stream()
 
 
-def slots(count, op, report, holds=()):
-    """``count`` error slots (an int64 device array, clean) for one call of ``op``;
-    ``report(positions)`` (a list of ``count`` first bad positions, -1 where none;
-    called only when one is not -1) raises the call's error. ``holds``: the arrays
-    ``report`` reads, kept alive until the flush."""
+def checks(count, op, report, holds=(), when=True):
+    """A context holding ``count`` error slots (an int64 device array, clean) for one
+    call of ``op``, for the kernel launches inside it (None when not ``when``: nothing
+    is checked); ``report(positions)`` (a list of ``count`` first bad positions, -1 where
+    none; called only when one is not -1) raises the call's error. ``holds``: the
+    arrays ``report`` reads, kept alive until the flush."""
+    if not when:
+        return contextlib.nullcontext()
+    return _checked(count, op, report, holds)
+
+
+@contextlib.contextmanager
+def _checked(count, op, report, holds):
+    with _LOCK:  # no flush (from any thread) before the block's launches are queued
+        slots = _slots(count, op, report, holds)
+        _OPEN[0] += 1
+        try:
+            yield slots
+        finally:
+            _OPEN[0] -= 1
+
+
+def _slots(count, op, report, holds):
     held = sum(int(getattr(a, "nbytes", 0)) for a in holds)
     with _LOCK:
         device = _device_id()
@@ -63,6 +87,8 @@ def slots(count, op, report, holds=()):
                                    or len(ledger.calls) >= MAX_PENDING
                                    or (ledger.calls and ledger.held + held > MAX_HELD_BYTES)):
             flush(wait=True)
+            if ledger.used + count > CAPACITY:  # not flushed: inside another checks block
+                raise RuntimeError(f"{op}: no error slots left for a check nested in another")
         if ledger is None:
             ledger = _LEDGERS[device] = _Ledger()
         first = ledger.used
@@ -80,6 +106,15 @@ def synchronize():
     flush()
 
 
+def check_now():
+    """Read the pending checks now, waiting for the current stream (and any other a
+    pending call ran on), not the whole device, and raise the first error; nothing to
+    read and no wait when none is pending."""
+    with _LOCK:
+        if _FOUND or any(ledger.calls for ledger in _LEDGERS.values()):
+            flush(wait=True)
+
+
 def pending():
     """How many calls' checks wait for a flush, on every device."""
     return sum(len(ledger.calls) for ledger in _LEDGERS.values())
@@ -91,8 +126,8 @@ def flush(wait=False):
     found and not yet raised. ``wait``: this is a wait of its own (counted in
     :data:`._device.HOST_SYNCS`); otherwise the caller has just waited."""
     with _LOCK:
-        if _FLUSHING[0]:
-            return
+        if _FLUSHING[0] or _OPEN[0]:
+            return  # a report reading back, or a read back inside an op's checks block
         ledger = _LEDGERS.get(_device_id())
         if ledger is not None and ledger.calls:
             _FLUSHING[0] = True
@@ -122,8 +157,7 @@ def _read(ledger, wait):
         _device.wait(stream)
     values = _device.read(ledger.array[:used], count=wait)
     ledger.array[:used] = NO_ERROR_SLOT
-    if others:  # later calls on those streams must see the reset
-        _device.wait(current)
+    _device.wait(current)  # reset before a later kernel, on any stream, writes into it
     ledger.calls, ledger.used, ledger.held = [], 0, 0
     for op, first, count, report, _ in calls:
         positions = error_positions(values[first:first + count])

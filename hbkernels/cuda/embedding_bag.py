@@ -289,7 +289,7 @@ def embedding_bag(family, weights, values, offsets, per_sample_weights, combiner
     def report(bad):
         raise_ragged(family, values, offsets, bad[0], bad[1] if raise_ids else -1, num_rows)
 
-    slots = _pending.slots(2, "embedding_bag", report, (values, offsets)) if check else None
-    out = pool(family, weights, values, offsets, n_values, per_sample_weights, combiner, False,
-               check, raise_ids, slots)
+    with _pending.checks(2, "embedding_bag", report, (values, offsets), when=check) as slots:
+        out = pool(family, weights, values, offsets, n_values, per_sample_weights, combiner,
+                   False, check, raise_ids, slots)
     return out, -1, -1

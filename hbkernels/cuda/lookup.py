@@ -125,12 +125,12 @@ def lookup(family, weights, ids, bounds):
     def report(bad):
         raise_bad_id(family, "ids", ids, bad[0], num_rows)
 
-    slots = _pending.slots(1, "lookup", report, (ids,)) if record else no_error_slots()
     table, k_out = as_bits(family.kernel_array(weights)), as_bits(family.kernel_array(out))
     width, group, chunks_per_lane = _vector.geometry(table)
     tpb = threads_per_block()
     kernel = gather_kernel(np.dtype(table.dtype), width, group, chunks_per_lane)
     steps = -(-n // IDS_IN_FLIGHT)
-    launch(kernel, blocks_for(steps, tpb // group), tpb, table, family.kernel_array(ids), record,
-           k_out, slots)
+    with _pending.checks(1, "lookup", report, (ids,), when=record) as slots:
+        launch(kernel, blocks_for(steps, tpb // group), tpb, table, family.kernel_array(ids),
+               record, k_out, no_error_slots() if slots is None else slots)
     return out, -1

@@ -38,8 +38,8 @@ def check_ragged(family, values, offsets, num_rows, bounds):
     def report(bad):
         raise_ragged(family, values, offsets, bad[0], bad[1] if raise_ids else -1, num_rows)
 
-    slots = _pending.slots(2, "check_ragged", report, (values, offsets))
     tpb = threads_per_block()
-    launch(_ragged_kernel, blocks_for(max(num_bags, n), tpb), tpb, family.kernel_array(values),
-           family.kernel_array(offsets), n, num_rows, raise_ids, slots)
+    with _pending.checks(2, "check_ragged", report, (values, offsets)) as slots:
+        launch(_ragged_kernel, blocks_for(max(num_bags, n), tpb), tpb, family.kernel_array(values),
+               family.kernel_array(offsets), n, num_rows, raise_ids, slots)
     return -1, -1

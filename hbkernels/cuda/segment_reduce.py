@@ -18,5 +18,6 @@ def segment_reduce(family, data, offsets, combiner):
     def report(bad):
         raise_bad_offsets(family, offsets, n_rows, bad[0])
 
-    slots = _pending.slots(2, "segment_reduce", report, (offsets,))
-    return pool(family, data, None, offsets, n_rows, None, combiner, True, True, False, slots), -1
+    with _pending.checks(2, "segment_reduce", report, (offsets,)) as slots:
+        out = pool(family, data, None, offsets, n_rows, None, combiner, True, True, False, slots)
+    return out, -1

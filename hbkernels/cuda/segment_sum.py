@@ -78,13 +78,13 @@ def segment_sum(family, data, segment_ids, num_segments, bounds):
     def report(bad):
         raise_bad_id(family, "segment_ids", segment_ids, bad[0], num_segments)
 
-    slots = (_pending.slots(1, "segment_sum", report, (segment_ids,)) if record
-             else no_error_slots())
     group = group_size(dim)
     tpb = threads_per_block()
     k_acc = family.kernel_array(acc)
-    launch(scatter_add_kernel(dtype_key(data.dtype)), blocks_for(n, tpb // group), tpb,
-           family.kernel_array(data), family.kernel_array(segment_ids), record, group, k_acc, slots)
+    with _pending.checks(1, "segment_sum", report, (segment_ids,), when=record) as slots:
+        launch(scatter_add_kernel(dtype_key(data.dtype)), blocks_for(n, tpb // group), tpb,
+               family.kernel_array(data), family.kernel_array(segment_ids), record, group, k_acc,
+               no_error_slots() if slots is None else slots)
     out = acc
     if acc_dtype != data.dtype:
         out = family.empty(acc.shape, data.dtype)

@@ -492,21 +492,21 @@ def fused_sparse_update(family, rule, weights, state1, state2, hp, grad_out, val
         raise_ragged(family, values, offsets, bad[2], bad[3] if raise_ids else -1, num_rows)
 
     checked = finite or bounds != Bounds.UNCHECKED
-    slots = _pending.slots(4, "fused_step", report, (values, offsets)) if checked else None
-    if finite:
-        _record_nonfinite(family, grad_out, slots, 0)
-        if psw is not None:
-            _record_nonfinite(family, psw.reshape(-1, 1), slots, 1)
-    dim = weights.shape[1]
-    grad_acc = accumulator_dtype(weights.dtype)  # as the CPU: summed in the table's type
-    keys, bag_of, coef, _ = prepare(family, values, offsets, psw, combiner, num_rows,
-                                    grad_acc, bounds != Bounds.UNCHECKED, raise_ids,
-                                    slots=None if slots is None else slots[2:])
-    if n == 0 or num_bags == 0:
-        return clean
-    occ = occurrences(keys, bag_of, coef, dim, grad_acc)
-    sum_partials(family, grad_out, occ, columns_per_lane(dim, group_size(dim)))
-    _launch_update(family, rule, weights, state1, state2, hp, occ.grouping.ids,
-                   occ.grouping.count, family.kernel_array(grad_out), occ,
-                   grad_out.dtype, n, skip_nonfinite, stochastic, key, slots)
+    with _pending.checks(4, "fused_step", report, (values, offsets), when=checked) as slots:
+        if finite:
+            _record_nonfinite(family, grad_out, slots, 0)
+            if psw is not None:
+                _record_nonfinite(family, psw.reshape(-1, 1), slots, 1)
+        dim = weights.shape[1]
+        grad_acc = accumulator_dtype(weights.dtype)  # as the CPU: summed in the table's type
+        keys, bag_of, coef, _ = prepare(family, values, offsets, psw, combiner, num_rows,
+                                        grad_acc, bounds != Bounds.UNCHECKED, raise_ids,
+                                        slots=None if slots is None else slots[2:])
+        if n == 0 or num_bags == 0:
+            return clean
+        occ = occurrences(keys, bag_of, coef, dim, grad_acc)
+        sum_partials(family, grad_out, occ, columns_per_lane(dim, group_size(dim)))
+        _launch_update(family, rule, weights, state1, state2, hp, occ.grouping.ids,
+                       occ.grouping.count, family.kernel_array(grad_out), occ,
+                       grad_out.dtype, n, skip_nonfinite, stochastic, key, slots)
     return clean

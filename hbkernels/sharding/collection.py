@@ -56,7 +56,9 @@ from .._machine import cupy, simulator_enabled
 from ..dist import _wire
 from ..errors import CapacityError
 from ..hash_table import HashTable
-from ..ops import check_ragged, embedding_bag, embedding_bag_backward, lookup, partition, unique
+from ..ops import (
+    check_ragged, embedding_bag, embedding_bag_backward, lookup, partition, synchronize, unique,
+)
 from ..types import JaggedRows, Ragged, SparseGrad, table_spec
 from ..memory import aligned_empty
 from . import checkpoint
@@ -414,6 +416,8 @@ class EmbeddingCollection:
             psw = None if psw is None else psw.astype(np.float32, copy=False)
             inputs[f] = _Feature(spec.name, values, offsets, psw, int(offsets.shape[0]) - 1,
                                  uniq, inverse, sequence_offsets)
+        if space.is_cuda and self.comm.world_size > 1:
+            synchronize()  # the checks' errors here, where the peers are told, not mid-exchange
         return inputs
 
     def forward(self, features, *, per_sample_weights=None, insert=True):
