@@ -13,6 +13,7 @@ from .sharding import EmbeddingCollection
 from .errors import BoundsError, CapacityError, CheckpointError
 from .hash_table import HashTable
 from .memory import aligned_empty, aligned_full
+from .quantize import QuantizedTable, quantize_rows
 from .ops import (
     embedding_bag, embedding_bag_backward, lookup, lookup_backward, partition,
     per_sample_weights_backward, segment_reduce, segment_sum, synchronize, unique,
@@ -28,6 +29,7 @@ __all__ = [
     "HashTable",
     "JaggedRows",
     "Partitioned",
+    "QuantizedTable",
     "Ragged",
     "SparseGrad",
     "TableSpec",
@@ -42,6 +44,7 @@ __all__ = [
     "optim",
     "partition",
     "per_sample_weights_backward",
+    "quantize_rows",
     "reference",
     "segment_reduce",
     "segment_sum",

@@ -256,6 +256,9 @@ def classify(x):
                     "install CuPy (pip install 'hbkernels[cuda12]' or '[cuda13]')"
                 )
             return CudaFamily("cupy", int(dev_id)), cupy().from_dlpack(x)
+    if type(x).__name__ == "QuantizedTable":  # hbkernels.quantize's, not an array
+        raise TypeError("a QuantizedTable is for inference: only embedding_bag and lookup take "
+                        "one; backward ops and optimizers need a float table (q.dequantize())")
     raise TypeError(
         f"expected a NumPy array or a CUDA array (CuPy, __cuda_array_interface__, "
         f"CUDA __dlpack__), got {type(x).__module__}.{type(x).__name__}"

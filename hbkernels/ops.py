@@ -13,6 +13,7 @@ import numpy as np
 from . import _validate as check
 from ._dispatch import NUMPY, kernels, resolve
 from ._modes import PartitionMode, codes
+from .quantize import QuantizedTable
 from .types import Partitioned, SparseGrad
 
 _NO_ERROR = -1
@@ -65,7 +66,11 @@ def lookup(weights, ids, *, bounds="raise"):
     [[4.0, 5.0], [0.0, 1.0]]
     >>> hbk.lookup(w, np.array([1, 7]), bounds="zero").tolist()
     [[2.0, 3.0], [0.0, 0.0]]
+
+    ``weights`` may be a :class:`hbkernels.QuantizedTable`: the rows dequantized, float32.
     """
+    if isinstance(weights, QuantizedTable):
+        return _quantized_lookup(weights, ids, bounds)
     family, a = resolve(row_tables=("weights",), weights=weights, ids=ids)
     weights, ids = a["weights"], a["ids"]
     check.table("weights", weights)
@@ -133,7 +138,13 @@ def embedding_bag(
     >>> hbk.embedding_bag(w, np.array([0, 3, 1]), np.array([0, 2, 2, 3]),
     ...                   combiner="mean").tolist()
     [[3.0, 4.0], [0.0, 0.0], [2.0, 3.0]]
+
+    ``weights`` may be a :class:`hbkernels.QuantizedTable` (:func:`hbkernels.quantize_rows`):
+    the output is float32, the same call on ``weights.dequantize()`` up to float32 rounding.
     """
+    if isinstance(weights, QuantizedTable):
+        return _quantized_embedding_bag(weights, values, offsets, combiner, per_sample_weights,
+                                        bounds)
     if per_sample_weights is None and _plain_numpy_bags(weights, values, offsets):
         family, psw = NUMPY, None
     else:
@@ -145,9 +156,7 @@ def embedding_bag(
             a["weights"], a["values"], a["offsets"], a["per_sample_weights"]
         )
         check.table("weights", weights)
-        check.ids("values", values, ndim=1)
-        check.offsets(offsets)
-        check.per_sample_weights(psw, values)
+        _check_bags(values, offsets, psw)
     mode = check.choice("bounds", bounds, check.BOUNDS)
     comb = check.choice("combiner", combiner, check.COMBINERS)
     out, bad_offset, bad_id = kernels(family, "embedding_bag").embedding_bag(
@@ -156,6 +165,48 @@ def embedding_bag(
     if bad_offset != _NO_ERROR or bad_id != _NO_ERROR:
         check.raise_ragged(family, values, offsets, bad_offset, bad_id, weights.shape[0])
     return out
+
+
+def _check_bags(values, offsets, per_sample_weights):
+    """The checks of CSR bags and their weights that need no pass over the data."""
+    check.ids("values", values, ndim=1)
+    check.offsets(offsets)
+    check.per_sample_weights(per_sample_weights, values)
+
+
+def _quantized_inputs(q, **arrays):
+    """The family and arrays of a call on the quantized table ``q``: the arrays in its
+    family (else ``TypeError``), ready for the kernels."""
+    family, a = resolve(("per_sample_weights",), codes=q.codes, **arrays)
+    return family, a
+
+
+def _quantized_embedding_bag(q, values, offsets, combiner, per_sample_weights, bounds):
+    family, a = _quantized_inputs(q, values=values, offsets=offsets,
+                                  per_sample_weights=per_sample_weights)
+    values, offsets, psw = a["values"], a["offsets"], a["per_sample_weights"]
+    _check_bags(values, offsets, psw)
+    mode = check.choice("bounds", bounds, check.BOUNDS)
+    comb = check.choice("combiner", combiner, check.COMBINERS)
+    out, bad_offset, bad_id = kernels(family, "quantized_bag").embedding_bag(
+        family, q, values, offsets, psw, comb, mode)
+    if bad_offset != _NO_ERROR or bad_id != _NO_ERROR:
+        check.raise_ragged(family, values, offsets, bad_offset, bad_id, q.num_rows)
+    return out
+
+
+def _quantized_lookup(q, ids, bounds):
+    family, a = _quantized_inputs(q, ids=ids)
+    ids = a["ids"]
+    check.ids("ids", ids)
+    mode = check.choice("bounds", bounds, check.BOUNDS)
+    flat = family.reshape(ids, (-1,))
+    one_each = family.from_compute(family.xp.arange(flat.shape[0] + 1, dtype=np.int64))
+    out, _, bad = kernels(family, "quantized_bag").embedding_bag(
+        family, q, flat, one_each, None, check.COMBINERS["sum"], mode, "ids")
+    if bad != _NO_ERROR:
+        check.raise_bad_id(family, "ids", flat, bad, q.num_rows)
+    return family.reshape(out, tuple(ids.shape) + (q.dim,))
 
 
 def _plain_numpy_bags(weights, values, offsets):

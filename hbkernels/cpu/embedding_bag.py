@@ -67,6 +67,43 @@ def pool_chunks(num_bags):
     return max(1, min(MAX_CHUNKS, (num_bags + MIN_CHUNK_BAGS - 1) // MIN_CHUNK_BAGS))
 
 
+@register_jitable
+def bag_range(offsets, b, last_id, check_ids, bad_offset, c):
+    """``(lo, hi, ok)`` of bag ``b``; with ``check_ids``, a bag outside ``[0, last_id]``
+    is not ok, and one whose offsets decrease is also flagged in ``bad_offset[c]`` (its
+    first of chunk ``c``). Indices are unsigned, so Numba emits no negative-index
+    wraparound."""
+    lo = offsets[np.uint64(b)]
+    hi = offsets[np.uint64(b + 1)]
+    if check_ids and not (0 <= lo <= hi <= last_id + 1):
+        if hi < lo and bad_offset[c] == NONE:
+            bad_offset[c] = b + 1
+        return lo, hi, False
+    return lo, hi, True
+
+
+@register_jitable
+def combined_scale(combiner, w_sum, w_sq):
+    """The factor of a bag's sum: 1 for sum, ``1 / w_sum`` for mean, ``1 / sqrt(w_sq)`` for
+    sqrtn, 0 where that denominator is 0."""
+    if combiner == Combiner.MEAN:
+        return 1.0 / w_sum if w_sum != 0.0 else 0.0
+    if combiner == Combiner.SQRTN:
+        return 1.0 / math.sqrt(w_sq) if w_sq != 0.0 else 0.0
+    return 1.0
+
+
+@register_jitable
+def first_of_chunks(first_bad, bad_offset):
+    """``(first bad id position, first bad offset position)`` over the chunks (a serial
+    loop: ``.min()`` would be another parallel region)."""
+    bad_id, bad_bag = NONE, NONE
+    for c in range(first_bad.shape[0]):
+        bad_id = min(bad_id, first_bad[c])
+        bad_bag = min(bad_bag, bad_offset[c])
+    return bad_id, bad_bag
+
+
 @functools.lru_cache(maxsize=None)
 def pool_kernel(dim, check_ids, identity):
     """Kernel ``(table, values, offsets, weighted, weights, combiner, out) -> (bad_id,
@@ -91,12 +128,8 @@ def pool_kernel(dim, check_ids, identity):
         bad_offset = np.full(num_chunks, NONE, np.int64)
         for c in prange(num_chunks):
             for b in range(c * num_bags // num_chunks, (c + 1) * num_bags // num_chunks):
-                # Indices are cast to unsigned so that Numba emits no negative-index wraparound.
-                lo = offsets[np.uint64(b)]
-                hi = offsets[np.uint64(b + 1)]
-                if check_ids and not (0 <= lo <= hi <= last_id + 1):
-                    if hi < lo and bad_offset[c] == NONE:
-                        bad_offset[c] = b + 1
+                lo, hi, ok = bag_range(offsets, b, last_id, check_ids, bad_offset, c)
+                if not ok:
                     continue
                 acc = scratch_row(dim, out, b)
                 for d in range(dim):
@@ -126,17 +159,8 @@ def pool_kernel(dim, check_ids, identity):
                     continue
                 if not weighted:
                     w_sum = w_sq = num_good
-                scale = 0.0
-                if combiner == Combiner.MEAN and w_sum != 0.0:
-                    scale = 1.0 / w_sum
-                elif combiner == Combiner.SQRTN and w_sq != 0.0:
-                    scale = 1.0 / math.sqrt(w_sq)
-                store_row(out, b, acc, scale, dim)
-        bad_id, bad_bag = NONE, NONE  # a serial loop (.min() would be another parallel region)
-        for c in range(num_chunks):
-            bad_id = min(bad_id, first_bad[c])
-            bad_bag = min(bad_bag, bad_offset[c])
-        return bad_id, bad_bag
+                store_row(out, b, acc, combined_scale(combiner, w_sum, w_sq), dim)
+        return first_of_chunks(first_bad, bad_offset)
 
     return pool
 

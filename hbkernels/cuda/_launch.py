@@ -2,9 +2,9 @@
 slots (the launches themselves go through :func:`._launcher.launch`).
 
 Kernels report the first bad position of an input by ``cuda.atomic.min`` into
-an int64 *error slot* that starts at ``NO_ERROR_SLOT``; the launcher reads the
-slots back once (:func:`._device.to_host`, one host synchronisation) unless
-``bounds="unchecked"``.
+an int64 *error slot* that starts at ``NO_ERROR_SLOT``. An op that reads something
+back anyway reads its slots with it (:func:`read_error_slots`, one host
+synchronisation); the others take theirs from :mod:`._pending`, read at a later wait.
 Under the simulator (``NUMBA_ENABLE_CUDASIM=1``) grids are kept tiny: every
 simulated thread is a Python thread.
 """

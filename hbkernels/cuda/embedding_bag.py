@@ -74,6 +74,19 @@ def check_bag_offsets(slots, b, lo, hi, num_bags, n_values):
         cuda.atomic.min(slots, 0, num_bags)
 
 
+@cuda.jit(device=True, inline=True)
+def bag_range(offsets, b, n_values, check_offsets, lane, slots):
+    """``(start, end)``: bag ``b``'s positions, its offsets clamped to ``[0, n_values]``
+    so malformed CSR never reads out of range; with ``check_offsets`` the group's lane 0
+    records the bag's CSR faults (:func:`check_bag_offsets`)."""
+    lo = offsets[b]
+    hi = offsets[b + 1]
+    start = min(max(lo, 0), n_values)
+    if check_offsets and lane == 0:
+        check_bag_offsets(slots, b, lo, hi, offsets.shape[0] - 1, n_values)
+    return start, min(max(hi, start), n_values)
+
+
 @kernel_factory
 def pool_kernel(table_dtype, weights_dtype, width, group, chunks_per_lane, identity, narrow):
     """The pooling kernel for a table of ``table_dtype`` (:func:`dtype_key`), weights of
@@ -164,12 +177,7 @@ def pool_kernel(table_dtype, weights_dtype, width, group, chunks_per_lane, ident
         first = np.int32(tid % 32 - lane)  # the group's lane 0 in the warp
         mask = group_mask(tid % 32, group)
         for b in range(tid // group, num_bags, cuda.gridsize(1) // group):
-            lo = offsets[b]
-            hi = offsets[b + 1]
-            start = min(max(lo, 0), n_values)
-            end = min(max(hi, start), n_values)
-            if check_offsets and lane == 0:
-                check_bag_offsets(slots, b, lo, hi, num_bags, n_values)
+            start, end = bag_range(offsets, b, n_values, check_offsets, lane, slots)
             for c0 in range(0, vectors, chunks_per_lane * group):
                 ca = c0 + lane
                 cb = ca + group

@@ -1,0 +1,136 @@
+"""Pooled lookup of a row-wise quantized table (:class:`hbkernels.QuantizedTable`) on the
+GPU: one kernel, one row group per bag.
+
+Bag ``b`` gives, in float32, ``Σ_j (w_j·scale[r_j])·code[r_j, d] + w_j·bias[r_j]``, then
+the combiner's scale, as :mod:`.embedding_bag` does on the dequantized table up to float32
+rounding. A group of ``G`` lanes (the next power of two >= the row's bytes, at most a warp)
+owns a bag, grid-stride over bags; lane ``l`` reads bytes ``l, l + G, ...`` of each row
+(a pass per ``G`` bytes, coalesced) and unpacks each byte's ``8 / bits`` codes into as
+many float32 accumulators. Offsets are clamped to ``[0, len(values)]`` and ids outside
+the table skipped in every mode; the checks go to error slots left pending
+(:mod:`._pending`), as the float forward's: nothing is read back.
+"""
+import math
+
+import numpy as np
+from numba import cuda
+
+from .._modes import Bounds, Combiner
+from .._validate import raise_bad_id, raise_ragged
+from . import _pending
+from ._launch import (
+    blocks_for,
+    group_size,
+    jit_kernel,
+    kernel_factory,
+    load_as_float,
+    no_error_slots,
+    threads_per_block,
+)
+from ._launcher import launch
+from .embedding_bag import bag_range, empty_batch_bad_offset
+
+
+@kernel_factory
+def quantized_pool_kernel(bits, weights_dtype, group):
+    """The kernel for ``bits``-bit codes, weights of ``weights_dtype`` (None: no weights),
+    ``group`` lanes per bag."""
+    per_byte = 8 // bits
+    mask = np.uint8((1 << bits) - 1)
+    half = load_as_float(np.dtype(np.float16))
+    load_weight = load_as_float(weights_dtype or np.dtype(np.float32))
+    weighted = weights_dtype is not None
+
+    @cuda.jit(device=True, inline=True)
+    def code(byte, e):
+        return np.float32((byte >> np.uint8(e * bits)) & mask)
+
+    @jit_kernel(min_blocks_per_sm=2)
+    def quantized_pool_kernel(codes, scale, bias, values, offsets, n_values, weights, combiner,
+                              check_offsets, record_ids, dim, out, slots):
+        num_rows = codes.shape[0]
+        width = codes.shape[1]
+        num_bags = offsets.shape[0] - 1
+        tid = cuda.grid(1)
+        lane = tid % group
+        for b in range(tid // group, num_bags, cuda.gridsize(1) // group):
+            start, end = bag_range(offsets, b, n_values, check_offsets, lane, slots)
+            for k0 in range(0, width, group):
+                k = k0 + lane
+                a0 = np.float32(0)
+                a1 = np.float32(0)
+                a2 = np.float32(0)
+                a3 = np.float32(0)
+                w_sum = np.float32(0)
+                w_sq = np.float32(0)
+                for j in range(start, end):
+                    r = values[j]
+                    if r < 0 or r >= num_rows:
+                        if record_ids and k0 == 0 and lane == 0:
+                            cuda.atomic.min(slots, 1, j)
+                        continue
+                    w = np.float32(load_weight(weights[j])) if weighted else np.float32(1)
+                    w_sum += w
+                    w_sq += w * w
+                    if k < width:
+                        s = w * half(scale[r])
+                        t = w * half(bias[r])
+                        byte = codes[r, k]
+                        a0 += s * code(byte, 0) + t
+                        if per_byte > 1:
+                            a1 += s * code(byte, 1) + t
+                        if per_byte > 2:
+                            a2 += s * code(byte, 2) + t
+                            a3 += s * code(byte, 3) + t
+                factor = np.float32(1)
+                if combiner == Combiner.MEAN:
+                    factor = np.float32(1) / w_sum if w_sum != 0 else np.float32(0)
+                elif combiner == Combiner.SQRTN:
+                    factor = np.float32(1) / math.sqrt(w_sq) if w_sq != 0 else np.float32(0)
+                d = k * per_byte
+                if k < width and d < dim:
+                    out[b, d] = a0 * factor
+                if per_byte > 1 and k < width and d + 1 < dim:
+                    out[b, d + 1] = a1 * factor
+                if per_byte > 2 and k < width and d + 2 < dim:
+                    out[b, d + 2] = a2 * factor
+                if per_byte > 2 and k < width and d + 3 < dim:
+                    out[b, d + 3] = a3 * factor
+
+    return quantized_pool_kernel
+
+
+def embedding_bag(family, q, values, offsets, per_sample_weights, combiner, bounds,
+                  ids_name="values"):
+    """``(out float32 [B, D], -1, -1)``: one launch; the checks (offsets unless
+    ``bounds="unchecked"``, ids under ``"raise"``, reported as ``ids_name``) are left
+    pending. An empty batch's one offset is read back at once."""
+    n = values.shape[0]
+    check = bounds != Bounds.UNCHECKED
+    raise_ids = bounds == Bounds.RAISE
+    num_bags = offsets.shape[0] - 1
+    if num_bags == 0:
+        bad_offset = empty_batch_bad_offset(family, offsets, n) if check else -1
+        return family.empty((0, q.dim), np.float32), bad_offset, -1
+    out = family.empty((num_bags, q.dim), np.float32)
+    width = q.codes.shape[1]
+    group = group_size(width)
+    tpb = threads_per_block()
+    weights = per_sample_weights
+    kernel = quantized_pool_kernel(q.bits, None if weights is None else np.dtype(weights.dtype),
+                                   group)
+
+    def report(bad):
+        if ids_name == "values":
+            raise_ragged(family, values, offsets, bad[0], bad[1] if raise_ids else -1,
+                         q.num_rows)
+        raise_bad_id(family, ids_name, values, bad[1], q.num_rows)
+
+    k_values = family.kernel_array(values)
+    op = "lookup" if ids_name == "ids" else "embedding_bag"
+    with _pending.checks(2, op, report, (values, offsets), when=check) as slots:
+        launch(kernel, blocks_for(num_bags, tpb // group), tpb, family.kernel_array(q.codes),
+               family.kernel_array(q.scale), family.kernel_array(q.bias), k_values,
+               family.kernel_array(offsets), n, k_values if weights is None else weights,
+               combiner, check, raise_ids, q.dim, out, no_error_slots() if slots is None else slots)
+    return out, -1, -1

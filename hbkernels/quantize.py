@@ -1,0 +1,191 @@
+"""Row-wise quantized tables for inference: :func:`quantize_rows` and :class:`QuantizedTable`.
+
+Row ``r`` of a table becomes ``bits``-bit codes (8, 4 or 2) with one float16 ``scale[r]``
+and ``bias[r]``: element ``j`` dequantizes to ``scale[r] * code + bias[r]`` (computed in
+float32). Codes are packed low bits first in each byte: with 4 bits element ``2k`` is the
+low nibble of byte ``k``, with 2 bits element ``4k`` the lowest two bits; a row takes
+``ceil(D * bits / 8)`` bytes, its last byte's unused bits zero. A table of ``E`` rows
+takes ``E * (ceil(D * bits / 8) + 4)`` bytes.
+
+Rounding: ``bias`` is the row's minimum rounded down to a float16 and ``scale`` the
+step ``(max - bias) / (2^bits - 1)`` rounded up to a float16, so every code
+``round((x - bias) / scale)`` (to nearest, ties to even) lies in ``[0, 2^bits - 1]``
+and every element dequantizes within half a step (``scale / 2``) of the original,
+plus float32 rounding. A row of one value gets ``scale = 0`` and that value (rounded
+down to a float16) as its bias. FBGEMM's int-N TBE rounds scale and bias to nearest
+instead; its codes of the same scale and bias are the same.
+"""
+import numpy as np
+
+from . import _validate as check
+from ._dispatch import resolve
+
+BITS = (8, 4, 2)
+CHUNK_ROWS = 1 << 16  # rows quantized at a time: a table larger than memory goes through
+FLOAT16_MAX = float(np.finfo(np.float16).max)
+
+
+def row_bytes(dim, bits):
+    """Bytes of one row's codes: ``ceil(dim * bits / 8)``."""
+    return -(-int(dim) * int(bits) // 8)
+
+
+class QuantizedTable:
+    """A row-wise quantized table (:func:`quantize_rows`): ``codes`` (uint8,
+    ``[num_rows, ceil(dim * bits / 8)]``), ``scale`` and ``bias`` (float16, ``[num_rows]``),
+    all in the family of the table it came from (NumPy, or CuPy on a GPU).
+    ``hbk.embedding_bag`` and ``hbk.lookup`` take it wherever they take a table and
+    return float32; backward ops and optimizers refuse it (inference only).
+
+    >>> import numpy as np, hbkernels as hbk
+    >>> q = hbk.quantize_rows(np.array([[0.0, 1.0, 3.0]], np.float32), bits=2)
+    >>> q.codes.tolist(), q.scale.tolist(), q.bias.tolist(), q.nbytes
+    ([[52]], [1.0], [0.0], 5)
+    >>> q.dequantize().tolist()
+    [[0.0, 1.0, 3.0]]
+    """
+
+    def __init__(self, codes, scale, bias, bits, dim):
+        if bits not in BITS:
+            raise ValueError(f"bits must be one of {BITS}, got {bits!r}")
+        dim = check.count("dim", dim, minimum=1)
+        family, a = resolve(codes=codes, scale=scale, bias=bias)
+        codes, scale, bias = a["codes"], a["scale"], a["bias"]
+        rows = codes.shape[0] if codes.ndim == 2 else -1
+        if (codes.ndim != 2 or np.dtype(codes.dtype) != np.uint8
+                or codes.shape[1] != row_bytes(dim, bits)):
+            raise ValueError(f"codes must be uint8 [num_rows, {row_bytes(dim, bits)}] for "
+                             f"dim={dim}, bits={bits}, got {np.dtype(codes.dtype)} "
+                             f"{tuple(codes.shape)}")
+        for name, v in (("scale", scale), ("bias", bias)):
+            if np.dtype(v.dtype) != np.float16 or tuple(v.shape) != (rows,):
+                raise ValueError(f"{name} must be float16 [{rows}], got {np.dtype(v.dtype)} "
+                                 f"{tuple(v.shape)}")
+        self.codes, self.scale, self.bias = codes, scale, bias
+        self.bits, self.dim, self.family = int(bits), dim, family
+
+    @property
+    def num_rows(self):
+        return int(self.codes.shape[0])
+
+    @property
+    def nbytes(self):
+        """Bytes held: codes, scales and biases (``num_rows * (row_bytes + 4)``)."""
+        return int(self.codes.nbytes + self.scale.nbytes + self.bias.nbytes)
+
+    def dequantize(self, rows=None):
+        """The float32 table ``[num_rows, dim]`` (or of the rows ``rows``, a slice or an
+        index array), in the table's family."""
+        xp = self.family.xp
+        sel = slice(None) if rows is None else rows
+        codes = self.family.compute(self.codes[sel])
+        scale = self.family.compute(self.scale[sel]).astype(np.float32)
+        bias = self.family.compute(self.bias[sel]).astype(np.float32)
+        values = unpack(xp, codes, self.bits, self.dim).astype(np.float32)
+        return self.family.from_compute(values * scale[:, None] + bias[:, None])
+
+    def __repr__(self):
+        return (f"QuantizedTable(num_rows={self.num_rows}, dim={self.dim}, bits={self.bits}, "
+                f"nbytes={self.nbytes}, device={self.family.device!r})")
+
+
+def unpack(xp, codes, bits, dim):
+    """The codes ``[n, row_bytes]`` (uint8) as one uint8 per element, ``[n, dim]``."""
+    if bits == 8:
+        return codes[:, :dim]
+    per_byte, mask = 8 // bits, (1 << bits) - 1
+    parts = [(codes >> np.uint8(bits * k)) & np.uint8(mask) for k in range(per_byte)]
+    return xp.stack(parts, axis=2).reshape(codes.shape[0], -1)[:, :dim]
+
+
+def pack(xp, values, bits):
+    """``values`` ``[n, dim]`` (integers in ``[0, 2^bits)``) packed, ``[n, row_bytes]`` uint8."""
+    values = values.astype(np.uint8)
+    if bits == 8:
+        return values
+    per_byte = 8 // bits
+    n, dim = values.shape
+    width = row_bytes(dim, bits)
+    padded = xp.zeros((n, width * per_byte), np.uint8)
+    padded[:, :dim] = values
+    padded = padded.reshape(n, width, per_byte)
+    out = padded[:, :, 0].copy()
+    for k in range(1, per_byte):
+        out |= padded[:, :, k] << np.uint8(bits * k)
+    return out
+
+
+def _float16_toward(xp, x, direction):
+    """float32 ``x`` (finite, within float16's range) rounded to the float16 at or
+    below it (``direction < 0``) or at or above it (``direction > 0``): the nearest
+    float16, moved one step the other way where it lies on the wrong side of ``x``."""
+    h = x.astype(np.float16)
+    wrong = (h.astype(np.float32) > x) if direction < 0 else (h.astype(np.float32) < x)
+    bits = h.view(np.uint16).astype(np.int32)
+    negative = bits >= 0x8000  # sign and magnitude: +1 on the bits moves away from zero
+    zero = (bits & 0x7FFF) == 0
+    if direction < 0:  # down: more negative, or less positive; from +-0 to -(least subnormal)
+        moved = xp.where(zero, 0x8001, xp.where(negative, bits + 1, bits - 1))
+    else:  # up: less negative, or more positive; from +-0 to +(least subnormal)
+        moved = xp.where(zero, 0x0001, xp.where(negative, bits - 1, bits + 1))
+    return xp.where(wrong, moved, bits).astype(np.uint16).view(np.float16)
+
+
+def _quantize_chunk(xp, x, bits, first_row):
+    """Codes, scale and bias of the float32 rows ``x`` (row ``first_row`` of the table
+    first); ValueError naming the first row that cannot be quantized."""
+    finite = xp.isfinite(x).all(axis=1)
+    lo, hi = x.min(axis=1), x.max(axis=1)
+    levels = (1 << bits) - 1
+    fits = finite & (lo >= -FLOAT16_MAX) & (hi <= FLOAT16_MAX)
+    if not bool(fits.all()):
+        r = int(xp.argmin(fits))
+        what = ("holds NaN or Inf" if not bool(finite[r]) else
+                f"spans [{float(lo[r])}, {float(hi[r])}], beyond float16's range")
+        raise ValueError(f"row {first_row + r} of the table {what}: its scale and bias "
+                         f"are float16")
+    bias = _float16_toward(xp, lo, -1)
+    step = (hi - bias.astype(np.float32)) / np.float32(levels)
+    if not bool((step <= FLOAT16_MAX).all()):
+        r = int(xp.argmax(step > FLOAT16_MAX))
+        raise ValueError(f"row {first_row + r} of the table spans [{float(lo[r])}, "
+                         f"{float(hi[r])}]: its {bits}-bit step exceeds float16's range")
+    scale = _float16_toward(xp, step, +1)
+    s = scale.astype(np.float32)
+    safe = xp.where(s > 0, s, np.float32(1))
+    q = xp.rint((x - bias.astype(np.float32)[:, None]) / safe[:, None])
+    q = xp.clip(q, 0, levels)
+    return pack(xp, q, bits), scale, bias
+
+
+def quantize_rows(table, bits=8, *, chunk_rows=CHUNK_ROWS):
+    """The row-wise ``bits``-bit quantization of ``table`` (``[E, D]`` fp16, bf16, fp32 or
+    fp64; NumPy, including a memory-mapped file, or CuPy), as a :class:`QuantizedTable`
+    in the table's family. Rows go ``chunk_rows`` at a time, so the float32 copy in
+    flight stays small. A row holding NaN or Inf, or whose values or step exceed
+    float16's range, is a ``ValueError`` naming the row.
+
+    >>> import numpy as np, hbkernels as hbk
+    >>> w = np.random.default_rng(0).standard_normal((1000, 16)).astype(np.float32)
+    >>> q = hbk.quantize_rows(w, bits=4)
+    >>> q.codes.shape, q.nbytes
+    ((1000, 8), 12000)
+    >>> bool(np.all(np.abs(q.dequantize() - w) <= q.scale.astype(np.float32)[:, None] / 2 + 1e-5))
+    True
+    """
+    if isinstance(bits, bool) or bits not in BITS:
+        raise ValueError(f"bits must be one of {BITS}, got {bits!r}")
+    chunk_rows = check.count("chunk_rows", chunk_rows, minimum=1)
+    family, a = resolve(row_tables=("table",), table=table)
+    table = a["table"]
+    check.table("table", table)
+    xp = family.xp
+    rows, dim = int(table.shape[0]), int(table.shape[1])
+    codes = xp.empty((rows, row_bytes(dim, bits)), np.uint8)
+    scale = xp.empty(rows, np.float16)
+    bias = xp.empty(rows, np.float16)
+    for r0 in range(0, rows, chunk_rows):
+        r1 = min(rows, r0 + chunk_rows)
+        x = family.compute(table[r0:r1]).astype(np.float32)
+        codes[r0:r1], scale[r0:r1], bias[r0:r1] = _quantize_chunk(xp, x, bits, r0)
+    return QuantizedTable(*(family.from_compute(v) for v in (codes, scale, bias)), bits, dim)
