@@ -88,7 +88,7 @@ def test_run_all_smoke(tmp_path):
     rows = read_rows(out)
     anchored = ({"fused_step"} if HAVE_TBE else set()) | ({"train"} if HAVE_TORCHREC else set())
     assert {r["op"] for r in rows} == {"copy", "hash_table", "tiered", "host_per_call",
-                                       *SCRIPTS} | anchored
+                                       "quantized_bag", *SCRIPTS} | anchored
     assert sum(r["op"] == "copy" for r in rows) == 1
 
 
@@ -190,3 +190,15 @@ def test_host_per_call_bench_smoke(tmp_path):
     assert {r["provider"] for r in mine} >= {"hbkernels", "hbkernels-unchecked"} | (
         {"torch"} if HAVE_TORCH else set())
     assert all(float(r["median_ms"]) > 0 for r in mine)
+
+
+def test_quantized_bag_bench_smoke(tmp_path):
+    """int8 and int4 tables: hbkernels, its float32 forward on the dequantized table, the
+    NumPy gather, and FBGEMM's int-N TBE on the same codes where installed."""
+    rows = [r for r in smoke("quantized_bag", tmp_path / "bench.csv") if r["op"] == "quantized_bag"]
+    assert {r["dtype"] for r in rows} == {"int8", "int4"}
+    providers = {r["provider"] for r in rows}
+    assert {"hbkernels", "hbkernels-fp32", "numpy"} <= providers
+    if HAVE_TBE:
+        assert "fbgemm-intn-tbe" in providers
+    assert all(float(r["median_ms"]) > 0 and float(r["gbps"]) > 0 for r in rows)

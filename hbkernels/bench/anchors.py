@@ -20,19 +20,28 @@ from .common import optional_module
 TBE_RULES = {"SGD": "EXACT_SGD", "Adagrad": "EXACT_ADAGRAD", "RowWiseAdagrad": "EXACT_ROWWISE_ADAGRAD"}
 
 
-def fbgemm_tbe():
-    """``(torch, the TBE class, EmbeddingLocation, ComputeDevice, PoolingMode, EmbOptimType)``
-    when FBGEMM's TBE imports (and is not disabled by ``HBK_BENCH_NO=fbgemm_gpu``), else None."""
+def _fbgemm(kind):
+    """``(torch, fbgemm_gpu's split_table_batched_embeddings_ops_<kind>, ..._common,
+    split_embedding_configs)`` when they import (and ``HBK_BENCH_NO`` does not name
+    fbgemm_gpu), else None."""
     torch = optional_module("torch")
     if torch is None or optional_module("fbgemm_gpu") is None:
         return None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        training = optional_module("fbgemm_gpu.split_table_batched_embeddings_ops_training")
-        common = optional_module("fbgemm_gpu.split_table_batched_embeddings_ops_common")
-        configs = optional_module("fbgemm_gpu.split_embedding_configs")
-    if training is None or common is None or configs is None:
+        modules = [optional_module(f"fbgemm_gpu.{name}") for name in (
+            f"split_table_batched_embeddings_ops_{kind}",
+            "split_table_batched_embeddings_ops_common", "split_embedding_configs")]
+    return None if None in modules else (torch, *modules)
+
+
+def fbgemm_tbe():
+    """``(torch, the TBE class, EmbeddingLocation, ComputeDevice, PoolingMode, EmbOptimType)``
+    when FBGEMM's TBE imports (and is not disabled by ``HBK_BENCH_NO=fbgemm_gpu``), else None."""
+    found = _fbgemm("training")
+    if found is None:
         return None
+    torch, training, common, configs = found
     return (torch, training.SplitTableBatchedEmbeddingBagsCodegen, common.EmbeddingLocation,
             training.ComputeDevice, common.PoolingMode, configs.EmbOptimType)
 
@@ -59,3 +68,42 @@ def tbe_table(weights, *, combiner="sum", rule="EXACT_SGD", lr=0.01, eps=1e-8):
 def tbe_weights(tbe):
     """TBE's table as a NumPy view (float32 ``[E, D]``)."""
     return tbe.split_embedding_weights()[0].detach().numpy()
+
+
+SPARSE_TYPES = {8: "INT8", 4: "INT4", 2: "INT2"}  # bits -> FBGEMM's SparseType member
+
+
+def fbgemm_intn():
+    """``(torch, IntNBitTableBatchedEmbeddingBagsCodegen, EmbeddingLocation, PoolingMode,
+    SparseType)`` when FBGEMM's int-N inference TBE imports, else None."""
+    found = _fbgemm("inference")
+    if found is None:
+        return None
+    torch, inference, common, configs = found
+    return (torch, inference.IntNBitTableBatchedEmbeddingBagsCodegen, common.EmbeddingLocation,
+            common.PoolingMode, configs.SparseType)
+
+
+def tbe_quantized_table(q, *, combiner="sum"):
+    """A one-table int-N TBE on the CPU (float32 output) holding the codes, scales and
+    biases of ``q`` (a NumPy :class:`hbkernels.QuantizedTable`): FBGEMM's layout is the
+    same (codes low bits first; float16 scale, then bias, per row). None when FBGEMM's
+    int-N TBE is not installed."""
+    import numpy as np
+
+    found = fbgemm_intn()
+    if found is None:
+        return None
+    torch, TBE, Location, Pooling, Sparse = found
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tbe = TBE(embedding_specs=[("table", q.num_rows, q.dim, getattr(Sparse, SPARSE_TYPES[q.bits]),
+                                    Location.HOST)],
+                  device="cpu", pooling_mode=getattr(Pooling, combiner.upper()),
+                  output_dtype=Sparse.FP32)
+        tbe.fill_random_weights()  # allocates the table
+    codes, scale_bias = tbe.split_embedding_weights()[0]
+    with torch.no_grad():
+        codes.copy_(torch.from_numpy(q.codes))
+        scale_bias.copy_(torch.from_numpy(np.stack([q.scale, q.bias], axis=1).view(np.uint8)))
+    return tbe

@@ -71,8 +71,7 @@ def run(ctx):
     xp, torch = ctx.xp, ctx.torch
     for cfg in configs(ctx):
         E, D, B, L = cfg["E"], cfg["D"], cfg["B"], cfg["L"]
-        ids = ctx.zipf_ids(B * L, E, cfg["alpha"])
-        offsets = xp.arange(B + 1, dtype=xp.int64) * L
+        ids, offsets = ctx.fixed_bags(cfg)
         size = f"E={E} D={D} B={B} L={L} zipf={cfg['alpha']}"
         line_offset = cfg.get("line_offset", 0)
         if line_offset:

@@ -106,8 +106,7 @@ def run(ctx):
     xp = ctx.xp
     for cfg in configs(ctx):
         E, D, B, L = cfg["E"], cfg["D"], cfg["B"], cfg["L"]
-        ids = ctx.zipf_ids(B * L, E, cfg["alpha"])
-        offsets = xp.arange(B + 1, dtype=xp.int64) * L
+        ids, offsets = ctx.fixed_bags(cfg)
         touched = int(xp.unique(ids).shape[0])
         w = ctx.random_table(E, D, "float32")
         grad = ctx.random_table(B, D, "float32", seed_offset=1)

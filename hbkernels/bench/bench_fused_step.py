@@ -74,8 +74,7 @@ def run(ctx):
     rng = np.random.default_rng(ctx.seed)
     for cfg in configs(ctx):
         E, D, B, L = cfg["E"], cfg["D"], cfg["B"], cfg["L"]
-        ids = ctx.zipf_ids(B * L, E, cfg["alpha"])
-        offsets = np.arange(B + 1, dtype=np.int64) * L
+        ids, offsets = ctx.fixed_bags(cfg)
         grad = rng.standard_normal((B, D), dtype=np.float32)
         table = ctx.random_table(E, D, "float32")
         checked = hbk.unique(ids)[:CHECKED_IDS]

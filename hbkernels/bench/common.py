@@ -300,6 +300,12 @@ class Context:
     def zipf_ids(self, n, num_rows, alpha, seed_offset=0):
         return zipf_ids(n, num_rows, alpha, seed=self.seed + seed_offset, xp=self.xp)
 
+    def fixed_bags(self, cfg):
+        """``(ids, offsets)``: ``cfg``'s ``B`` bags of ``L`` Zipf(``alpha``) ids over ``E``
+        rows, on this device."""
+        ids = self.zipf_ids(cfg["B"] * cfg["L"], cfg["E"], cfg["alpha"])
+        return ids, self.xp.arange(cfg["B"] + 1, dtype=self.xp.int64) * cfg["L"]
+
     def random_table(self, num_rows, dim, dtype, seed_offset=0, line_offset=0):
         return random_table(num_rows, dim, dtype, seed=self.seed + seed_offset, xp=self.xp,
                             line_offset=line_offset)

@@ -20,6 +20,7 @@ from . import (
     bench_lookup,
     bench_partition,
     bench_per_sample_weights_backward,
+    bench_quantized_bag,
     bench_segment_reduce,
     bench_segment_sum,
     bench_tiered,
@@ -42,6 +43,7 @@ BENCHMARKS = {
     "train": bench_train,
     "tiered": bench_tiered,
     "host_per_call": bench_launch,
+    "quantized_bag": bench_quantized_bag,
 }
 
 

@@ -16,21 +16,67 @@ import numpy as np
 from numba import prange
 
 from .._modes import Bounds
-from ._common import cached_njit, first_bad_offset, kernel_table, prefetch_ids, prefetch_row, widen
+from numba.extending import register_jitable
+
+from ._common import (
+    cached_njit,
+    first_bad_offset,
+    kernel_table,
+    prefetch_ids,
+    prefetch_row,
+    scratch_row,
+    widen,
+)
 from .embedding_bag import NONE, bag_range, combined_scale, first_of_chunks, pool_chunks
 
 NO_WEIGHTS = np.ones(1, np.float32)
 
 
 @functools.lru_cache(maxsize=None)
+def row_adders(dim, bits):
+    """``(add, store)`` for ``dim`` columns of ``bits``-bit codes, accumulated in a row
+    ``acc`` in *planar* order: code ``e`` of byte ``k`` (column ``k·P + e``, ``P = 8 /
+    bits`` codes a byte) at ``acc[e·F + k]`` for the ``F = dim // P`` full bytes, then a
+    last byte's codes; each ``e`` is then one loop over consecutive bytes, which LLVM
+    turns into vectors (int8: ``acc`` in column order, 16 codes widened at a time).
+
+    * ``add(acc, codes, row, s)``: ``acc += s * code[row]``;
+    * ``store(out, b, acc, shift, factor)``: ``out[b, column] = (acc + shift) * factor``,
+      back in column order."""
+    per_byte = 8 // bits
+    full = dim // per_byte
+    mask = np.uint8((1 << bits) - 1)
+
+    @register_jitable(inline="always")
+    def add(acc, codes, row, s):
+        for k in range(full):
+            byte = codes[row, np.uint64(k)]
+            for e in range(per_byte):  # unrolled: P streams of consecutive acc elements
+                acc[e * full + k] += s * np.float32((byte >> np.uint8(e * bits)) & mask)
+        for e in range(dim - full * per_byte):  # the last byte's columns
+            byte = codes[row, np.uint64(full)]
+            acc[per_byte * full + e] += s * np.float32((byte >> np.uint8(e * bits)) & mask)
+
+    @register_jitable(inline="always")
+    def store(out, b, acc, shift, factor):
+        for e in range(per_byte):
+            for k in range(full):
+                out[b, k * per_byte + e] = (acc[e * full + k] + shift) * factor
+        for e in range(per_byte * full, dim):
+            out[b, e] = (acc[e] + shift) * factor
+
+    return add, store
+
+
+@functools.lru_cache(maxsize=None)
 def quantized_pool_kernel(dim, bits, check_ids):
     """Kernel ``(codes, scale, bias, values, offsets, weighted, weights, combiner, out)
     -> (bad_id, bad_offset)`` for ``dim`` columns of ``bits``-bit codes (``scale``,
-    ``bias`` as their float16 bits); out float32 ``[B, dim]``. Needs ``offsets[0] == 0``
-    and ``offsets[-1] == len(values)`` when ``check_ids``."""
-    per_byte = 8 // bits
-    mask = (1 << bits) - 1
+    ``bias`` as their float16 bits, ``[E, 1]``); out float32 ``[B, dim]``. A bag sums
+    ``(w·scale)·code`` per column in a stack row and ``w·bias`` once, adding it at the end.
+    Needs ``offsets[0] == 0`` and ``offsets[-1] == len(values)`` when ``check_ids``."""
     width = -(-dim * bits // 8)
+    add, store = row_adders(dim, bits)
 
     @cached_njit(parallel=True, fastmath=True)
     def pool(codes, scale, bias, values, offsets, weighted, weights, combiner, out):
@@ -38,23 +84,27 @@ def quantized_pool_kernel(dim, bits, check_ids):
         num_bags = offsets.shape[0] - 1
         num_chunks = pool_chunks(num_bags)
         last_id = offsets[num_bags] - 1
-        distance = prefetch_ids(width)
+        distance = prefetch_ids(width + 4)
         first_bad = np.full(num_chunks, NONE, np.int64)
         bad_offset = np.full(num_chunks, NONE, np.int64)
         for c in prange(num_chunks):
-            acc = np.empty(dim, np.float32)
             for b in range(c * num_bags // num_chunks, (c + 1) * num_bags // num_chunks):
                 lo, hi, ok = bag_range(offsets, b, last_id, check_ids, bad_offset, c)
                 if not ok:
                     continue
+                acc = scratch_row(dim, out, b)
                 for d in range(dim):
                     acc[d] = 0
+                biases = np.float32(0)
                 w_sum = 0.0
                 w_sq = 0.0
                 num_good = hi - lo
                 for j in range(lo, hi):
-                    ahead = values[np.uint64(min(j + distance, last_id))]
-                    prefetch_row(codes, min(np.uint64(ahead), np.uint64(num_rows - 1)), width)
+                    ahead = min(np.uint64(values[np.uint64(min(j + distance, last_id))]),
+                                np.uint64(num_rows - 1))
+                    prefetch_row(codes, ahead, width)  # the scales and biases are lines apart
+                    prefetch_row(scale, ahead, 1)
+                    prefetch_row(bias, ahead, 1)
                     row = np.uint64(values[np.uint64(j)])
                     if check_ids and row >= np.uint64(num_rows):  # negatives wrap high
                         if first_bad[c] == NONE:
@@ -66,20 +116,11 @@ def quantized_pool_kernel(dim, bits, check_ids):
                         w = weights[np.uint64(j)]
                         w_sum += w
                         w_sq += w * w
-                    s = w * widen(scale[row])
-                    t = w * widen(bias[row])
-                    for k in range(width):
-                        byte = codes[row, k]
-                        for e in range(per_byte):
-                            d = k * per_byte + e
-                            if d < dim:
-                                code = np.float32((byte >> np.uint8(e * bits)) & np.uint8(mask))
-                                acc[d] += s * code + t
+                    biases += w * widen(bias[row, 0])
+                    add(acc, codes, row, w * widen(scale[row, 0]))
                 if not weighted:
                     w_sum = w_sq = num_good
-                factor = np.float32(combined_scale(combiner, w_sum, w_sq))
-                for d in range(dim):
-                    out[b, d] = acc[d] * factor
+                store(out, b, acc, biases, np.float32(combined_scale(combiner, w_sum, w_sq)))
         return first_of_chunks(first_bad, bad_offset)
 
     return pool
@@ -98,8 +139,9 @@ def embedding_bag(family, q, values, offsets, per_sample_weights, combiner, boun
     weighted = per_sample_weights is not None
     weights = per_sample_weights.astype(np.float32, copy=False) if weighted else NO_WEIGHTS
     kernel = quantized_pool_kernel(q.dim, q.bits, check)
-    bad_id, bad_offset = kernel(q.codes, kernel_table(q.scale), kernel_table(q.bias), values,
-                                offsets, weighted, weights, combiner, out)
+    scale, bias = (kernel_table(a).reshape(-1, 1) for a in (q.scale, q.bias))
+    bad_id, bad_offset = kernel(q.codes, scale, bias, values, offsets, weighted, weights,
+                                combiner, out)
     if bad_offset != NONE:
         return None, int(bad_offset), -1
     return out, -1, (int(bad_id) if bounds == Bounds.RAISE and bad_id != NONE else -1)
