@@ -177,7 +177,7 @@ def _check_bags(values, offsets, per_sample_weights):
 def _quantized_inputs(q, **arrays):
     """The family and arrays of a call on the quantized table ``q``: the arrays in its
     family (else ``TypeError``), ready for the kernels."""
-    family, a = resolve(("per_sample_weights",), codes=q.codes, **arrays)
+    family, a = resolve(("per_sample_weights",), table=q.rows, **arrays)
     return family, a
 
 

@@ -31,11 +31,15 @@ def row_bytes(dim, bits):
 
 
 class QuantizedTable:
-    """A row-wise quantized table (:func:`quantize_rows`): ``codes`` (uint8,
-    ``[num_rows, ceil(dim * bits / 8)]``), ``scale`` and ``bias`` (float16, ``[num_rows]``),
-    all in the family of the table it came from (NumPy, or CuPy on a GPU).
+    """A row-wise quantized table (:func:`quantize_rows`), held as one uint8 array
+    ``rows`` ``[num_rows, ceil(dim * bits / 8) + 4]``: each row's codes, then its float16
+    scale and bias as 2 bytes each (little-endian), so that a lookup reads one run of
+    memory per id. ``codes`` (uint8 ``[num_rows, ceil(dim * bits / 8)]``) is a view of
+    it; ``scale`` and ``bias`` (float16 ``[num_rows]``) are read out of it (copies). The
+    arrays are in the family of the table it came from (NumPy, or CuPy on a GPU).
     ``hbk.embedding_bag`` and ``hbk.lookup`` take it wherever they take a table and
     return float32; backward ops and optimizers refuse it (inference only).
+    ``QuantizedTable(codes, scale, bias, bits, dim)`` packs separate arrays (a copy).
 
     >>> import numpy as np, hbkernels as hbk
     >>> q = hbk.quantize_rows(np.array([[0.0, 1.0, 3.0]], np.float32), bits=2)
@@ -46,43 +50,78 @@ class QuantizedTable:
     """
 
     def __init__(self, codes, scale, bias, bits, dim):
-        if bits not in BITS:
+        if isinstance(bits, bool) or bits not in BITS:
             raise ValueError(f"bits must be one of {BITS}, got {bits!r}")
         dim = check.count("dim", dim, minimum=1)
         family, a = resolve(codes=codes, scale=scale, bias=bias)
         codes, scale, bias = a["codes"], a["scale"], a["bias"]
-        rows = codes.shape[0] if codes.ndim == 2 else -1
-        if (codes.ndim != 2 or np.dtype(codes.dtype) != np.uint8
-                or codes.shape[1] != row_bytes(dim, bits)):
-            raise ValueError(f"codes must be uint8 [num_rows, {row_bytes(dim, bits)}] for "
-                             f"dim={dim}, bits={bits}, got {np.dtype(codes.dtype)} "
-                             f"{tuple(codes.shape)}")
+        width = row_bytes(dim, bits)
+        n = codes.shape[0] if codes.ndim == 2 else -1
+        if codes.ndim != 2 or np.dtype(codes.dtype) != np.uint8 or codes.shape[1] != width:
+            raise ValueError(f"codes must be uint8 [num_rows, {width}] for dim={dim}, "
+                             f"bits={bits}, got {np.dtype(codes.dtype)} {tuple(codes.shape)}")
         for name, v in (("scale", scale), ("bias", bias)):
-            if np.dtype(v.dtype) != np.float16 or tuple(v.shape) != (rows,):
-                raise ValueError(f"{name} must be float16 [{rows}], got {np.dtype(v.dtype)} "
+            if np.dtype(v.dtype) != np.float16 or tuple(v.shape) != (n,):
+                raise ValueError(f"{name} must be float16 [{n}], got {np.dtype(v.dtype)} "
                                  f"{tuple(v.shape)}")
-        self.codes, self.scale, self.bias = codes, scale, bias
-        self.bits, self.dim, self.family = int(bits), dim, family
+        xp = family.xp
+        rows = xp.empty((n, width + 4), np.uint8)
+        rows[:, :width] = family.compute(codes)
+        for k, v in enumerate((scale, bias)):
+            rows[:, width + 2 * k:width + 2 * k + 2] = family.compute(v).view(np.uint8).reshape(n, 2)
+        self._hold(family.from_compute(rows), bits, dim, family)
+
+    @classmethod
+    def from_rows(cls, rows, bits, dim):
+        """The table whose packed rows are ``rows`` (uint8 ``[E, row_bytes + 4]``, no copy)."""
+        q = cls.__new__(cls)
+        family, a = resolve(rows=rows)
+        if (a["rows"].ndim != 2 or np.dtype(a["rows"].dtype) != np.uint8
+                or a["rows"].shape[1] != row_bytes(dim, bits) + 4):
+            raise ValueError(f"rows must be uint8 [num_rows, {row_bytes(dim, bits) + 4}]")
+        q._hold(a["rows"], bits, dim, family)
+        return q
+
+    def _hold(self, rows, bits, dim, family):
+        self.rows, self.bits, self.dim, self.family = rows, int(bits), int(dim), family
+        self.width = row_bytes(dim, bits)
 
     @property
     def num_rows(self):
-        return int(self.codes.shape[0])
+        return int(self.rows.shape[0])
 
     @property
     def nbytes(self):
-        """Bytes held: codes, scales and biases (``num_rows * (row_bytes + 4)``)."""
-        return int(self.codes.nbytes + self.scale.nbytes + self.bias.nbytes)
+        """Bytes held: ``num_rows * (row_bytes + 4)``."""
+        return int(self.rows.nbytes)
+
+    @property
+    def codes(self):
+        return self.rows[:, :self.width]
+
+    def _half(self, k):
+        xp = self.family.xp
+        pair = xp.ascontiguousarray(self.family.compute(self.rows[:, self.width + 2 * k:
+                                                                  self.width + 2 * k + 2]))
+        return self.family.from_compute(pair.view(np.float16).reshape(-1))
+
+    @property
+    def scale(self):
+        return self._half(0)
+
+    @property
+    def bias(self):
+        return self._half(1)
 
     def dequantize(self, rows=None):
         """The float32 table ``[num_rows, dim]`` (or of the rows ``rows``, a slice or an
         index array), in the table's family."""
         xp = self.family.xp
         sel = slice(None) if rows is None else rows
-        codes = self.family.compute(self.codes[sel])
-        scale = self.family.compute(self.scale[sel]).astype(np.float32)
-        bias = self.family.compute(self.bias[sel]).astype(np.float32)
-        values = unpack(xp, codes, self.bits, self.dim).astype(np.float32)
-        return self.family.from_compute(values * scale[:, None] + bias[:, None])
+        packed = self.family.compute(self.rows[sel])
+        halves = xp.ascontiguousarray(packed[:, self.width:]).view(np.float16).astype(np.float32)
+        values = unpack(xp, packed[:, :self.width], self.bits, self.dim).astype(np.float32)
+        return self.family.from_compute(values * halves[:, :1] + halves[:, 1:])
 
     def __repr__(self):
         return (f"QuantizedTable(num_rows={self.num_rows}, dim={self.dim}, bits={self.bits}, "
@@ -180,12 +219,13 @@ def quantize_rows(table, bits=8, *, chunk_rows=CHUNK_ROWS):
     table = a["table"]
     check.table("table", table)
     xp = family.xp
-    rows, dim = int(table.shape[0]), int(table.shape[1])
-    codes = xp.empty((rows, row_bytes(dim, bits)), np.uint8)
-    scale = xp.empty(rows, np.float16)
-    bias = xp.empty(rows, np.float16)
-    for r0 in range(0, rows, chunk_rows):
-        r1 = min(rows, r0 + chunk_rows)
+    num_rows, dim = int(table.shape[0]), int(table.shape[1])
+    width = row_bytes(dim, bits)
+    rows = xp.empty((num_rows, width + 4), np.uint8)
+    for r0 in range(0, num_rows, chunk_rows):
+        r1 = min(num_rows, r0 + chunk_rows)
         x = family.compute(table[r0:r1]).astype(np.float32)
-        codes[r0:r1], scale[r0:r1], bias[r0:r1] = _quantize_chunk(xp, x, bits, r0)
-    return QuantizedTable(*(family.from_compute(v) for v in (codes, scale, bias)), bits, dim)
+        codes, scale, bias = _quantize_chunk(xp, x, bits, r0)
+        rows[r0:r1, :width] = codes
+        rows[r0:r1, width:] = xp.stack([scale, bias], axis=1).view(np.uint8)
+    return QuantizedTable.from_rows(family.from_compute(rows), bits, dim)

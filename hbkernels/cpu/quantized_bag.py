@@ -1,5 +1,7 @@
 """Pooled lookup of a row-wise quantized table (:class:`hbkernels.QuantizedTable`) on the
-CPU: chunks of consecutive bags in a parallel loop, one kernel per ``(D, bits, check_ids)``.
+CPU: chunks of consecutive bags in a parallel loop, one kernel per ``(D, bits, check_ids)``,
+reading the table's packed rows (codes, then the float16 scale and bias as bytes: one run
+of memory per id, prefetched as the float kernels prefetch rows).
 
 Bag ``b`` gives, in float32, ``Σ_j (w_j·scale[r_j])·code[r_j, d] + w_j·bias[r_j]``
 (``r_j = values[j]``, ``w_j`` the per-sample weight or 1), then the combiner's
@@ -21,7 +23,6 @@ from numba.extending import register_jitable
 from ._common import (
     cached_njit,
     first_bad_offset,
-    kernel_table,
     prefetch_ids,
     prefetch_row,
     scratch_row,
@@ -68,19 +69,28 @@ def row_adders(dim, bits):
     return add, store
 
 
+@register_jitable(inline="always")
+def half_at(rows, row, col):
+    """The float16 stored as bytes ``col``, ``col + 1`` of ``rows[row]`` (little-endian),
+    as a float32."""
+    low = np.uint32(rows[row, np.uint64(col)])
+    high = np.uint32(rows[row, np.uint64(col + 1)])
+    return widen(np.uint16(low | (high << np.uint32(8))))
+
+
 @functools.lru_cache(maxsize=None)
 def quantized_pool_kernel(dim, bits, check_ids):
-    """Kernel ``(codes, scale, bias, values, offsets, weighted, weights, combiner, out)
-    -> (bad_id, bad_offset)`` for ``dim`` columns of ``bits``-bit codes (``scale``,
-    ``bias`` as their float16 bits, ``[E, 1]``); out float32 ``[B, dim]``. A bag sums
-    ``(w·scale)·code`` per column in a stack row and ``w·bias`` once, adding it at the end.
-    Needs ``offsets[0] == 0`` and ``offsets[-1] == len(values)`` when ``check_ids``."""
+    """Kernel ``(rows, values, offsets, weighted, weights, combiner, out) -> (bad_id,
+    bad_offset)`` for ``dim`` columns of ``bits``-bit codes in packed rows (uint8 ``[E,
+    width + 4]``); out float32 ``[B, dim]``. A bag sums ``(w·scale)·code`` per column in a
+    stack row and ``w·bias`` once, adding it at the end. Needs ``offsets[0] == 0`` and
+    ``offsets[-1] == len(values)`` when ``check_ids``."""
     width = -(-dim * bits // 8)
     add, store = row_adders(dim, bits)
 
     @cached_njit(parallel=True, fastmath=True)
-    def pool(codes, scale, bias, values, offsets, weighted, weights, combiner, out):
-        num_rows = codes.shape[0]
+    def pool(rows, values, offsets, weighted, weights, combiner, out):
+        num_rows = rows.shape[0]
         num_bags = offsets.shape[0] - 1
         num_chunks = pool_chunks(num_bags)
         last_id = offsets[num_bags] - 1
@@ -102,9 +112,7 @@ def quantized_pool_kernel(dim, bits, check_ids):
                 for j in range(lo, hi):
                     ahead = min(np.uint64(values[np.uint64(min(j + distance, last_id))]),
                                 np.uint64(num_rows - 1))
-                    prefetch_row(codes, ahead, width)  # the scales and biases are lines apart
-                    prefetch_row(scale, ahead, 1)
-                    prefetch_row(bias, ahead, 1)
+                    prefetch_row(rows, ahead, width + 4)
                     row = np.uint64(values[np.uint64(j)])
                     if check_ids and row >= np.uint64(num_rows):  # negatives wrap high
                         if first_bad[c] == NONE:
@@ -116,8 +124,8 @@ def quantized_pool_kernel(dim, bits, check_ids):
                         w = weights[np.uint64(j)]
                         w_sum += w
                         w_sq += w * w
-                    biases += w * widen(bias[row, 0])
-                    add(acc, codes, row, w * widen(scale[row, 0]))
+                    biases += w * half_at(rows, row, width + 2)
+                    add(acc, rows, row, w * half_at(rows, row, width))
                 if not weighted:
                     w_sum = w_sq = num_good
                 store(out, b, acc, biases, np.float32(combined_scale(combiner, w_sum, w_sq)))
@@ -139,9 +147,7 @@ def embedding_bag(family, q, values, offsets, per_sample_weights, combiner, boun
     weighted = per_sample_weights is not None
     weights = per_sample_weights.astype(np.float32, copy=False) if weighted else NO_WEIGHTS
     kernel = quantized_pool_kernel(q.dim, q.bits, check)
-    scale, bias = (kernel_table(a).reshape(-1, 1) for a in (q.scale, q.bias))
-    bad_id, bad_offset = kernel(q.codes, scale, bias, values, offsets, weighted, weights,
-                                combiner, out)
+    bad_id, bad_offset = kernel(q.rows, values, offsets, weighted, weights, combiner, out)
     if bad_offset != NONE:
         return None, int(bad_offset), -1
     return out, -1, (int(bad_id) if bounds == Bounds.RAISE and bad_id != NONE else -1)

@@ -97,6 +97,8 @@ WIDEN = {np.dtype(np.float32): widen32, np.dtype(np.float64): widen64}
 # bf16 tables reach the kernels as their int16 bits (CudaFamily.kernel_array): Numba's
 # CUDA target reads them as integers, and these functions convert, as the CPU backend
 # does. The simulator runs kernels as Python and has no libdevice, so it gets NumPy views.
+# half_to_float32: fp16 bits (uint16) as the float32 they denote (packed quantized rows
+# keep their scales as bytes).
 if simulator_enabled():
 
     def float32_from_bits(bits):
@@ -105,7 +107,17 @@ if simulator_enabled():
     def float32_bits(x):
         return np.float32(x).view(np.uint32)
 
+    def half_to_float32(bits):
+        return np.float32(np.uint16(bits).view(np.float16))
+
 else:
+    from llvmlite import ir
+    from numba import types as _types
+
+    try:
+        from numba.cuda.extending import intrinsic
+    except ImportError:  # numba-cuda before its own copy of the core
+        from numba.core.extending import intrinsic
 
     @cuda.jit(device=True, inline=True)
     def float32_from_bits(bits):
@@ -114,6 +126,21 @@ else:
     @cuda.jit(device=True, inline=True)
     def float32_bits(x):
         return np.uint32(libdevice.float_as_int(np.float32(x)))
+
+    @intrinsic
+    def half_to_float32(typingctx, bits):
+        if not isinstance(bits, _types.Integer):
+            return None
+
+        def codegen(context, builder, sig, args):
+            value, i16 = args[0], ir.IntType(16)
+            if value.type.width > 16:
+                value = builder.trunc(value, i16)
+            elif value.type.width < 16:
+                value = builder.zext(value, i16)
+            return builder.fpext(builder.bitcast(value, ir.HalfType()), ir.FloatType())
+
+        return _types.float32(bits), codegen
 
 
 @cuda.jit(device=True, inline=True)

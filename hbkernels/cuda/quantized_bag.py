@@ -3,10 +3,11 @@ GPU: one kernel, one row group per bag.
 
 Bag ``b`` gives, in float32, ``Σ_j (w_j·scale[r_j])·code[r_j, d] + w_j·bias[r_j]``, then
 the combiner's scale, as :mod:`.embedding_bag` does on the dequantized table up to float32
-rounding. A group of ``G`` lanes (the next power of two >= the row's bytes, at most a warp)
-owns a bag, grid-stride over bags; lane ``l`` reads bytes ``l, l + G, ...`` of each row
-(a pass per ``G`` bytes, coalesced) and unpacks each byte's ``8 / bits`` codes into as
-many float32 accumulators. Offsets are clamped to ``[0, len(values)]`` and ids outside
+rounding. The table's packed rows hold each row's codes, then its float16 scale and bias as
+bytes. A group of ``G`` lanes (the next power of two >= the row's code bytes, at most a
+warp) owns a bag, grid-stride over bags; lane ``l`` reads code bytes ``l, l + G, ...`` of
+each row (a pass per ``G`` bytes, coalesced; the scale and bias from the same row) and
+unpacks each byte's ``8 / bits`` codes into as many float32 accumulators. Offsets are clamped to ``[0, len(values)]`` and ids outside
 the table skipped in every mode; the checks go to error slots left pending
 (:mod:`._pending`), as the float forward's: nothing is read back.
 """
@@ -22,6 +23,7 @@ from ._launch import (
     blocks_for,
     group_size,
     jit_kernel,
+    half_to_float32,
     kernel_factory,
     load_as_float,
     no_error_slots,
@@ -31,13 +33,19 @@ from ._launcher import launch
 from .embedding_bag import bag_range, empty_batch_bad_offset
 
 
+@cuda.jit(device=True, inline=True)
+def half_at(rows, row, col):
+    """The float16 stored as bytes ``col``, ``col + 1`` of ``rows[row]`` (little-endian),
+    as a float32."""
+    return half_to_float32(np.uint32(rows[row, col]) | (np.uint32(rows[row, col + 1]) << 8))
+
+
 @kernel_factory
 def quantized_pool_kernel(bits, weights_dtype, group):
     """The kernel for ``bits``-bit codes, weights of ``weights_dtype`` (None: no weights),
     ``group`` lanes per bag."""
     per_byte = 8 // bits
     mask = np.uint8((1 << bits) - 1)
-    half = load_as_float(np.dtype(np.float16))
     load_weight = load_as_float(weights_dtype or np.dtype(np.float32))
     weighted = weights_dtype is not None
 
@@ -46,10 +54,10 @@ def quantized_pool_kernel(bits, weights_dtype, group):
         return np.float32((byte >> np.uint8(e * bits)) & mask)
 
     @jit_kernel(min_blocks_per_sm=2)
-    def quantized_pool_kernel(codes, scale, bias, values, offsets, n_values, weights, combiner,
+    def quantized_pool_kernel(rows, values, offsets, n_values, weights, combiner,
                               check_offsets, record_ids, dim, out, slots):
-        num_rows = codes.shape[0]
-        width = codes.shape[1]
+        num_rows = rows.shape[0]
+        width = rows.shape[1] - 4
         num_bags = offsets.shape[0] - 1
         tid = cuda.grid(1)
         lane = tid % group
@@ -73,9 +81,9 @@ def quantized_pool_kernel(bits, weights_dtype, group):
                     w_sum += w
                     w_sq += w * w
                     if k < width:
-                        s = w * half(scale[r])
-                        t = w * half(bias[r])
-                        byte = codes[r, k]
+                        s = w * half_at(rows, r, width)
+                        t = w * half_at(rows, r, width + 2)
+                        byte = rows[r, k]
                         a0 += s * code(byte, 0) + t
                         if per_byte > 1:
                             a1 += s * code(byte, 1) + t
@@ -113,8 +121,7 @@ def embedding_bag(family, q, values, offsets, per_sample_weights, combiner, boun
         bad_offset = empty_batch_bad_offset(family, offsets, n) if check else -1
         return family.empty((0, q.dim), np.float32), bad_offset, -1
     out = family.empty((num_bags, q.dim), np.float32)
-    width = q.codes.shape[1]
-    group = group_size(width)
+    group = group_size(q.width)
     tpb = threads_per_block()
     weights = per_sample_weights
     kernel = quantized_pool_kernel(q.bits, None if weights is None else np.dtype(weights.dtype),
@@ -129,8 +136,7 @@ def embedding_bag(family, q, values, offsets, per_sample_weights, combiner, boun
     k_values = family.kernel_array(values)
     op = "lookup" if ids_name == "ids" else "embedding_bag"
     with _pending.checks(2, op, report, (values, offsets), when=check) as slots:
-        launch(kernel, blocks_for(num_bags, tpb // group), tpb, family.kernel_array(q.codes),
-               family.kernel_array(q.scale), family.kernel_array(q.bias), k_values,
+        launch(kernel, blocks_for(num_bags, tpb // group), tpb, q.rows, k_values,
                family.kernel_array(offsets), n, k_values if weights is None else weights,
                combiner, check, raise_ids, q.dim, out, no_error_slots() if slots is None else slots)
     return out, -1, -1
