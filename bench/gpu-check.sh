@@ -13,6 +13,7 @@
 #   host.csv/.log    host time per call at a tiny size, kernel launches and syncs per call
 #   roofline.csv/.md/.log   the forward, fp16, 26 tables, fused step and unique at GPU sizes,
 #                    each against torch (CUDA events), % of the copy bandwidth
+#   quantized.csv/.log      int8 and int4 tables' forward against the float32 forward
 #   train.log        `hbkernels train --steps 300` on the GPU (samples/s)
 #   second.log       the same job for 20 steps in a fresh process: the first step's time
 #                    with every kernel in the on-disk cache
@@ -60,18 +61,20 @@ WORKERS=$("$PY" -c "import os; print(min(12, os.cpu_count() or 1))")
 # a test module whose optional imports (hypothesis, ml_dtypes...) are missing there is
 # reported and the others run; pytest-timeout bounds each test where it is installed
 PER_TEST=()
-if "$PY" -c "import pytest_timeout" 2>/dev/null; then PER_TEST=(--timeout 240); fi
-stage tests 270 "$OUT/tests.log" "$PY" -m pytest -n "$WORKERS" -k "cuda or gpu or nccl" \
+if "$PY" -c "import pytest_timeout" 2>/dev/null; then PER_TEST=(--timeout 180); fi
+stage tests 200 "$OUT/tests.log" "$PY" -m pytest -n "$WORKERS" -k "cuda or gpu or nccl" \
   -p no:cacheprovider -q -rA --continue-on-collection-errors ${PER_TEST[@]+"${PER_TEST[@]}"} \
   --junitxml="$OUT/junit.xml" tests
-stage host 60 "$OUT/host.log" "$PY" -m hbkernels.bench.bench_launch --device cuda \
+stage host 40 "$OUT/host.log" "$PY" -m hbkernels.bench.bench_launch --device cuda \
   --out "$OUT/host.csv"
-stage roofline 150 "$OUT/roofline.log" "$PY" -m hbkernels.bench.bench_roofline --device cuda \
+stage roofline 120 "$OUT/roofline.log" "$PY" -m hbkernels.bench.bench_roofline --device cuda \
   --out "$OUT/roofline.csv"
+stage quantized 30 "$OUT/quantized.log" "$PY" -m hbkernels.bench.bench_quantized_bag \
+  --device cuda --out "$OUT/quantized.csv"
 cd "$OUT" || exit 1
-stage train 60 "$OUT/train.log" "$PY" -m hbkernels train --steps 300 \
+stage train 45 "$OUT/train.log" "$PY" -m hbkernels train --steps 300 \
   --metrics "$OUT/train-metrics.json"
-stage second 40 "$OUT/second.log" "$PY" -m hbkernels train --steps 20 \
+stage second 30 "$OUT/second.log" "$PY" -m hbkernels train --steps 20 \
   --metrics "$OUT/second-metrics.json"
 rm -rf "$OUT/shim"
 cat "$OUT/summary.txt"

@@ -43,7 +43,7 @@ def tbe_provider(ctx, bits):
     torch = ctx.torch
 
     def prepare(a):
-        q = hbk.QuantizedTable(a["codes"], a["scale"], a["bias"], bits, a["w"].shape[1])
+        q = hbk.QuantizedTable.from_rows(a["rows"], bits, a["w"].shape[1])
         ids, offsets = (torch.from_numpy(a[k].astype(np.int32)) for k in ("ids", "offsets"))
         return {"tbe": tbe_quantized_table(q), "ids": ids, "offsets": offsets}
 
@@ -70,13 +70,12 @@ def run(ctx):
         table = ctx.random_table(E, D, "float32")
         for bits in cfg["bits"]:
             q = hbk.quantize_rows(table, bits=bits)
-            inputs = {"codes": q.codes, "scale": q.scale, "bias": q.bias, "w": q.dequantize(),
-                      "ids": ids, "offsets": offsets}
+            inputs = {"rows": q.rows, "w": q.dequantize(), "ids": ids, "offsets": offsets}
             nbytes = B * L * (q.codes.shape[1] + 4) + ids.nbytes + offsets.nbytes + B * D * 4
 
             def quantized(a, bits=bits):
-                return hbk.embedding_bag(hbk.QuantizedTable(a["codes"], a["scale"], a["bias"],
-                                                            bits, D), a["ids"], a["offsets"])
+                return hbk.embedding_bag(hbk.QuantizedTable.from_rows(a["rows"], bits, D),
+                                         a["ids"], a["offsets"])
 
             providers = [
                 Provider(HBK, quantized),

@@ -16,9 +16,9 @@ import functools
 
 import numpy as np
 from numba import prange
+from numba.extending import register_jitable
 
 from .._modes import Bounds
-from numba.extending import register_jitable
 
 from ._common import (
     cached_njit,

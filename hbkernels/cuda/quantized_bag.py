@@ -7,9 +7,10 @@ rounding. The table's packed rows hold each row's codes, then its float16 scale 
 bytes. A group of ``G`` lanes (the next power of two >= the row's code bytes, at most a
 warp) owns a bag, grid-stride over bags; lane ``l`` reads code bytes ``l, l + G, ...`` of
 each row (a pass per ``G`` bytes, coalesced; the scale and bias from the same row) and
-unpacks each byte's ``8 / bits`` codes into as many float32 accumulators. Offsets are clamped to ``[0, len(values)]`` and ids outside
-the table skipped in every mode; the checks go to error slots left pending
-(:mod:`._pending`), as the float forward's: nothing is read back.
+unpacks each byte's ``8 / bits`` codes into as many float32 accumulators. Offsets are
+clamped to ``[0, len(values)]`` and ids outside the table skipped in every mode; the
+checks go to error slots left pending (:mod:`._pending`), as the float forward's: nothing
+is read back.
 """
 import math
 
