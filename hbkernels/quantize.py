@@ -15,6 +15,8 @@ plus float32 rounding. A row of one value gets ``scale = 0`` and that value (rou
 down to a float16) as its bias. FBGEMM's int-N TBE rounds scale and bias to nearest
 instead; its codes of the same scale and bias are the same.
 """
+from typing import Any, NamedTuple
+
 import numpy as np
 
 from . import _validate as check
@@ -82,6 +84,24 @@ class QuantizedTable:
         q._hold(a["rows"], bits, dim, family)
         return q
 
+    @classmethod
+    def from_values(cls, rows, bits):
+        """The table of :class:`QuantizedRows` ``rows`` (codes one per byte), packed."""
+        family, a = resolve(codes=rows.codes)
+        return cls(pack(family.xp, family.compute(a["codes"]), bits), rows.scale, rows.bias,
+                   bits, rows.codes.shape[1])
+
+    def values(self, rows=None):
+        """:class:`QuantizedRows` of the table (or of ``rows``: a slice or an index array),
+        codes unpacked, in the table's family."""
+        sel = slice(None) if rows is None else rows
+        packed = self.family.compute(self.rows[sel])
+        xp = self.family.xp
+        halves = xp.ascontiguousarray(packed[:, self.width:]).view(np.float16)
+        codes = xp.ascontiguousarray(unpack(xp, packed[:, :self.width], self.bits, self.dim))
+        put = self.family.from_compute
+        return QuantizedRows(put(codes), put(halves[:, 0].copy()), put(halves[:, 1].copy()))
+
     def _hold(self, rows, bits, dim, family):
         self.rows, self.bits, self.dim, self.family = rows, int(bits), int(dim), family
         self.width = row_bytes(dim, bits)
@@ -116,12 +136,9 @@ class QuantizedTable:
     def dequantize(self, rows=None):
         """The float32 table ``[num_rows, dim]`` (or of the rows ``rows``, a slice or an
         index array), in the table's family."""
-        xp = self.family.xp
-        sel = slice(None) if rows is None else rows
-        packed = self.family.compute(self.rows[sel])
-        halves = xp.ascontiguousarray(packed[:, self.width:]).view(np.float16).astype(np.float32)
-        values = unpack(xp, packed[:, :self.width], self.bits, self.dim).astype(np.float32)
-        return self.family.from_compute(values * halves[:, :1] + halves[:, 1:])
+        q = self.values(rows)
+        codes, scale, bias = (self.family.compute(a).astype(np.float32) for a in q)
+        return self.family.from_compute(codes * scale[:, None] + bias[:, None])
 
     def __repr__(self):
         return (f"QuantizedTable(num_rows={self.num_rows}, dim={self.dim}, bits={self.bits}, "
@@ -170,31 +187,43 @@ def _float16_toward(xp, x, direction):
     return xp.where(wrong, moved, bits).astype(np.uint16).view(np.float16)
 
 
-def _quantize_chunk(xp, x, bits, first_row):
-    """Codes, scale and bias of the float32 rows ``x`` (row ``first_row`` of the table
-    first); ValueError naming the first row that cannot be quantized."""
+class QuantizedRows(NamedTuple):
+    """Rows as codes (uint8 ``[n, D]``, one element per byte, unpacked), float16
+    ``scale`` and ``bias`` (``[n]``): what :func:`quantize_values` gives and
+    :meth:`QuantizedTable.from_values` packs."""
+
+    codes: Any
+    scale: Any
+    bias: Any
+
+
+def row_range(xp, x, first_row=0, row_step=1):
+    """``(lo, hi)``: each float32 row's minimum and maximum; ValueError naming the
+    first row (row ``k`` of ``x`` is table row ``first_row + row_step * k``) that holds
+    NaN or Inf or passes float16's range."""
     finite = xp.isfinite(x).all(axis=1)
     lo, hi = x.min(axis=1), x.max(axis=1)
-    levels = (1 << bits) - 1
     fits = finite & (lo >= -FLOAT16_MAX) & (hi <= FLOAT16_MAX)
     if not bool(fits.all()):
         r = int(xp.argmin(fits))
         what = ("holds NaN or Inf" if not bool(finite[r]) else
                 f"spans [{float(lo[r])}, {float(hi[r])}], beyond float16's range")
-        raise ValueError(f"row {first_row + r} of the table {what}: its scale and bias "
+        raise ValueError(f"row {first_row + row_step * r} of the table {what}: its scale and bias "
                          f"are float16")
-    bias = _float16_toward(xp, lo, -1)
-    step = (hi - bias.astype(np.float32)) / np.float32(levels)
-    if not bool((step <= FLOAT16_MAX).all()):
-        r = int(xp.argmax(step > FLOAT16_MAX))
-        raise ValueError(f"row {first_row + r} of the table spans [{float(lo[r])}, "
-                         f"{float(hi[r])}]: its {bits}-bit step exceeds float16's range")
-    scale = _float16_toward(xp, step, +1)
+    return lo, hi
+
+
+def quantize_values(xp, x, bits, lo, hi):
+    """:class:`QuantizedRows` of the float32 rows ``x`` given each row's range
+    ``[lo, hi]`` (from :func:`row_range`; a whole row's range when ``x`` holds some
+    of its columns, so that every column slice of a row shares its scale and bias)."""
+    levels = (1 << bits) - 1
+    bias = _float16_toward(xp, lo, -1)  # within float16's range: the step fits it too
+    scale = _float16_toward(xp, (hi - bias.astype(np.float32)) / np.float32(levels), +1)
     s = scale.astype(np.float32)
     safe = xp.where(s > 0, s, np.float32(1))
     q = xp.rint((x - bias.astype(np.float32)[:, None]) / safe[:, None])
-    q = xp.clip(q, 0, levels)
-    return pack(xp, q, bits), scale, bias
+    return QuantizedRows(xp.clip(q, 0, levels).astype(np.uint8), scale, bias)
 
 
 def quantize_rows(table, bits=8, *, chunk_rows=CHUNK_ROWS):
@@ -225,7 +254,7 @@ def quantize_rows(table, bits=8, *, chunk_rows=CHUNK_ROWS):
     for r0 in range(0, num_rows, chunk_rows):
         r1 = min(num_rows, r0 + chunk_rows)
         x = family.compute(table[r0:r1]).astype(np.float32)
-        codes, scale, bias = _quantize_chunk(xp, x, bits, r0)
-        rows[r0:r1, :width] = codes
-        rows[r0:r1, width:] = xp.stack([scale, bias], axis=1).view(np.uint8)
+        q = quantize_values(xp, x, bits, *row_range(xp, x, r0))
+        rows[r0:r1, :width] = pack(xp, q.codes, bits)
+        rows[r0:r1, width:] = xp.stack([q.scale, q.bias], axis=1).view(np.uint8)
     return QuantizedTable.from_rows(family.from_compute(rows), bits, dim)

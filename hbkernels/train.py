@@ -277,6 +277,22 @@ class Trainer:
             print(f"step {self.step}: eval ({self.eval_split}) logloss {loss:.5f}, AUC {auc:.5f} "
                   f"over {n} samples", flush=True)
 
+    def evaluate_quantized(self, bits):
+        """``{"bits", "logloss", "auc", "samples"}`` of the evaluation with every table
+        quantized to ``bits`` (the collection's :meth:`quantized`; collective)."""
+        from .adapters.torch import EmbeddingCollectionModule
+
+        trained = self.model.embeddings
+        self.model.embeddings = EmbeddingCollectionModule(self.collection.quantized(bits=bits))
+        try:
+            loss, auc, n = self.evaluate()
+        finally:
+            self.model.embeddings = trained
+        if self.root:
+            print(f"step {self.step}: eval ({self.eval_split}) on int{bits} tables: logloss "
+                  f"{loss:.5f}, AUC {auc:.5f} ({auc - self.evals[-1]['auc']:+.5f})", flush=True)
+        return {"bits": bits, "logloss": loss, "auc": auc, "samples": n}
+
     def fit(self):
         a = self.args
         if self.root:
@@ -309,6 +325,7 @@ class Trainer:
         bar.close()
         if not self.evals or self.evals[-1]["step"] != self.step:
             self.record_eval()
+        self.quantized_evals = [self.evaluate_quantized(bits) for bits in a.eval_bits]
         if a.checkpoint:
             self.save_checkpoint()
         dynamic = {name: self.collection.dynamic_counts(name)  # collective
@@ -337,6 +354,8 @@ class Trainer:
                       "eval_samples": last["samples"], "eval_split": self.eval_split},
             "train": self.history, "eval": self.evals, "config": self.config,
         }
+        if self.quantized_evals:
+            metrics["final"]["quantized"] = self.quantized_evals
         if dynamic:
             metrics["dynamic"] = dynamic
             totals = {k: sum(c[k] for c in dynamic.values()) for k in ("size", "admitted", "evicted")}

@@ -1,5 +1,5 @@
 """Fixtures shared by several test modules: optimizer tables, CSR bags with repeated
-ids, dense views of the reference gradients, Parquet files. Test modules import
+ids, dense views of the reference gradients, Parquet files, a small training run. Test modules import
 from here (and from ``conftest``), never from each other; the references
 themselves are :mod:`hbkernels.reference`."""
 import contextlib
@@ -12,6 +12,12 @@ import hbkernels as hbk
 from hbkernels import optim, reference
 
 RULES = ["SGD", "Adagrad", "RowWiseAdagrad", "Adam", "Ftrl"]
+# a small ``hbkernels train``; --threads 1: the pools' size fixed, so torch's reductions
+# sum in the same order in every run however busy the machine is ("auto" follows the
+# other processes' load)
+TRAIN_SMALL = ["--table", "a:5000:1", "--table", "b:2000:4:var", "--table", "c:300:1",
+               "--dense-features", "5", "--batch-size", "128", "--eval-samples", "512",
+               "--dim", "7", "--bottom", "16", "--top", "16", "--threads", "1", "--seed", "3"]
 
 
 @contextlib.contextmanager

@@ -13,6 +13,7 @@ import sys
 import numpy as np
 import pytest
 
+from helpers import TRAIN_SMALL
 from mpirun import ROOT, _env, mpirun, needs_mpi
 
 pytest.importorskip("torch")
@@ -20,16 +21,10 @@ pytest.importorskip("pyarrow")
 
 from hbkernels.cli import main  # noqa: E402
 
-# --threads 1: the pools' size fixed, so torch's reductions sum in the same order in
-# every run however busy the machine is ("auto" follows the other processes' load)
-SMALL = ["--table", "a:5000:1", "--table", "b:2000:4:var", "--table", "c:300:1",
-         "--dense-features", "5", "--batch-size", "128", "--eval-samples", "512",
-         "--dim", "7", "--bottom", "16", "--top", "16", "--threads", "1", "--seed", "3"]
-
 
 def train(tmp_path, name, *args):
     metrics = tmp_path / f"{name}.json"
-    assert main(["train", *SMALL, *map(str, args), "--metrics", str(metrics)]) == 0
+    assert main(["train", *TRAIN_SMALL, *map(str, args), "--metrics", str(metrics)]) == 0
     return json.loads(metrics.read_text())
 
 
@@ -82,7 +77,7 @@ def test_two_ranks_follow_one_process(tmp_path, straight):
     """Same seed, same global batches: 2 ranks (row-wise tables, summed gradients)
     reach the one-process losses, and resume a one-process checkpoint."""
     m2 = tmp_path / "two.json"
-    rc, out, _ = mpirun(2, "-m hbkernels", "train", *SMALL, "--steps", 20, "--plan", "row_wise",
+    rc, out, _ = mpirun(2, "-m hbkernels", "train", *TRAIN_SMALL, "--steps", 20, "--plan", "row_wise",
                         "--metrics", m2, timeout=240, cwd=tmp_path)
     assert rc == 0, out[-4000:]
     two = json.loads(m2.read_text())
@@ -95,7 +90,7 @@ def test_two_ranks_follow_one_process(tmp_path, straight):
     ckpt = tmp_path / "ckpt"
     train(tmp_path, "first", "--steps", 10, "--checkpoint", ckpt)
     m3 = tmp_path / "resumed.json"
-    rc, out, _ = mpirun(2, "-m hbkernels", "train", *SMALL, "--steps", 20, "--checkpoint", ckpt,
+    rc, out, _ = mpirun(2, "-m hbkernels", "train", *TRAIN_SMALL, "--steps", 20, "--checkpoint", ckpt,
                         "--resume", "--metrics", m3, timeout=240, cwd=tmp_path)
     assert rc == 0, out[-4000:]
     np.testing.assert_allclose(losses(json.loads(m3.read_text())), losses(straight),
@@ -125,7 +120,7 @@ def test_eval_split_is_named_and_the_curve_is_drawn(tmp_path, straight):
     assert straight["final"]["eval_split"] == "held-out synthetic samples"
     pytest.importorskip("matplotlib")
     metrics = tmp_path / "curve.json"
-    assert main(["train", *SMALL, "--steps", "6", "--eval-every", "2", "--metrics", str(metrics)]) == 0
+    assert main(["train", *TRAIN_SMALL, "--steps", "6", "--eval-every", "2", "--metrics", str(metrics)]) == 0
     png = metrics.with_suffix(".png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
 
@@ -199,6 +194,11 @@ MISUSE = {
     "zero threads": (["train", "--threads", "0"], "expected 'auto' or a positive integer, got '0'"),
     "warmup dims": (["warmup", "--dims", "16,x"], "--dims must be a comma-separated list"),
     "warmup dtype": (["warmup", "--dtypes", "int8"], "'int8' is not a float dtype"),
+    "eval bits": (["train", "--eval-bits", "8,3"], "--eval-bits takes 8, 4, 2, got [3]"),
+    "eval bits dynamic": (["train", "--eval-bits", "8", "--dynamic"], "dynamic tables"),
+    "quantize bits": (["quantize", "ck", "--bits", "3", "--out", "q"], "invalid choice: 3"),
+    "quantize nothing": (["quantize", "nowhere", "--bits", "8", "--out", "q"],
+                         "no checkpoint directory nowhere"),
     "corrupt data": (["train", "--data", "garbage.parquet"], "garbage.parquet"),
     "unwritable metrics": (["train", "--metrics", "no/such/dir/m.json"], "cannot write"),
     "checkpoint under a file": (["train", "--checkpoint", "garbage.parquet/ck"], "is a file"),
@@ -226,7 +226,7 @@ def test_misuse_is_one_line_and_exit_1(tmp_path, case):
 def test_resume_with_another_configuration_is_refused(tmp_path):
     ckpt = tmp_path / "ckpt"
     train(tmp_path, "first", "--steps", 2, "--checkpoint", ckpt)
-    res = run_cli("train", *SMALL[:-2], "--seed", "4", "--steps", 4, "--checkpoint", ckpt,
+    res = run_cli("train", *TRAIN_SMALL[:-2], "--seed", "4", "--steps", 4, "--checkpoint", ckpt,
                   "--resume", cwd=tmp_path)
     assert res.returncode == 1 and "Traceback" not in res.stderr
     assert "another configuration" in res.stderr and "seed: 3 -> 4" in res.stderr
@@ -285,7 +285,7 @@ def test_a_frozen_peer_is_one_line_on_the_other_rank(tmp_path):
     result = {}
 
     def job():
-        result["run"] = mpirun(2, "-m hbkernels", "train", *SMALL, "--steps", 10**6,
+        result["run"] = mpirun(2, "-m hbkernels", "train", *TRAIN_SMALL, "--steps", 10**6,
                                "--checkpoint", ckpt, "--checkpoint-every", 10,
                                "--metrics", tmp_path / "m.json", timeout=300, cwd=tmp_path,
                                env=_env(HBK_COMM_TIMEOUT="10"))

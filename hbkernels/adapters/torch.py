@@ -650,6 +650,12 @@ class EmbeddingCollectionModule(torch.nn.Module):
     reported as torch reports parameters; a key of the wrong shape is a "size
     mismatch" error and then no table is written.
 
+    Over a quantized collection (:meth:`hbkernels.EmbeddingCollection.quantized`,
+    for inference: forward under ``torch.no_grad()`` or ``eval()``) the pooled
+    tensors of its quantized tables are float32, a backward raises ``TypeError``,
+    ``state_dict()`` holds those tables dequantized (and no optimizer slots of them),
+    and ``load_state_dict`` raises ``TypeError``.
+
     Rules of the collection's one-step context: every ``forward`` (in grad mode)
     is followed by **at most one** backward before the next ``forward``; a
     backward of an older forward, or a second backward of the same forward
@@ -727,10 +733,14 @@ class EmbeddingCollectionModule(torch.nn.Module):
                 items = DYNAMIC_ITEMS + (PENDING_ITEMS if spec.admit_count > 1 else ())
                 keys.update({f"tables.{name}.{item}": (name, item) for item in items})
             keys[f"tables.{name}.weight"] = (name, "weight")
-            for slot, _ in self.collection.optimizer.slots:
+            for slot, _ in self._slots(name):
                 keys[f"tables.{name}.optimizer.{slot}"] = (name, slot)
             keys[f"tables.{name}.optimizer.step"] = (name, "step")
         return keys
+
+    def _slots(self, name):
+        """The optimizer slots table ``name`` keeps (none when it is quantized)."""
+        return () if name in self.collection.quantize else self.collection.optimizer.slots
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
@@ -747,7 +757,7 @@ class EmbeddingCollectionModule(torch.nn.Module):
                 weights = weights[1]
             destination[f"{prefix}tables.{name}.weight"] = from_kernel_array(weights)
             state = coll.full_state(name)
-            for slot, _ in coll.optimizer.slots:
+            for slot, _ in self._slots(name):
                 destination[f"{prefix}tables.{name}.optimizer.{slot}"] = from_kernel_array(state[slot])
             destination[f"{prefix}tables.{name}.optimizer.step"] = torch.tensor(state["step"],
                                                                                dtype=torch.int64)
@@ -755,6 +765,10 @@ class EmbeddingCollectionModule(torch.nn.Module):
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
         ours = f"{prefix}tables."
+        if self.collection.quantize:
+            raise TypeError(f"tables {sorted(self.collection.quantize)} are quantized (an "
+                            f"inference collection): load the float state into a float collection, "
+                            f"then call its .quantized(bits)")
         super()._load_from_state_dict(
             {k: v for k, v in state_dict.items() if not k.startswith(ours)}, prefix,
             local_metadata, strict, missing_keys, unexpected_keys, error_msgs)

@@ -21,6 +21,10 @@ the dense gradients by one ``allreduce``, so N ranks follow the trajectory of
 one process (to float rounding). Evaluation gathers every rank's
 predictions and computes logloss and AUC over the whole set exactly.
 
+``--eval-bits 8,4`` evaluates once more at the end for each width, with every
+table quantized row-wise (:meth:`hbkernels.EmbeddingCollection.quantized`; the
+dense part as trained), and reports each AUC beside the float one.
+
 ``--checkpoint DIR`` writes ``DIR/step-<n>/`` (the collection's checkpoint,
 ``dense.pt`` with the dense weights and Adam state, ``trainer.json`` with the
 step, losses and configuration), then points ``DIR/latest`` at it (temp file,
@@ -34,6 +38,7 @@ import argparse
 import os
 import time
 
+from ..quantize import BITS
 from ..types import PLACEMENTS
 from ..train import Trainer, parquet_clicks
 from ._errors import USER_ERRORS, CLIError, error_line, writable_dir, writable_file
@@ -124,6 +129,9 @@ def add_command(subparsers):
                             "re-measured every second; see hbkernels.threads) or a number")
     out = p.add_argument_group("evaluation, checkpoints, output")
     out.add_argument("--eval-every", type=at_least(0), default=0, help="evaluate every N steps (0: at the end)")
+    out.add_argument("--eval-bits", type=int_list, default=(), metavar="BITS",
+                     help="at the end, evaluate again with the tables quantized to each of these "
+                          "bits (8, 4, 2; e.g. 8,4): the serving model's AUC beside the float one")
     out.add_argument("--checkpoint", default=None, metavar="DIR", help="checkpoint directory")
     out.add_argument("--checkpoint-every", type=at_least(0), default=0,
                      help="checkpoint every N steps (0: at the end only)")
@@ -145,6 +153,11 @@ def check_args(args):
         writable_dir(args.checkpoint)
     if args.resume and not args.checkpoint:
         raise CLIError("--resume needs --checkpoint DIR")
+    bad_bits = [b for b in args.eval_bits if b not in BITS]
+    if bad_bits:
+        raise CLIError(f"--eval-bits takes {', '.join(map(str, BITS))}, got {bad_bits}")
+    if args.eval_bits and args.dynamic:
+        raise CLIError("--eval-bits: dynamic tables (--dynamic) cannot be quantized")
     if args.capacity_fraction > 1:
         raise CLIError(f"--capacity-fraction must be in (0, 1], got {args.capacity_fraction}")
     synthetic = args.data == "synthetic"

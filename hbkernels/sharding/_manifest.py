@@ -17,11 +17,13 @@ import zlib
 import numpy as np
 
 from ..errors import CheckpointError
+from ..quantize import BITS
 
 SAVE_DIR = re.compile(r"save-[0-9]{1,20}-[0-9a-f]{8}")
 FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,240}\.npy")
 STATE_DTYPES = ("float32", "float64")
 TABLE_DTYPES = ("float32", "float16")
+QUANTIZED_ARRAYS = {"codes": False, "scale": True, "bias": True}  # array -> one value per row
 _U32 = 1 << 32
 
 
@@ -104,6 +106,17 @@ def check(manifest, where, slots):
         if t.get("dtype") not in TABLE_DTYPES:
             _fail(where, f"table {name!r}: dtype must be one of {TABLE_DTYPES}, got {t.get('dtype')!r}")
         tables[name] = t
+    quantize = manifest.get("quantize", {})
+    if not isinstance(quantize, dict):
+        _fail(where, f"quantize has the wrong type ({type(quantize).__name__})")
+    for name, bits in quantize.items():
+        if name not in tables or tables[name].get("num_rows") is None \
+                or tables[name].get("storage") != "device" or tables[name].get("dtype") != "float32":
+            _fail(where, f"quantize names {name!r}, not a static float32 table in memory")
+        if type(bits) is not int or bits not in BITS:
+            _fail(where, f"table {name!r}: quantized to {bits!r} bits, expected one of {BITS}")
+    if quantize and manifest.get("parent") is not None:
+        _fail(where, "an incremental save of quantized tables (they never change)")
     arrays = dict(slots(optimizer), weights=False)
     parent = manifest.get("parent")
     if parent is not None:  # an incremental save: changed rows, named in "rows" files
@@ -111,7 +124,8 @@ def check(manifest, where, slots):
         _int(where, parent, "crc32", 0, _U32 - 1)
         arrays["rows"] = True
     for f in _field(where, manifest, "files", list):
-        _check_file(where, f, save, tables, arrays, parent is not None)
+        _check_file(where, f, save, tables, QUANTIZED_ARRAYS if f.get("table") in quantize
+                    else arrays, parent is not None)
     for name, t in tables.items():
         if t.get("num_rows") is None:
             _check_dynamic(where, name, [f for f in manifest["files"] if f["table"] == name],
@@ -179,7 +193,7 @@ def _check_file(where, f, save, tables, arrays, incremental):
     c0 = _int(where, f, "c0", 0, table["dim"] - 1)
     c1 = _int(where, f, "c1", c0 + 1, table["dim"])
     dtype = _field(where, f, "dtype", str)
-    allowed = ((table["dtype"],) if array == "weights" else
+    allowed = ((table["dtype"],) if array == "weights" else ("uint8",) if array == "codes" else
                ("int64",) if array in DYNAMIC_ARRAYS or array == "rows" else STATE_DTYPES)
     if dtype not in allowed:
         _fail(where, f"file {rel!r}: dtype {dtype!r}, expected one of {allowed}")

@@ -21,6 +21,9 @@ contain a table's name, so no name can form a path. A table in files
 files hold (rows ever touched), named in a ``rows`` file beside them; its other
 rows are remade on load by :func:`~hbkernels.sharding.initial_weights` of the
 seed. An incremental save holds the rows changed since its parent, the same way.
+A quantized table (``quantize`` in the manifest: table -> bits) is saved as its
+``codes`` (uint8, one per element, so any column slice reads them) and its rows'
+``scale`` and ``bias`` (float16 values in float32 files), never as weights.
 
 Saving (collective): every rank writes its shards into a fresh save directory
 (each file through a temp name, fsync, rename), the ranks agree, then rank 0
@@ -58,6 +61,7 @@ from .._files import fsync_dir, write_atomic, write_json_atomic
 from .._sorted import find_sorted
 from .._version import __version__
 from ..errors import CheckpointError
+from ..quantize import QuantizedRows
 from ..types import TableSpec, table_spec
 from . import _manifest
 from .kinds.row_wise import dynamic_owner
@@ -244,6 +248,8 @@ def save(coll, path, parent=None, changed=None):
                        for name, spec in coll.tables.items()],
             "files": [f for r in everyone for f in r["files"]],
         }
+        if coll.quantize:
+            manifest["quantize"] = coll.quantize
         if parent is not None:  # where the parent is, from here, and what it must hash to
             manifest["parent"] = {"path": os.path.relpath(parent[0], os.path.abspath(path)),
                                   "crc32": parent[1]}
@@ -553,11 +559,14 @@ class Checkpoint:
 
     def constructor_args(self, **overrides):
         """The saved constructor arguments of the collection (``plan``,
-        ``batch_size_hint``, ``wire_dtype``, ``seed``, ``dedup``, ``optimizer``),
+        ``batch_size_hint``, ``wire_dtype``, ``seed``, ``dedup``, ``optimizer``, and
+        ``quantize`` of a quantized collection),
         with ``overrides`` replacing them."""
         m = self.manifest
         kwargs = {"plan": m["plan_request"], "batch_size_hint": m["batch_size_hint"],
                   "wire_dtype": m["wire_dtype"], "seed": m["seed"], "dedup": m["dedup"]}
+        if m.get("quantize"):
+            kwargs["quantize"] = m["quantize"]
         if "optimizer" not in overrides:
             kwargs["optimizer"] = _optimizer_from_json(m["optimizer"], os.path.join(self.path, MANIFEST))
         kwargs.update(overrides)
@@ -565,13 +574,36 @@ class Checkpoint:
 
     def initial_weights(self, shard, rows):
         """The saved weights of rows ``rows`` of ``shard`` (its columns); a sparse
-        table's rows it did not save are remade from the seed."""
+        table's rows it did not save are remade from the seed; a quantized table's
+        :class:`~hbkernels.quantize.QuantizedRows`."""
+        if shard.table in self.manifest.get("quantize", {}):
+            codes = np.empty((rows.shape[0], shard.c1 - shard.c0), np.uint8)
+            self._fill(shard.table, "codes", rows, shard.c0, shard.c1, codes)
+            scale, bias = (np.empty(rows.shape[0], np.float32) for _ in range(2))
+            self._fill(shard.table, "scale", rows, shard.c0, shard.c1, scale)
+            self._fill(shard.table, "bias", rows, shard.c0, shard.c1, bias)
+            self._check_quantized(shard.table, rows, codes, scale, bias)
+            return QuantizedRows(codes, scale.astype(np.float16), bias.astype(np.float16))
         if self._sparse(shard.table):
             out = initial_rows(self.spec(shard.table), self.manifest["seed"], rows, shard.c0, shard.c1)
         else:
             out = np.empty((rows.shape[0], shard.c1 - shard.c0), shard.group.dtype)
         self._fill(shard.table, "weights", rows, shard.c0, shard.c1, out)
         return out
+
+    def _check_quantized(self, table, rows, codes, scale, bias):
+        """A CheckpointError unless the saved codes fit the table's bits and its scales
+        and biases are finite float16 values (scale >= 0), as a save writes them."""
+        levels = (1 << self.manifest["quantize"][table]) - 1
+        with np.errstate(over="ignore", invalid="ignore"):
+            bad = (codes > levels).any(axis=1) | ~(scale >= 0)
+            for v in (scale, bias):  # finite float16 values
+                bad |= ~np.isfinite(v) | (v.astype(np.float16).astype(np.float32) != v)
+        if bad.any():
+            raise CheckpointError(f"{os.path.join(self.path, MANIFEST)}: table {table!r}, row "
+                                  f"{int(rows[np.argmax(bad)])}: codes beyond "
+                                  f"{self.manifest['quantize'][table]} bits, or a scale or bias "
+                                  f"that is not a float16 (scale >= 0)")
 
     def saved_rows(self, table):
         """The rows of sparse table ``table`` some save of the chain holds, ascending."""
@@ -590,6 +622,8 @@ class Checkpoint:
         for group, fused in coll.arrays.items():
             shards = coll.local_shards(group)
             fused.state["step"][0] = max([self.steps[s.table] for s in shards] or [0])
+            if group.bits:  # codes, scales and biases only (initial_weights)
+                continue
             if group.dynamic:
                 for shard in shards:
                     self._restore_dynamic(coll, shard.table, saved)

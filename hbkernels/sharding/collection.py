@@ -61,12 +61,14 @@ from ..ops import (
 )
 from ..types import JaggedRows, Ragged, SparseGrad, table_spec
 from ..memory import aligned_empty
+from ..quantize import BITS
 from . import checkpoint
+from . import quantized as quantized_tables
 from .kjt import features_from_kjt, is_keyed_jagged_tensor
 from .kinds import SHARDINGS
 from .kinds.row_wise import dynamic_owner
 from .layout import initial_rows, initial_weights, make_layout, shard_rows
-from .plan import make_plan
+from .plan import Plan, make_plan
 from .tier import FusedArrays, Store, Tier
 
 
@@ -164,7 +166,11 @@ class EmbeddingCollection:
     ``initializer(shard, rows)``: the initial values of rows ``rows`` of
     :class:`~hbkernels.sharding.layout.Shard` ``shard`` (its columns
     ``[shard.c0, shard.c1)``), default :func:`~hbkernels.sharding.initial_weights`
-    of ``(seed, table)``. Every rank constructs the collection with the same arguments.
+    of ``(seed, table)``. ``quantize``: ``{table: bits}`` holds those tables
+    row-wise quantized (8, 4 or 2 bits; static tables only) for a forward-only
+    collection (:meth:`quantized`); their ``initializer`` gives
+    :class:`~hbkernels.quantize.QuantizedRows`. Every rank constructs the collection
+    with the same arguments.
 
     Who holds what is :attr:`layout` (:class:`~hbkernels.sharding.layout.Layout`);
     this rank's arrays are :attr:`arrays` (fused group -> :class:`FusedArrays`). A
@@ -175,7 +181,7 @@ class EmbeddingCollection:
 
     def __init__(self, tables, comm=None, optimizer=None, plan="auto", batch_size_hint=None,
                  wire_dtype=None, seed=0, *, device="auto", dedup=True, memory_per_rank="auto",
-                 profile=False, initializer=None):
+                 profile=False, initializer=None, quantize=None):
         self.comm = _dist.init() if comm is None else comm
         if not isinstance(self.comm, _dist.Communicator):
             raise TypeError(f"comm must be a hbk.dist communicator, got {type(self.comm).__name__}")
@@ -187,6 +193,15 @@ class EmbeddingCollection:
             self.tables[spec.name] = spec
         if not self.tables:
             raise ValueError("an EmbeddingCollection needs at least one table")
+        #: ``{table: bits}`` of the tables held quantized (forward only when not empty)
+        self.quantize = {}
+        for name, bits in ({} if quantize is None else dict(quantize)).items():
+            if name not in self.tables or self.tables[name].dynamic or type(bits) is bool \
+                    or not isinstance(bits, (int, np.integer)) or bits not in BITS:
+                raise ValueError(f"quantize must map static tables to bits in "
+                                 f"{BITS}, got {name!r}: {bits!r}")
+            self.quantize[name] = int(bits)
+            self.tables[name] = quantized_tables.quantized_spec(self.tables[name])
         self.optimizer = _optim.Adagrad(lr=0.05) if optimizer is None else optimizer
         if not isinstance(self.optimizer, _optim.SparseOptimizer):
             raise TypeError(f"optimizer must be a hbk.optim optimizer, got {type(optimizer).__name__}")
@@ -199,7 +214,7 @@ class EmbeddingCollection:
         if isinstance(memory_per_rank, str) and memory_per_rank == "auto":
             memory_per_rank = _memory_per_rank(self.device, self.comm.world_size)
         self.memory_per_rank = memory_per_rank
-        self.plan_request = plan
+        self.plan_request = plan.request if isinstance(plan, Plan) else plan
         per_row = sum(1 for _, row in self.optimizer.slots if row)
         self.plan = make_plan(
             list(self.tables.values()), self.comm.world_size, plan,
@@ -207,6 +222,7 @@ class EmbeddingCollection:
             state_floats_per_element=len(self.optimizer.slots) - per_row,
             state_floats_per_row=per_row,
             wire_itemsize=self._wire_itemsize(np.float32),
+            element_bytes={name: bits / 8 for name, bits in self.quantize.items()},
         )
         for name, place in self.plan.items():
             if place.kind == "column_wise" and per_row and len(place.ranks) > 1:
@@ -220,7 +236,8 @@ class EmbeddingCollection:
             if spec.dynamic and spec.capacity < self.comm.world_size:
                 raise ValueError(f"table {spec.name!r}: capacity {spec.capacity} is less than one "
                                  f"slot for each of the {self.comm.world_size} ranks")
-        self.layout = make_layout(self.tables, self.plan, self.comm.world_size, self._table_device)
+        self.layout = make_layout(self.tables, self.plan, self.comm.world_size, self._table_device,
+                                  lambda spec: self.quantize.get(spec.name, 0))
         self._fresh = {}  # (group, on the host) -> optimizer state of a row never updated
         self.arrays = self._allocate(initializer)
         #: a dynamic table's id -> row map on this rank (its slots are the rows of its fused array)
@@ -258,6 +275,13 @@ class EmbeddingCollection:
         arrays = {}
         self.tiers = {}
         for group in self.layout.groups(self.comm.rank):
+            if group.bits:
+                arrays[group] = quantized_tables.allocate(
+                    group, self.local_shards(group), self.layout.rows[self.comm.rank, group],
+                    initializer or (lambda shard, rows: quantized_tables.initial_values(
+                        self.tables[shard.table], self.seed, group.bits, shard, rows)),
+                    self._family(group.device))
+                continue
             if group.storage == "mmap":
                 arrays[group] = self._tier(group, initializer)
                 continue
@@ -329,7 +353,11 @@ class EmbeddingCollection:
 
     def shard_arrays(self, shard):
         """``{"weights": rows, slot: rows}``: views of this rank's rows of ``shard`` in
-        the weights and in each optimizer state slot (writes go to the collection)."""
+        the weights and in each optimizer state slot (writes go to the collection); of
+        a quantized table, copies ``{"codes", "scale", "bias"}``
+        (:func:`~hbkernels.sharding.quantized.shard_values`)."""
+        if shard.group.bits:  # codes (one per byte), scale and bias
+            return quantized_tables.shard_values(self.arrays[shard.group], shard)
         if shard.group in self.tiers:  # the store's rows: written back, made, cache emptied
             tier = self.tiers[shard.group]
             tier.clear()
@@ -717,7 +745,11 @@ class EmbeddingCollection:
         """Apply the optimizer for ``grads = {feature: d loss / d output}`` ([B, dim]
         per feature of the last :meth:`forward`; [N, dim] for a sequence table's
         rows) to the rows this rank owns.
-        Collective; gradients of all ranks are summed."""
+        Collective; gradients of all ranks are summed. A quantized collection
+        (:meth:`quantized`) refuses it with a ``TypeError``."""
+        if self.quantize:
+            raise TypeError(f"tables {sorted(self.quantize)} are quantized: this collection is "
+                            f"for inference (forward only), it takes no backward")
         if self._saved is None:
             raise RuntimeError("backward needs a forward first (each forward allows one backward)")
         inputs = self._saved.inputs
@@ -862,7 +894,8 @@ class EmbeddingCollection:
     def full_weights(self, name):
         """Table ``name`` gathered whole ([num_rows, dim]), the same on every rank: a
         new array (later steps do not change it); for a dynamic table ``(ids, rows)``,
-        its live ids ascending and their rows. Collective.
+        its live ids ascending and their rows; for a quantized table its rows
+        dequantized (float32). Collective.
 
         >>> import hbkernels as hbk
         >>> coll = hbk.EmbeddingCollection([hbk.TableSpec("t", num_rows=5, dim=2)],
@@ -873,6 +906,9 @@ class EmbeddingCollection:
         self._settle(make=True)
         if name in self.tables and self.tables[name].dynamic:
             return self._gather_dynamic(name, lambda fused: fused.weights)
+        if name in self.quantize:
+            return self._gather(name, lambda s: self.arrays[s.group].weights.dequantize(
+                slice(s.base, s.base + s.num_rows)), True, np.float32)
         return self._gather(
             name, lambda s: self._rows_of(s, self.arrays[s.group].weights), True,
             self.tables.get(name, self.tables[next(iter(self.tables))]).dtype)
@@ -964,6 +1000,8 @@ class EmbeddingCollection:
         out = {}
         self._settle(make=True)
         for slot, per_row in self.optimizer.slots:
+            if name in self.quantize:  # (no optimizer state)
+                break
             if name in self.tables and self.tables[name].dynamic:
                 out["ids"], out[slot] = self._gather_dynamic(name, lambda f, slot=slot: f.state[slot])
                 continue
@@ -977,6 +1015,47 @@ class EmbeddingCollection:
         out["step"] = step
         return out
 
+    # -- inference ------------------------------------------------------------------------------------
+    def quantized(self, bits=8, tables=None):
+        """A forward-only collection with the same tables, plan and ranks, ``tables``
+        (default: all) held row-wise quantized to ``bits`` (8, 4 or 2;
+        :func:`hbkernels.quantize_rows`), the others copied as they are. Each table row
+        is quantized whole, so its forward equals the float forward on
+        ``quantize_rows(full_weights(name)).dequantize()`` up to float32 summation
+        order, its :meth:`full_weights` is that table, and it saves and loads at any
+        world size as exactly the same codes. Its forward returns float32 for the
+        quantized tables; :meth:`backward` raises ``TypeError``; dynamic ids are not
+        supported. Tables in a slow tier are read whole and held quantized in memory.
+        Collective.
+
+        >>> import numpy as np, hbkernels as hbk
+        >>> coll = hbk.EmbeddingCollection([hbk.TableSpec("t", num_rows=100, dim=8)],
+        ...                                comm=hbk.dist.init("local"))
+        >>> q = coll.quantized(bits=4)
+        >>> q.arrays[next(iter(q.arrays))].weights.nbytes   # 100 rows of 4 + 4 bytes
+        800
+        >>> q.forward({"t": np.array([3, 7])})["t"].dtype
+        dtype('float32')
+        """
+        quantize = quantized_tables.request(self, bits, tables)
+        self._settle(make=True)
+        values = quantized_tables.quantize_shards(self, quantize)
+
+        def rows_of(shard, rows):
+            if shard.table in quantize:
+                return quantized_tables.select(values[shard.table, shard.slice], shard, rows)
+            mine = next(s for s in self.layout.shards[shard.table]  # same plan: the same rows
+                        if (s.slice, s.rank) == (shard.slice, shard.rank))
+            weights = self.shard_arrays(mine)["weights"]
+            return host(weights[self._family(mine.group.device).put(
+                (rows - mine.row_start) // mine.row_step)])
+
+        return type(self)(list(self.tables.values()), comm=self.comm, optimizer=_optim.SGD(lr=1.0),
+                          plan=self.plan, batch_size_hint=self.batch_size_hint,
+                          wire_dtype=self.wire_dtype, seed=self.seed, device=self.device,
+                          dedup=self.dedup, memory_per_rank=None, profile=self.profile,
+                          initializer=rows_of, quantize=quantize)
+
     # -- checkpoints ----------------------------------------------------------------------------------
     def save(self, path, incremental=False):
         """Write a checkpoint directory (see :mod:`hbkernels.sharding.checkpoint`):
@@ -986,6 +1065,8 @@ class EmbeddingCollection:
         where = os.path.abspath(os.fspath(path))
         parent = None
         if incremental:
+            if self.quantize:
+                raise ValueError("a quantized collection does not change: save it whole")
             if self._last_save is None:
                 raise ValueError("save(incremental=True) needs an earlier save of this collection")
             if where in self._chain:
@@ -997,15 +1078,20 @@ class EmbeddingCollection:
                               changed=self._changed if incremental else None)
         self._chain = self._chain + [where] if incremental else [where]
         self._last_save = (where, crc)
-        self._changed = {group: self._family(group.device).xp.zeros(int(f.weights.shape[0]), bool)
-                         for group, f in self.arrays.items()}
+        if not self.quantize:
+            self._changed = {group: self._family(group.device).xp.zeros(int(f.weights.shape[0]), bool)
+                             for group, f in self.arrays.items()}
 
     @classmethod
     def load(cls, path, comm=None, *, paths=None, **overrides):
         """The collection saved at ``path``, sharded for ``comm`` (any world size);
-        ``overrides`` replace saved constructor arguments (``plan``, ``optimizer``, ...);
+        ``overrides`` replace saved constructor arguments (``plan``, ``optimizer``, ...;
+        not ``quantize``: quantize a loaded collection with :meth:`quantized`);
         ``paths``: ``{table: directory}`` for the files of ``storage="mmap"`` tables
         (default: the saved ``TableSpec.path``)."""
+        if "quantize" in overrides:
+            raise ValueError("load keeps the checkpoint's tables as saved (quantized or not): "
+                             "call .quantized(bits) on the loaded collection instead")
         saved = checkpoint.Checkpoint(path)
         paths = paths or {}
         unknown = sorted(set(paths) - {t.name for t in saved.tables if t.storage == "mmap"})

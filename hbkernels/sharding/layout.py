@@ -32,7 +32,9 @@ class FusedGroup(NamedTuple):
     not by id, and are not stacked with static ones: on one rank those of one width,
     dtype and device share an array; on several each has its own (``table``: its
     name), so that the ids its exchange carries need no table tag. A table kept in
-    a slow tier (``storage`` ``"host"`` or ``"mmap"``) has arrays of its own too."""
+    a slow tier (``storage`` ``"host"`` or ``"mmap"``) has arrays of its own too.
+    ``bits``: 8, 4 or 2 for the slices of quantized tables (their array a
+    :class:`~hbkernels.QuantizedTable`, ``dtype`` the float32 of their output), else 0."""
 
     width: int
     dtype: str
@@ -40,6 +42,7 @@ class FusedGroup(NamedTuple):
     dynamic: bool = False
     table: Any = None
     storage: str = "device"
+    bits: int = 0
 
 
 class Shard(NamedTuple):
@@ -112,9 +115,10 @@ class Layout:
         return self._route_groups(True)
 
 
-def make_layout(tables, plan, world_size, device_of=lambda spec: "cpu"):
+def make_layout(tables, plan, world_size, device_of=lambda spec: "cpu", bits_of=lambda spec: 0):
     """The :class:`Layout` of ``tables`` (name -> TableSpec) under ``plan`` on
-    ``world_size`` ranks; ``device_of(spec)`` is the device of a table's arrays."""
+    ``world_size`` ranks; ``device_of(spec)`` is the device of a table's arrays,
+    ``bits_of(spec)`` its bits when it is quantized (0: float)."""
     next_base = defaultdict(int)  # (rank, group) -> rows so far
     shards, routes = {}, {}
     # replicated tables first: the same rows of the fused arrays on every rank
@@ -127,7 +131,7 @@ def make_layout(tables, plan, world_size, device_of=lambda spec: "cpu"):
             c0, c1 = int(cuts[i]), int(cuts[i + 1])
             own = spec.tiered or (spec.dynamic and world_size > 1)
             group = FusedGroup(c1 - c0, spec.dtype, device_of(spec), spec.dynamic,
-                               spec.name if own else None, spec.storage)
+                               spec.name if own else None, spec.storage, bits_of(spec))
             holders = sharding.holders(spec, place, i, world_size)
             bases = np.full(world_size, -1, np.int64)
             for rank, start, step, rows in holders:

@@ -183,10 +183,15 @@ def _distinct(rows, draws):
     return rows * -math.expm1(draws * math.log1p(-1 / rows)) if rows > 1 else 1.0
 
 
+def _element_bytes(spec, assumptions):
+    """Bytes a table holds per element: its dtype's, or a quantized table's bits / 8."""
+    return assumptions.get("element_bytes", {}).get(spec.name, np.dtype(spec.dtype).itemsize)
+
+
 def estimate(spec, placement, world_size, assumptions):
     """The :class:`TableEstimate` of ``spec`` placed as ``placement`` (formulas in the module docstring)."""
     n, a = world_size, assumptions
-    s = np.dtype(spec.dtype).itemsize
+    s = _element_bytes(spec, a)
     draws = a["batch_size"] * spec.hotness * len(spec.features)
     u, u_all = _distinct(spec.rows, draws), _distinct(spec.rows, n * draws)
 
@@ -253,6 +258,19 @@ def _requested_kinds(request, names):
     return {name: request.get(name, "auto") for name in names}
 
 
+def _check_same_tables(plan, specs, world_size):
+    """A ValueError unless :class:`Plan` ``plan`` places exactly ``specs`` (the same
+    names, rows, widths and kinds of table) on ``world_size`` ranks."""
+    def shape(spec):
+        return spec.num_rows, spec.dim, spec.dynamic, spec.capacity
+
+    same = (plan.world_size == world_size and set(plan) == set(specs)
+            and all(shape(plan.tables[n]) == shape(specs[n]) for n in specs))
+    if not same:
+        raise ValueError(f"plan is a Plan of tables {sorted(plan)} on {plan.world_size} ranks, "
+                         f"not of these tables on {world_size}")
+
+
 def _checked_tables(tables):
     specs = [table_spec(t) for t in tables]
     if not specs:
@@ -271,7 +289,7 @@ def _checked_tables(tables):
 
 
 def _assumptions(world_size, batch_size_hint, memory_per_rank, state_floats_per_element,
-                 state_floats_per_row, wire_itemsize, cost):
+                 state_floats_per_row, wire_itemsize, cost, element_bytes=None):
     if isinstance(world_size, bool) or int(world_size) != world_size or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
     if batch_size_hint is not None and (int(batch_size_hint) != batch_size_hint or batch_size_hint < 1):
@@ -292,22 +310,29 @@ def _assumptions(world_size, batch_size_hint, memory_per_rank, state_floats_per_
         raise ValueError(f"cost needs bandwidths > 0 and a latency >= 0, got {params}")
     return dict(params, batch_size=int(batch_size_hint or DEFAULT_BATCH_SIZE), wire_itemsize=wire_itemsize,
                 state_floats_per_element=state_floats_per_element, state_floats_per_row=state_floats_per_row,
-                memory_per_rank=memory_per_rank)
+                memory_per_rank=memory_per_rank, element_bytes=dict(element_bytes or {}))
 
 
 def make_plan(tables, world_size, request="auto", *, batch_size_hint=None, memory_per_rank=None,
-              state_floats_per_element=0, state_floats_per_row=0, wire_itemsize=4, cost=None):
+              state_floats_per_element=0, state_floats_per_row=0, wire_itemsize=4, cost=None,
+              element_bytes=None):
     """A :class:`Plan` of ``tables`` over ``world_size`` ranks (algorithm in the module docstring).
 
-    ``request``: ``"auto"``, one of PLACEMENTS for every table, or a dict of
-    table name -> one of those or ``"auto"`` (missing tables: ``"auto"``).
+    ``request``: ``"auto"``, one of PLACEMENTS for every table, a dict of
+    table name -> one of those or ``"auto"`` (missing tables: ``"auto"``), or a
+    :class:`Plan` of the same tables and world size (returned as it is).
+    ``element_bytes``: ``{table: bytes}`` held per element where it is not the dtype's
+    (a quantized table's ``bits / 8``).
     ``memory_per_rank`` (bytes) bounds what each rank holds; ``cost``
     overrides some of :data:`DEFAULT_COST` (network 10 GB/s, memory 50 GB/s,
     50 us per collective).
     """
     specs = _checked_tables(tables)
+    if isinstance(request, Plan):  # a plan made before, kept as it is
+        _check_same_tables(request, specs, world_size)
+        return request
     a = _assumptions(world_size, batch_size_hint, memory_per_rank, state_floats_per_element,
-                     state_floats_per_row, wire_itemsize, cost)
+                     state_floats_per_row, wire_itemsize, cost, element_bytes)
     n, limit = int(world_size), memory_per_rank
     kinds = _requested_kinds(request, list(specs))
     for name, kind in kinds.items():  # a dynamic table is cut by a hash of its ids
@@ -323,7 +348,7 @@ def make_plan(tables, world_size, request="auto", *, batch_size_hint=None, memor
 
     def footprint(name):
         spec = specs[name]
-        return spec.rows * spec.dim * np.dtype(spec.dtype).itemsize
+        return spec.rows * spec.dim * _element_bytes(spec, a)
 
     def peak_memory(est, replacing=None):
         """(bytes, rank) of the fullest rank once ``est`` is added (and ``replacing`` removed)."""
