@@ -57,7 +57,7 @@ def check_ragged(values, offsets, num_rows, *, bounds="raise"):
     check.raise_ragged(family, values, offsets, bad_offset, bad_id, num_rows)
 
 
-def lookup(weights, ids, *, bounds="raise"):
+def lookup(weights, ids, *, bounds="raise", output_dtype=None):
     """Gather rows: ``out[i...] = weights[ids[i...]]``, shape ``ids.shape + (D,)``.
 
     >>> import numpy as np, hbkernels as hbk
@@ -67,10 +67,12 @@ def lookup(weights, ids, *, bounds="raise"):
     >>> hbk.lookup(w, np.array([1, 7]), bounds="zero").tolist()
     [[2.0, 3.0], [0.0, 0.0]]
 
-    ``weights`` may be a :class:`hbkernels.QuantizedTable`: the rows dequantized, float32.
+    ``weights`` may be a :class:`hbkernels.QuantizedTable`: the rows dequantized, float32
+    (``output_dtype="float16"``: rounded to float16).
     """
     if isinstance(weights, QuantizedTable):
-        return _quantized_lookup(weights, ids, bounds)
+        return _quantized_lookup(weights, ids, bounds, output_dtype)
+    _no_output_dtype(output_dtype)
     family, a = resolve(row_tables=("weights",), weights=weights, ids=ids)
     weights, ids = a["weights"], a["ids"]
     check.table("weights", weights)
@@ -122,7 +124,8 @@ def lookup_backward(grad_out, ids, *, num_rows, bounds="raise", deterministic=Tr
 
 
 def embedding_bag(
-    weights, values, offsets, *, combiner="sum", per_sample_weights=None, bounds="raise"
+    weights, values, offsets, *, combiner="sum", per_sample_weights=None, bounds="raise",
+    output_dtype=None,
 ):
     """Pooled lookup of CSR bags, shape ``[B, D]`` with ``B = len(offsets) - 1``.
 
@@ -140,11 +143,13 @@ def embedding_bag(
     [[3.0, 4.0], [0.0, 0.0], [2.0, 3.0]]
 
     ``weights`` may be a :class:`hbkernels.QuantizedTable` (:func:`hbkernels.quantize_rows`):
-    the output is float32, the same call on ``weights.dequantize()`` up to float32 rounding.
+    the output is float32, the same call on ``weights.dequantize()`` up to float32 rounding;
+    ``output_dtype="float16"`` rounds it to float16 (FBGEMM's ``output_dtype``).
     """
     if isinstance(weights, QuantizedTable):
         return _quantized_embedding_bag(weights, values, offsets, combiner, per_sample_weights,
-                                        bounds)
+                                        bounds, output_dtype)
+    _no_output_dtype(output_dtype)
     if per_sample_weights is None and _plain_numpy_bags(weights, values, offsets):
         family, psw = NUMPY, None
     else:
@@ -174,6 +179,30 @@ def _check_bags(values, offsets, per_sample_weights):
     check.per_sample_weights(per_sample_weights, values)
 
 
+OUTPUT_DTYPES = {"float32": np.float32, "float16": np.float16}  # of a QuantizedTable's lookups
+
+
+def _output_dtype(output_dtype):
+    """The NumPy type of a QuantizedTable's ``output_dtype`` (None: float32), checked."""
+    if output_dtype is None:
+        return np.float32
+    try:
+        name = np.dtype(output_dtype).name
+    except TypeError:
+        name = output_dtype
+    return check.choice("output_dtype", name, OUTPUT_DTYPES)
+
+
+def _in_dtype(family, out, dtype):
+    return out if dtype is np.float32 else family.from_compute(family.compute(out).astype(dtype))
+
+
+def _no_output_dtype(output_dtype):
+    if output_dtype is not None:
+        raise ValueError("output_dtype applies to a QuantizedTable; a float table's output "
+                         "has its own dtype")
+
+
 def _quantized_inputs(q, **arrays):
     """The family and arrays of a call on the quantized table ``q``: the arrays in its
     family (else ``TypeError``), ready for the kernels."""
@@ -181,7 +210,9 @@ def _quantized_inputs(q, **arrays):
     return family, a
 
 
-def _quantized_embedding_bag(q, values, offsets, combiner, per_sample_weights, bounds):
+def _quantized_embedding_bag(q, values, offsets, combiner, per_sample_weights, bounds,
+                             output_dtype):
+    dtype = _output_dtype(output_dtype)
     family, a = _quantized_inputs(q, values=values, offsets=offsets,
                                   per_sample_weights=per_sample_weights)
     values, offsets, psw = a["values"], a["offsets"], a["per_sample_weights"]
@@ -192,10 +223,11 @@ def _quantized_embedding_bag(q, values, offsets, combiner, per_sample_weights, b
         family, q, values, offsets, psw, comb, mode)
     if bad_offset != _NO_ERROR or bad_id != _NO_ERROR:
         check.raise_ragged(family, values, offsets, bad_offset, bad_id, q.num_rows)
-    return out
+    return _in_dtype(family, out, dtype)
 
 
-def _quantized_lookup(q, ids, bounds):
+def _quantized_lookup(q, ids, bounds, output_dtype):
+    dtype = _output_dtype(output_dtype)
     family, a = _quantized_inputs(q, ids=ids)
     ids = a["ids"]
     check.ids("ids", ids)
@@ -206,7 +238,7 @@ def _quantized_lookup(q, ids, bounds):
         family, q, flat, one_each, None, check.COMBINERS["sum"], mode, "ids")
     if bad != _NO_ERROR:
         check.raise_bad_id(family, "ids", flat, bad, q.num_rows)
-    return family.reshape(out, tuple(ids.shape) + (q.dim,))
+    return _in_dtype(family, family.reshape(out, tuple(ids.shape) + (q.dim,)), dtype)
 
 
 def _plain_numpy_bags(weights, values, offsets):

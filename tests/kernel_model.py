@@ -49,7 +49,8 @@ Definitions (one CSV row per case, :data:`COLUMNS`):
 * ``modelled_fraction_of_copy`` = counted bytes / modelled time / copy bandwidth,
   modelled time = the sum over the op's phases of bytes / the phase's bandwidth.
   Counted bytes follow ``bench/roofline-notes.md``: forward, every id's row plus
-  ids, offsets and the output; lookup, rows read and written plus ids; backward +
+  ids, offsets and the output (a quantized forward: each id's codes, scale and bias,
+  and a float32 output); lookup, rows read and written plus ids; backward +
   update, ``grad_out`` plus each touched row and its state read and written plus
   ids and offsets; the backward alone, ``grad_out`` plus the gradient rows and
   their ids written plus ids and offsets; unique, ids read, inverse and distinct
@@ -454,6 +455,7 @@ class Case:
     length: int = 32
     optimizer: str = None
     mode: str = None  # hash_table: "find" or "insert"
+    bits: int = 0  # quantized_bag: the codes' bits (output float32)
 
     @property
     def key(self):
@@ -475,6 +477,8 @@ CASES = [
     Case("embedding_bag", "bf16 D=128 L=32", "embedding_bag.pool_kernel", dtype="bfloat16"),
     Case("embedding_bag", "fp32 D=128 L=1", "embedding_bag.pool_kernel", length=1),
     Case("lookup", "fp32 D=128", "lookup.gather_kernel"),
+    *[Case("quantized_bag", f"int{b} D=128 L=32", "quantized_bag.quantized_pool_kernel", bits=b)
+      for b in (8, 4)],
     Case("embedding_bag_backward", "fp32 D=128 zipf1.05", "embedding_bag_backward.gather_kernel"),
     *[Case("fused_step", f"{name} fp32 D=128 zipf1.05", "sparse_update._update_kernel",
            optimizer=name) for name in OPTIMIZERS],
@@ -508,6 +512,11 @@ def phases(case, real):
         ids, offsets, out = 8 * n, 8 * (BAGS + 1), BAGS * D * item
         counted = n * D * item + ids + offsets + out
         return counted, [Phase("pool", counted, "embedding_bag.pool_kernel")], case.length
+    if case.op == "quantized_bag":  # a row of codes, scale and bias per id; float32 out
+        n = BAGS * case.length
+        row = -(-D * case.bits // 8) + 4
+        counted = n * row + 8 * n + 8 * (BAGS + 1) + BAGS * D * 4
+        return counted, [Phase("pool", counted, "quantized_bag.quantized_pool_kernel")], case.length
     if case.op == "lookup":
         n = LOOKUP_IDS
         counted = 2 * n * D * item + 8 * n
@@ -667,10 +676,13 @@ def simulated_op(case):
         return lambda: table.slots(ids, insert=case.mode == "insert")
     dtype = float_dtype(case.dtype)
     table = dev(rng.uniform(-1, 1, (rows, case.dim)).astype(dtype))
+    if case.op == "quantized_bag":
+        q = hbk.quantize_rows(rng.uniform(-1, 1, (rows, case.dim)).astype(np.float32), case.bits)
+        table = hbk.QuantizedTable.from_rows(dev(q.rows), case.bits, case.dim)
     if case.op == "lookup":
         ids = dev(rng.integers(0, rows, 64))
         return lambda: hbk.lookup(table, ids)
-    forward = case.op == "embedding_bag"
+    forward = case.op in ("embedding_bag", "quantized_bag")
     bags, length = (2, min(case.length, 8)) if forward else (2, 16)
     ids = dev(zipf_ids(bags * length, rows, ZIPF, seed=SEED))
     offsets = dev(np.arange(bags + 1, dtype=np.int64) * length)

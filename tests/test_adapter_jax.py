@@ -12,6 +12,7 @@ from helpers import raises
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
 
+import hbkernels as hbk  # noqa: E402
 from hbkernels.adapters import jax as hbj  # noqa: E402
 
 COMBINERS = ["sum", "mean", "sqrtn"]
@@ -393,3 +394,29 @@ def test_gpu_bad_id_raises():
     values, offsets = jax.device_put(jnp.array([1, 7]), gpu), jax.device_put(jnp.array([0, 2]), gpu)
     with raises(jax.errors.JaxRuntimeError, match="BoundsError"):
         jax.jit(hbj.embedding_bag)(weight, values, offsets).block_until_ready()
+
+
+# -- quantized tables (inference) ----------------------------------------------------
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("combiner", COMBINERS)
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_quantized_table_matches_the_reference_on_its_dequantized_rows(rng, path, bits,
+                                                                          combiner, jit):
+    weight, values, offsets, psw = make_case(rng, dim=5, weighted=combiner != "sum")
+    q = hbk.quantize_rows(weight, bits=bits)
+
+    def f(v, o, p):
+        return hbj.embedding_bag(q, v, o, combiner=combiner, per_sample_weights=p)
+
+    out = (jax.jit(f) if jit else f)(jnp.asarray(values), jnp.asarray(offsets),
+                                     None if psw is None else jnp.asarray(psw))
+    expected = reference(jnp.asarray(q.dequantize()), jnp.asarray(values), offsets, combiner,
+                         None if psw is None else jnp.asarray(psw))
+    close(out, expected, np.float32)
+
+
+def test_a_quantized_table_checks_ids(rng):
+    q = hbk.quantize_rows(rng.standard_normal((4, 3)).astype(np.float32), bits=8)
+    with pytest.raises(Exception, match="out of range"):
+        hbj.embedding_bag(q, jnp.array([0, 4]), jnp.array([0, 2])).block_until_ready()

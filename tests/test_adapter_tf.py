@@ -400,3 +400,25 @@ def test_gpu_eager_matches_cpu(rng):
     assert "GPU" in results["/GPU:0"][2]
     np.testing.assert_allclose(results["/GPU:0"][0], results["/CPU:0"][0], rtol=RTOL, atol=ATOL)
     np.testing.assert_allclose(results["/GPU:0"][1], results["/CPU:0"][1], rtol=RTOL, atol=ATOL)
+
+
+# -- quantized tables (inference) ------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("combiner", COMBINERS)
+def test_a_quantized_table_matches_embedding_lookup_sparse_on_its_rows(rng, mode, bits, combiner):
+    values, offsets, weights = make_bags(rng)
+    q = hbk.quantize_rows(rng.standard_normal((NUM_ROWS, 5)).astype(np.float32), bits=bits)
+    psw = tf.constant(weights)
+    ours, ref = run_both(
+        lambda: hbtf.embedding_bag(q, tf.constant(values), tf.constant(offsets),
+                                   combiner=combiner, per_sample_weights=psw),
+        lambda: reference(tf.constant(q.dequantize()), values, offsets, psw, combiner), mode)
+    assert ours.dtype == tf.float32 and ours.shape == (len(offsets) - 1, 5)
+    np.testing.assert_allclose(ours.numpy(), ref.numpy(), rtol=RTOL, atol=ATOL)
+
+
+def test_a_quantized_table_checks_ids(rng):
+    q = hbk.quantize_rows(rng.standard_normal((4, 3)).astype(np.float32), bits=8)
+    with raises(hbk.BoundsError):
+        hbtf.embedding_bag(q, tf.constant([0, 4]), tf.constant([0, 2]))

@@ -294,3 +294,39 @@ def test_bad_arguments():
         summed(ids, torch.tensor([0, 5]))  # past the end
     with raises(TypeError):
         summed([1, 2], offsets)
+
+
+# -- quantized (inference) -----------------------------------------------------------------------
+@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_quantized_bag_is_torchs_bag_on_the_dequantized_rows(rng, bits, mode):
+    ours, _ = pair(30, 5, rng, mode=mode, padding_idx=2)
+    served = ours.quantized(bits)
+    assert served.weight is None and served.rows.dtype == torch.uint8
+    assert served.rows.shape == (30, -(-5 * bits // 8) + 4)
+    rows = hbk.quantize_rows(ours.weight.detach().numpy(), bits=bits).dequantize()
+    ref = torch.nn.EmbeddingBag(30, 5, mode=mode, padding_idx=2,
+                                _weight=torch.from_numpy(rows))
+    values, offsets = random_bags(rng, 30, padding_idx=2)
+    with torch.no_grad():
+        out = served(values, offsets[:-1])
+        expected = ref(values, offsets[:-1])
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    again = hbt.EmbeddingBag.from_quantized(hbk.quantize_rows(rows, bits=bits), mode=mode,
+                                            padding_idx=2)
+    again.load_state_dict(served.state_dict())  # the rows buffer round-trips
+    with torch.no_grad():
+        assert torch.equal(again(values, offsets[:-1]), out)
+
+
+def test_the_functional_op_takes_a_quantized_table(rng):
+    w = rng.standard_normal((9, 4)).astype(np.float32)
+    q = hbk.quantize_rows(w, bits=4)
+    values, offsets = torch.tensor([0, 8, 8, 3]), torch.tensor([0, 1, 1, 4])
+    out = hbt.embedding_bag(q, values, offsets, combiner="sqrtn")
+    expected = hbk.embedding_bag(q.dequantize(), values.numpy(), offsets.numpy(),
+                                 combiner="sqrtn")
+    torch.testing.assert_close(out, torch.from_numpy(expected), rtol=1e-6, atol=1e-6)
+    with pytest.raises(TypeError, match="QuantizedTable"):
+        hbt.EmbeddingBag.from_quantized(w)

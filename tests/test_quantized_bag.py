@@ -90,6 +90,24 @@ def test_lookup(backend, rng, bits):
     np.testing.assert_allclose(got, table[ids], rtol=1e-6, atol=1e-6)
 
 
+def test_float16_output_on_request(backend, rng):
+    q, table = quantized(backend, rng, 20, 5, 4)
+    values, offsets = np.array([0, 19, 3, 3]), np.array([0, 1, 4])
+    full = backend.get(hbk.embedding_bag(q, backend.put(values), backend.put(offsets)))
+    for dtype in ("float16", np.float16):
+        half = backend.get(hbk.embedding_bag(q, backend.put(values), backend.put(offsets),
+                                             output_dtype=dtype))
+        assert half.dtype == np.float16 and np.array_equal(half, full.astype(np.float16))
+    rows = backend.get(hbk.lookup(q, backend.put(values), output_dtype="float16"))
+    assert rows.dtype == np.float16 and np.array_equal(rows, table[values].astype(np.float16))
+    assert backend.get(hbk.lookup(q, backend.put(values), output_dtype="float32")).dtype == np.float32
+    with pytest.raises(ValueError, match="output_dtype must be one of"):
+        hbk.lookup(q, backend.put(values), output_dtype="int8")
+    with pytest.raises(ValueError, match="applies to a QuantizedTable"):
+        hbk.embedding_bag(backend.put(table), backend.put(values), backend.put(offsets),
+                          output_dtype="float16")
+
+
 @pytest.mark.parametrize("bounds", ["raise", "zero", "unchecked"])
 def test_bad_ids_in_every_bounds_mode(backend, rng, bounds):
     rows, dim = 12, 6

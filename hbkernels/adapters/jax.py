@@ -74,6 +74,7 @@ import numpy as np
 from .. import _validate as check
 from .. import ops
 from .._machine import cupy as _cupy, has_cupy as _has_cupy
+from ..quantize import QuantizedTable
 
 try:  # JAX >= 0.7
     from jax.experimental.buffer_callback import buffer_callback as _buffer_callback
@@ -98,14 +99,26 @@ def embedding_bag(weight, values, offsets, *, combiner="sum", per_sample_weights
     ``weight`` ``[num_rows, D]`` float; ``values`` ``[N]`` and ``offsets``
     ``[B + 1]`` int32/int64; ``per_sample_weights`` ``[N]`` float or None;
     ``combiner`` one of ``"sum"``, ``"mean"``, ``"sqrtn"`` (static).
+
+    ``weight`` may be a :class:`hbkernels.QuantizedTable` (inference): the kernels read
+    its rows where they are (NumPy for the CPU paths, CuPy on XLA's GPU; held by the
+    function, never copied into JAX), the output is float32 and nothing is
+    differentiable (``jax.grad`` through it raises).
     """
-    weight, values, offsets = jnp.asarray(weight), jnp.asarray(values), jnp.asarray(offsets)
+    values, offsets = jnp.asarray(values), jnp.asarray(offsets)
     psw = None if per_sample_weights is None else jnp.asarray(per_sample_weights)
-    check.table("weight", weight)
+    quantized = isinstance(weight, QuantizedTable)
+    if not quantized:
+        weight = jnp.asarray(weight)
+        check.table("weight", weight)
     check.ids("values", values, ndim=1)
     check.offsets(offsets)
     check.per_sample_weights(psw, values)
     check.choice("combiner", combiner, check.COMBINERS)
+    if quantized:
+        out_type = jax.ShapeDtypeStruct((offsets.shape[0] - 1, weight.dim), jnp.float32)
+        return _call(functools.partial(_quantized_pool_into, combiner, weight), out_type, values,
+                     offsets, psw)
     return _bag(combiner, weight, values, offsets, psw)
 
 
@@ -159,6 +172,10 @@ def _into(out, result):
 def _pool_into(combiner, out, weight, values, offsets, psw=None):
     return _into(out, ops.embedding_bag(weight, values, offsets, combiner=combiner,
                                         per_sample_weights=psw))
+
+
+def _quantized_pool_into(combiner, table, out, values, offsets, psw=None):
+    return _pool_into(combiner, out, table, values, offsets, psw)
 
 
 def _grad_into(combiner, num_rows, out, g, values, offsets, psw=None):

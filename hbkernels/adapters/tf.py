@@ -83,6 +83,7 @@ from .. import ops as _ops
 from .._dispatch import cupy_bfloat16
 from .._machine import cupy as _cupy
 from .._validate import BOUNDS, COMBINERS, FLOAT_NAMES, is_bfloat16
+from ..quantize import QuantizedTable
 
 __all__ = ["embedding_bag", "EmbeddingBag", "kernel_array", "from_kernel_array"]
 
@@ -184,11 +185,13 @@ def _check(combiner, bounds, w, values, offsets, psw):
         raise ValueError(f"combiner must be one of {sorted(COMBINERS)}, got {combiner!r}")
     if bounds not in BOUNDS:
         raise ValueError(f"bounds must be one of {sorted(BOUNDS)}, got {bounds!r}")
-    if w.dtype not in _TABLE_DTYPES:
+    if w is None:  # a QuantizedTable: checked by the kernels' front
+        pass
+    elif w.dtype not in _TABLE_DTYPES:
         raise ValueError(f"weight must be {FLOAT_NAMES}, got {w.dtype.name}")
-    if w.shape.rank is not None and w.shape.rank != 2:
+    elif w.shape.rank is not None and w.shape.rank != 2:
         raise ValueError(f"weight must be a 2-D table [num_rows, D], got shape {w.shape}")
-    if w.shape.rank == 2 and w.shape[1] is None:
+    elif w.shape.rank == 2 and w.shape[1] is None:
         raise ValueError("weight must have a static D (its second dimension)")
     for name, t in (("values", values), ("offsets", offsets)):
         if t.dtype not in _ID_DTYPES:
@@ -242,6 +245,35 @@ def _forward(w, values, offsets, psw, combiner, bounds):
     with tf.device("/CPU:0"):
         out = tf.numpy_function(host, args, Tout=w.dtype, stateful=True, name="hbk_embedding_bag")
     out.set_shape([num_bags, w.shape[1]])
+    return out
+
+
+def _quantized_forward(q, values, offsets, psw, combiner, bounds):
+    """The forward on :class:`hbkernels.QuantizedTable` ``q``: eagerly on its device
+    (the ids moved there), in a graph in the host callback (NumPy rows only)."""
+    num_bags = offsets.shape[0] - 1 if offsets.shape[0] is not None else None
+
+    def run(v_, o_, p_=None):
+        return _ops.embedding_bag(q, v_, o_, combiner=combiner, per_sample_weights=p_,
+                                  bounds=bounds)
+
+    args = [values, offsets] + ([] if psw is None else [psw])
+    on_gpu = q.family.device == "cuda"
+    if tf.executing_eagerly():
+        with tf.device(f"/GPU:{q.rows.device.id}" if on_gpu else "/CPU:0"):
+            anchor = tf.zeros(0)  # where the kernels run: the table's device
+        return from_kernel_array(_eager_call(run, args, anchor))
+    if on_gpu:
+        raise TypeError("in a graph (tf.function) the kernels run in a host callback: use a "
+                        "QuantizedTable of NumPy rows there, or call eagerly")
+
+    def host(*arrays):
+        return _as_tf_error(run, *arrays)
+
+    with tf.device("/CPU:0"):
+        out = tf.numpy_function(host, args, Tout=tf.float32, stateful=True,
+                                name="hbk_quantized_embedding_bag")
+    out.set_shape([num_bags, q.dim])
     return out
 
 
@@ -310,6 +342,10 @@ def embedding_bag(weight, values, offsets=None, *, combiner="sum", per_sample_we
     output). ``bounds``: as in :func:`hbkernels.embedding_bag`.
     Works eagerly (zero-copy DLPack views, CPU or GPU) and in ``tf.function``
     (a CPU host callback); see the module docstring.
+
+    ``weight`` may be a :class:`hbkernels.QuantizedTable` (inference): the kernels read
+    its rows where they are (NumPy: the CPU, and the only kind a ``tf.function`` takes;
+    CuPy: its GPU, eagerly), the output is float32 and has no gradient.
     """
     if isinstance(values, tf.RaggedTensor):
         if offsets is not None:
@@ -322,11 +358,14 @@ def embedding_bag(weight, values, offsets=None, *, combiner="sum", per_sample_we
         raise ValueError("offsets is required (B + 1 CSR offsets) unless values is a "
                          "tf.RaggedTensor")
     with tf.name_scope(name or "hbk_embedding_bag"):
-        w = tf.convert_to_tensor(weight)  # a variable read: the tape watches it here
+        quantized = isinstance(weight, QuantizedTable)
+        w = None if quantized else tf.convert_to_tensor(weight)  # a variable read: watched here
         values = tf.convert_to_tensor(values)
         offsets = tf.convert_to_tensor(offsets)
         psw = None if per_sample_weights is None else tf.convert_to_tensor(per_sample_weights)
         _check(combiner, bounds, w, values, offsets, psw)
+        if quantized:
+            return _quantized_forward(weight, values, offsets, psw, combiner, bounds)
         if not _watched(w) and (psw is None or not _watched(psw)):
             return _forward(w, values, offsets, psw, combiner, bounds)  # eager, no tape
         if psw is None:

@@ -57,6 +57,7 @@ from .._machine import cupy as _cupy, simulator_enabled
 from ..sharding import kjt as _kjt
 from ..sharding.kjt import is_keyed_jagged_tensor, kjt_tensors, kjt_weights
 from .._validate import BOUNDS, COMBINERS, is_bfloat16
+from ..quantize import QuantizedTable, quantize_rows
 
 __all__ = ["EmbeddingBag", "EmbeddingCollectionModule", "embedding_bag", "features_from_kjt",
            "is_keyed_jagged_tensor", "kernel_array", "from_kernel_array", "cuda_stream_of"]
@@ -150,7 +151,8 @@ def _on_stream(t, fn, *args):
 
 
 def _forward_kernel(weight, values, offsets, combiner, per_sample_weights, bounds):
-    out = _ops.embedding_bag(kernel_array(weight), kernel_array(values), kernel_array(offsets),
+    table = weight if isinstance(weight, QuantizedTable) else kernel_array(weight)
+    out = _ops.embedding_bag(table, kernel_array(values), kernel_array(offsets),
                              combiner=combiner, per_sample_weights=kernel_array(per_sample_weights),
                              bounds=bounds)
     return from_kernel_array(out)
@@ -364,6 +366,9 @@ def embedding_bag(weight, values, offsets, *, combiner="sum", per_sample_weights
     ``torch.autograd.Function`` (or no autograd at all when nothing requires grad),
     because the custom-op dispatch adds tens of µs a call.
 
+    ``weight`` may be a :class:`hbkernels.QuantizedTable` (NumPy rows for CPU tensors,
+    CuPy rows for CUDA ones): float32 out, no gradient (inference).
+
     Errors are those of :func:`hbkernels.embedding_bag` (``hbk.BoundsError``,
     ``ValueError``); mixing CPU and CUDA tensors is a ``TypeError``.
     """
@@ -371,6 +376,9 @@ def embedding_bag(weight, values, offsets, *, combiner="sum", per_sample_weights
         raise ValueError(f"combiner must be one of {sorted(COMBINERS)}, got {combiner!r}")
     if bounds not in BOUNDS:
         raise ValueError(f"bounds must be one of {sorted(BOUNDS)}, got {bounds!r}")
+    if isinstance(weight, QuantizedTable):
+        return _on_stream(values, _forward_kernel, weight, values, offsets, combiner,
+                          per_sample_weights, bounds)
     sparse = bool(sparse)
     if EAGER_FAST_PATH and not torch.compiler.is_compiling():
         if not (torch.is_grad_enabled() and (weight.requires_grad or (
@@ -502,11 +510,39 @@ class EmbeddingBag(torch.nn.Module):
         else:
             raise ValueError(f"input must be 1-D (with offsets) or 2-D [B, L], got shape "
                              f"{tuple(input.shape)}")
+        weight = self.weight
+        if weight is None:  # quantized (from_quantized): the table over the rows buffer
+            weight = QuantizedTable.from_rows(kernel_array(self.rows), self.bits,
+                                              self.embedding_dim)
         if self.padding_idx is not None:  # weight 0: out of the sums, the means and the gradient
-            keep = (values != self.padding_idx).to(self.weight.dtype)
+            keep = (values != self.padding_idx).to(torch.float32 if self.weight is None
+                                                   else self.weight.dtype)
             psw = keep if psw is None else psw * keep
-        return embedding_bag(self.weight, values, offsets, combiner=self.mode,
+        return embedding_bag(weight, values, offsets, combiner=self.mode,
                              per_sample_weights=psw, sparse=self.sparse, bounds="raise")
+
+    def quantized(self, bits=8):
+        """An inference copy of this bag: its ``weight`` row-wise quantized to ``bits``
+        (:func:`hbkernels.quantize_rows`; :meth:`from_quantized`)."""
+        table = quantize_rows(kernel_array(self.weight.detach()), bits=bits)
+        return type(self).from_quantized(table, mode=self.mode, padding_idx=self.padding_idx,
+                                         include_last_offset=self.include_last_offset)
+
+    @classmethod
+    def from_quantized(cls, table, mode="mean", include_last_offset=False, padding_idx=None):
+        """An inference ``EmbeddingBag`` over :class:`hbkernels.QuantizedTable` ``table``:
+        ``weight`` is None, the packed rows are the uint8 buffer ``rows`` (moved by
+        ``.to()``, kept by ``state_dict``), ``bits`` its width; ``forward`` as usual
+        returns float32 with no gradient (call it under ``torch.no_grad()``)."""
+        if not isinstance(table, QuantizedTable):
+            raise TypeError(f"table must be a hbk.QuantizedTable, got {type(table).__name__}")
+        bag = cls(table.num_rows, table.dim, mode=mode, include_last_offset=include_last_offset,
+                  padding_idx=padding_idx, _weight=torch.empty((table.num_rows, table.dim),
+                                                               device="meta"))
+        bag.weight = None
+        bag.bits = table.bits
+        bag.register_buffer("rows", from_kernel_array(table.rows))
+        return bag
 
     @classmethod
     def from_pretrained(cls, embeddings, freeze=True, max_norm=None, norm_type=2.0,
@@ -526,6 +562,8 @@ class EmbeddingBag(torch.nn.Module):
 
     def extra_repr(self):
         s = f"{self.num_embeddings}, {self.embedding_dim}, mode={self.mode!r}"
+        if self.weight is None:
+            s += f", bits={self.bits}"
         if self.padding_idx is not None:
             s += f", padding_idx={self.padding_idx}"
         if self.sparse:
