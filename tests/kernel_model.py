@@ -477,7 +477,7 @@ CASES = [
     Case("embedding_bag", "bf16 D=128 L=32", "embedding_bag.pool_kernel", dtype="bfloat16"),
     Case("embedding_bag", "fp32 D=128 L=1", "embedding_bag.pool_kernel", length=1),
     Case("lookup", "fp32 D=128", "lookup.gather_kernel"),
-    *[Case("quantized_bag", f"int{b} D=128 L=32", "quantized_bag.quantized_pool_kernel", bits=b)
+    *[Case("quantized_bag", f"int{b} D=128 L=32", "quantized_bag.quantized_word_kernel", bits=b)
       for b in (8, 4)],
     Case("embedding_bag_backward", "fp32 D=128 zipf1.05", "embedding_bag_backward.gather_kernel"),
     *[Case("fused_step", f"{name} fp32 D=128 zipf1.05", "sparse_update._update_kernel",
@@ -516,7 +516,7 @@ def phases(case, real):
         n = BAGS * case.length
         row = -(-D * case.bits // 8) + 4
         counted = n * row + 8 * n + 8 * (BAGS + 1) + BAGS * D * 4
-        return counted, [Phase("pool", counted, "quantized_bag.quantized_pool_kernel")], case.length
+        return counted, [Phase("pool", counted, "quantized_bag.quantized_word_kernel")], case.length
     if case.op == "lookup":
         n = LOOKUP_IDS
         counted = 2 * n * D * item + 8 * n

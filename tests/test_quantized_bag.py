@@ -109,11 +109,12 @@ def test_float16_output_on_request(backend, rng):
 
 
 @pytest.mark.parametrize("bounds", ["raise", "zero", "unchecked"])
-def test_bad_ids_in_every_bounds_mode(backend, rng, bounds):
-    rows, dim = 12, 6
+@pytest.mark.parametrize("dim", [6, 8])  # the GPU's byte and word kernels
+def test_bad_ids_in_every_bounds_mode(backend, rng, bounds, dim):
+    rows = 12
     q, table = quantized(backend, rng, rows, dim, 8)
-    values = np.array([3, 12, 5, -1, 7, 2])
-    offsets = np.array([0, 3, 6])
+    values = np.array([3, 12, 5, -1, 7, 2, 12, 12, 4, 0, 11])  # bags of 3, 3 and 5 ids
+    offsets = np.array([0, 3, 6, 11])
     call = lambda: hbk.embedding_bag(q, backend.put(values), backend.put(offsets),  # noqa: E731
                                      combiner="mean", bounds=bounds)
     if bounds == "raise":
@@ -122,7 +123,7 @@ def test_bad_ids_in_every_bounds_mode(backend, rng, bounds):
         with raises(hbk.BoundsError, match=r"ids\[1\] = 12 is out of range"):
             hbk.lookup(q, backend.put(values), bounds=bounds)
         return
-    good = [3, 5], [7, 2]  # bad ids are absent: no row, no share of the mean
+    good = [3, 5], [7, 2], [4, 0, 11]  # bad ids are absent: no row, no share of the mean
     want = np.stack([table[g].mean(axis=0) for g in good])
     if bounds == "zero" or backend.is_cuda:  # the CPU trusts unchecked ids
         np.testing.assert_allclose(backend.get(call()), want, rtol=1e-5, atol=1e-6)
