@@ -50,6 +50,17 @@ def half_at(rows, row, col):
     return half_to_float32(np.uint32(rows[row, col]) | (np.uint32(rows[row, col + 1]) << 8))
 
 
+@cuda.jit(device=True, inline=True)
+def combiner_factor(combiner, w_sum, w_sq):
+    """What a bag's float32 sum is multiplied by: 1 (sum), 1 / Σw (mean), 1 / sqrt(Σw²)
+    (sqrtn); 0 where the denominator is 0."""
+    if combiner == Combiner.MEAN:
+        return np.float32(1) / w_sum if w_sum != 0 else np.float32(0)
+    if combiner == Combiner.SQRTN:
+        return np.float32(1) / math.sqrt(w_sq) if w_sq != 0 else np.float32(0)
+    return np.float32(1)
+
+
 @kernel_factory
 def quantized_pool_kernel(bits, weights_dtype, group):
     """The kernel for ``bits``-bit codes, weights of ``weights_dtype`` (None: no weights),
@@ -100,11 +111,7 @@ def quantized_pool_kernel(bits, weights_dtype, group):
                         if per_byte > 2:
                             a2 += s * code(byte, 2) + t
                             a3 += s * code(byte, 3) + t
-                factor = np.float32(1)
-                if combiner == Combiner.MEAN:
-                    factor = np.float32(1) / w_sum if w_sum != 0 else np.float32(0)
-                elif combiner == Combiner.SQRTN:
-                    factor = np.float32(1) / math.sqrt(w_sq) if w_sq != 0 else np.float32(0)
+                factor = combiner_factor(combiner, w_sum, w_sq)
                 d = k * per_byte
                 if k < width and d < dim:
                     out[b, d] = a0 * factor
@@ -173,11 +180,7 @@ def quantized_word_kernel(bits, weights_dtype, group):
                             add_row(acc, word[u], scale_bias[u], w)
                         elif record_ids and k0 == 0 and lane == 0 and j < end:
                             cuda.atomic.min(slots, 1, j)
-                factor = np.float32(1)
-                if combiner == Combiner.MEAN:
-                    factor = np.float32(1) / w_sum if w_sum != 0 else np.float32(0)
-                elif combiner == Combiner.SQRTN:
-                    factor = np.float32(1) / math.sqrt(w_sq) if w_sq != 0 else np.float32(0)
+                factor = combiner_factor(combiner, w_sum, w_sq)
                 if k0 + lane < words:
                     for e in range(per_word):
                         d = (k0 + lane) * per_word + e
