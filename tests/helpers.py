@@ -130,3 +130,24 @@ def write_parquet_files(tmp_path, rng, sizes, row_group_size, make):
         tables.append(t)
         first += n
     return paths, pa.concat_tables(tables).combine_chunks()
+
+
+def same_collections(a, b):
+    """Two collections hold the same tables, optimizer state, dynamic scores, pending ids
+    and call counters, bit for bit."""
+    for name, spec in a.tables.items():
+        wa, wb = a.full_weights(name), b.full_weights(name)
+        for x, y in zip(wa, wb) if spec.dynamic else [(wa, wb)]:
+            np.testing.assert_array_equal(x, y, err_msg=name)
+        sa, sb = a.full_state(name), b.full_state(name)
+        assert sa.keys() == sb.keys()
+        for k in sa:
+            np.testing.assert_array_equal(sa[k], sb[k], err_msg=f"{name} {k}")
+        if spec.dynamic:
+            ka, kb = a.hash_tables[name].state(), b.hash_tables[name].state()
+            for k in ("ids", "last", "count"):
+                np.testing.assert_array_equal(ka[k], kb[k], err_msg=f"{name} {k}")
+            assert (ka["pending"] is None) == (kb["pending"] is None)
+            for k in ("ids", "last", "count") if ka["pending"] is not None else ():
+                np.testing.assert_array_equal(ka["pending"][k], kb["pending"][k])
+            assert a.hash_tables[name].step == b.hash_tables[name].step

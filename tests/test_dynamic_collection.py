@@ -2,7 +2,7 @@
 2 and 3 ranks under mpiexec (tests/mpi/dynamic.py)."""
 import numpy as np
 import pytest
-from helpers import raises
+from helpers import raises, same_collections
 from mpirun import assert_ok, mpirun, needs_mpi
 
 import hbkernels as hbk
@@ -175,23 +175,6 @@ def test_checkpoint_across_world_sizes(tmp_path):
         assert_ok(rc, out, range(n))
 
 
-def _same(a, b):
-    """Two collections hold the same tables, state and dynamic scores, bit for bit."""
-    for name, spec in a.tables.items():
-        wa, wb = a.full_weights(name), b.full_weights(name)
-        for x, y in zip(wa, wb) if spec.dynamic else [(wa, wb)]:
-            np.testing.assert_array_equal(x, y)
-        sa, sb = a.full_state(name), b.full_state(name)
-        assert sa.keys() == sb.keys()
-        for k in sa:
-            np.testing.assert_array_equal(sa[k], sb[k], err_msg=f"{name} {k}")
-        if spec.dynamic:
-            ka, kb = a.hash_tables[name].state(), b.hash_tables[name].state()
-            for k in ("ids", "last", "count"):
-                np.testing.assert_array_equal(ka[k], kb[k])
-                np.testing.assert_array_equal(ka["pending"][k], kb["pending"][k])
-
-
 def test_incremental_saves_chain_and_replay(rng, tmp_path):
     """full save, then two incremental ones holding only the changed rows (static and
     dynamic tables, Adagrad state); loading the last replays the chain bit for bit."""
@@ -216,7 +199,7 @@ def test_incremental_saves_chain_and_replay(rng, tmp_path):
         u_rows = [f["num_rows"] for f in manifest["files"] if f["table"] == "u" and f["array"] == "weights"]
         assert 0 < sum(u_rows) <= 20, u_rows  # the changed rows only, not all 500
     back = hbk.EmbeddingCollection.load(tmp_path / "c", comm=LOCAL)
-    _same(coll, back)
+    same_collections(coll, back)
     with raises(ValueError, match="new directory"):
         coll.save(tmp_path / "b", incremental=True)
     fresh = hbk.EmbeddingCollection(specs, comm=LOCAL)

@@ -12,6 +12,7 @@ import sys
 import traceback
 
 from . import (
+    bench_checkpoint,
     bench_embedding_bag,
     bench_embedding_bag_backward,
     bench_fused_step,
@@ -44,6 +45,7 @@ BENCHMARKS = {
     "tiered": bench_tiered,
     "host_per_call": bench_launch,
     "quantized_bag": bench_quantized_bag,
+    "checkpoint": bench_checkpoint,
 }
 
 

@@ -7,9 +7,10 @@
     hbkernels data convert criteo SRC DST            # text -> Parquet (also: data synthetic)
     hbkernels warmup [--device cuda]                 # compile the kernels once, into the cache
     hbkernels quantize CKPT --bits 4 --out DIR       # a checkpoint's tables quantized for serving
+    hbkernels compact CKPT --out DIR                 # a chain of incremental saves as one full save
 
 Each subcommand lives in its own module (``info.py``, ``bench.py``,
-``train.py``, ``warmup.py``, ``quantize.py``) with ``add_command(subparsers)``, which sets ``run(args) -> int``
+``train.py``, ``warmup.py``, ``quantize.py``, ``compact.py``) with ``add_command(subparsers)``, which sets ``run(args) -> int``
 as the parser's default. Errors a user can cause (a missing file, a bad column,
 an unknown plan, no GPU for ``--device cuda``, a missing optional dependency)
 (a malformed option included) print one line ``hbkernels <command>: error: <why>``
@@ -25,7 +26,7 @@ from ._errors import USER_ERRORS, ArgumentParser, CLIError, error_line  # noqa: 
 
 
 def build_parser():
-    from . import bench, info, quantize, train, warmup
+    from . import bench, compact, info, quantize, train, warmup
     from ..data.__main__ import add_commands as add_data_commands
 
     parser = ArgumentParser(
@@ -37,6 +38,7 @@ def build_parser():
     train.add_command(commands)
     warmup.add_command(commands)
     quantize.add_command(commands)
+    compact.add_command(commands)
     data = commands.add_parser("data", help="convert CTR datasets to Parquet, write synthetic data")
     add_data_commands(data.add_subparsers(dest="data_command", required=True, metavar="command"))
     return parser

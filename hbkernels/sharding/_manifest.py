@@ -129,27 +129,35 @@ def check(manifest, where, slots):
     for name, t in tables.items():
         if t.get("num_rows") is None:
             _check_dynamic(where, name, [f for f in manifest["files"] if f["table"] == name],
-                           parent is not None)
+                           parent is not None, manifest.get("version", 1) >= 2)
     return tables
 
 
 DYNAMIC_ARRAYS = {name: True for name in ("ids", "last", "count", "pending_ids", "pending_last",
-                                           "pending_count")}  # one value per row
+                                           "pending_count", "evicted", "pending_removed")}
+# (one value per row; an incremental save's evicted and pending_removed: ids gone since)
 
 
-def _check_dynamic(where, name, files, incremental):
+def _check_dynamic(where, name, files, incremental, changes):
     """A dynamic table's files: for each rank that wrote some, ``ids``, ``weights``,
-    ``last`` and ``count``; the arrays of one kind of row with the same number of rows
-    (live ids; pending ids; in an incremental save, the changed ids of ``rows``)."""
+    ``last`` and ``count`` (and ``evicted`` in an incremental save that lists
+    ``changes``, format 2); the arrays of one kind of row with the same number of rows
+    (live or used ids; pending ids; in an incremental save, the changed ids of ``rows``)."""
     by_rank = {}
     for f in files:
         by_rank.setdefault(f["row_start"], {})[f["array"]] = f["num_rows"]
     for rank, arrays in by_rank.items():
-        missing = sorted({"ids", "weights", "last", "count"} - set(arrays))
+        needed = {"ids", "weights", "last", "count"} | ({"evicted"} if incremental and changes
+                                                        else set())
+        if incremental and changes and "pending_ids" in arrays:
+            needed.add("pending_removed")
+        missing = sorted(needed - set(arrays))
         if missing:
             _fail(where, f"table {name!r}: rank {rank}'s files lack {missing}")
 
         def kind(array):
+            if array in ("evicted", "pending_removed"):
+                return array
             if array.startswith("pending_"):
                 return "pending"
             return "changed" if incremental and array not in DYNAMIC_ARRAYS else "live"

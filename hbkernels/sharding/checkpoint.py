@@ -68,7 +68,8 @@ from .kinds.row_wise import dynamic_owner
 from .layout import initial_rows, shard_rows
 
 FORMAT = "hbkernels-embedding-collection"
-VERSION = 1
+VERSION = 2  # 2: an incremental save lists a dynamic table's changes, not all its ids
+READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 1 << 28
 MAX_CHAIN = 1000  # incremental saves one load follows back to a full save
@@ -166,11 +167,12 @@ def _optimizer_from_json(d, where):
         raise CheckpointError(f"{where}: bad {cls.__name__} options in the manifest ({e})") from None
 
 
-def _changed_arrays(coll, shard, changed):
+def _changed_arrays(coll, shard, changed, since=None, kept=None):
     """The rows of ``shard`` changed since the last save (``changed`` None: those a
     table in files holds): ``rows`` (table rows; a dynamic table's ids), then their
-    rows of the weights and of each optimizer slot; a dynamic table also writes all
-    its ids and scores (:func:`_dynamic_arrays`)."""
+    rows of the weights and of each optimizer slot; a dynamic table also writes what
+    changed in its index since ``since`` (:func:`_dynamic_changes`; ``kept``: its hash
+    table's ``state()``)."""
     fused = coll.arrays[shard.group]
     family = classify(fused.weights)[0]
     if not shard.group.dynamic:
@@ -186,9 +188,7 @@ def _changed_arrays(coll, shard, changed):
             out.update({slot: _Gathered(fused.state[slot], at) for slot, _ in coll.optimizer.slots})
             return out
     else:
-        out = {k: v for k, v in _dynamic_arrays(coll, shard).items()
-               if k not in ["weights"] + [slot for slot, _ in coll.optimizer.slots]}
-        kept = coll.hash_tables[shard.table].state()
+        out = _dynamic_changes(kept, since[shard.table])
         hit = host(changed[shard.group][family.put(kept["slots"] + shard.base)])
         out["rows"] = kept["ids"][hit]
         at = family.put(kept["slots"][hit] + shard.base)
@@ -197,11 +197,14 @@ def _changed_arrays(coll, shard, changed):
     return out
 
 
-def save(coll, path, parent=None, changed=None):
+def save(coll, path, parent=None, changed=None, since=None):
     """Write ``coll`` to directory ``path`` (collective; see the module doc); with
     ``parent`` (``(path, manifest crc32)`` of the previous save) only the rows marked in
-    ``changed`` (fused group -> bool per row), chained to it. Returns the manifest's
-    crc32 on rank 0 (None elsewhere)."""
+    ``changed`` (fused group -> bool per row), and of each dynamic table what changed
+    since ``since[table]`` (what the previous save returned), chained to it.
+    Returns ``(the manifest's crc32 on rank 0, None elsewhere; the bytes of the files
+    written, on every rank; ``{dynamic table: _dynamic_mark}`` of this rank's hash tables as
+    saved)``."""
     comm, me = coll.comm, coll.comm.rank
     path = os.fspath(path)
     save_id = np.array([time.time_ns(), int(uuid.uuid4().int & 0x7FFFFFFF)], np.int64)
@@ -212,13 +215,15 @@ def save(coll, path, parent=None, changed=None):
     error = None
     files = []
     steps = {s.table: int(coll.arrays[s.group].state["step"][0]) for s in coll.local_shards()}
+    kept = {name: table.state() for name, table in coll.hash_tables.items()}  # one pass each
     try:
         os.makedirs(os.path.join(path, save_dir), exist_ok=True)
         for shard in coll.local_shards():
             if coll.plan[shard.table].kind == "data_parallel" and me != 0:
                 continue  # replicas are identical: rank 0 writes the table
-            arrays = (_changed_arrays(coll, shard, changed) if parent is not None else
-                      _dynamic_arrays(coll, shard) if shard.group.dynamic else
+            arrays = (_changed_arrays(coll, shard, changed, since, kept.get(shard.table))
+                      if parent is not None else
+                      _dynamic_arrays(coll, shard, kept[shard.table]) if shard.group.dynamic else
                       _changed_arrays(coll, shard, None) if shard.group.storage == "mmap"
                       else coll.shard_arrays(shard))
             for name, part in arrays.items():
@@ -271,13 +276,14 @@ def save(coll, path, parent=None, changed=None):
         _remove_old_saves(path, save_dir)
     if comm.world_size > 1:
         comm.barrier()
-    return sealed["crc32"] if me == 0 else None
+    written = sum(f["bytes"] for r in everyone for f in r["files"])
+    return (sealed["crc32"] if me == 0 else None), written, {
+        name: _dynamic_mark(state) for name, state in kept.items()}
 
 
-def _dynamic_arrays(coll, shard):
+def _dynamic_arrays(coll, shard, kept):
     """A dynamic table's shard by id: its live ``ids`` (ascending), their rows of the
     weights and of each optimizer slot, and their eviction scores ``last`` and ``count``."""
-    kept = coll.hash_tables[shard.table].state()
     fused = coll.arrays[shard.group]
     at = classify(fused.weights)[0].put(kept["slots"] + shard.base)
     out = {"ids": kept["ids"], "weights": fused.weights[at]}
@@ -285,6 +291,44 @@ def _dynamic_arrays(coll, shard):
     out.update(last=kept["last"], count=kept["count"])
     if kept["pending"] is not None:
         out.update({f"pending_{k}": kept["pending"][k] for k in ("ids", "last", "count")})
+    return out
+
+
+def _newest_entries(keys):
+    """``(entries, keys ascending)``: for each distinct key of the arrays ``keys`` (newest
+    first; within one array the keys are distinct) the index, into their concatenation,
+    of its newest entry."""
+    position = np.concatenate([np.full(k.shape[0], n) for n, k in enumerate(keys)])
+    keys = np.concatenate(keys) if keys else np.zeros(0, np.int64)
+    order = np.lexsort((position, keys))  # by key, the newest first
+    first = np.ones(order.shape[0], bool)
+    first[1:] = keys[order[1:]] != keys[order[:-1]]
+    return order[first], keys[order[first]]
+
+
+def _dynamic_mark(kept):
+    """What the next incremental save of a dynamic table compares with, from its hash
+    table's ``state()`` ``kept``: its live and pending ids (ascending) and its call counter."""
+    pending = kept["pending"]
+    return {"ids": kept["ids"], "pending": None if pending is None else np.sort(pending["ids"]),
+            "step": kept["step"]}
+
+
+def _dynamic_changes(kept, mark):
+    """A dynamic table's index changes since ``mark`` (:func:`_dynamic_mark`), from its
+    ``HashTable.state()`` ``kept``: the ``ids`` used since (``last`` after the mark's
+    counter: every admission is a use) with their ``last`` and ``count``, the ids
+    ``evicted`` (live at the mark, not now), and the same of the pending ids
+    (``pending_ids``, ``_last``, ``_count`` used since; ``pending_removed``)."""
+    used = kept["last"] > mark["step"]
+    out = {"ids": kept["ids"][used], "last": kept["last"][used], "count": kept["count"][used],
+           "evicted": mark["ids"][~find_sorted(kept["ids"], mark["ids"])[1]]}
+    pending = kept["pending"]
+    if pending is not None:
+        seen = pending["last"] > mark["step"]
+        out.update({f"pending_{k}": pending[k][seen] for k in ("ids", "last", "count")})
+        now = np.sort(pending["ids"])
+        out["pending_removed"] = mark["pending"][~find_sorted(now, mark["pending"])[1]]
     return out
 
 
@@ -353,9 +397,9 @@ def read_manifest(path):
         raise CheckpointError(f"{name}: unreadable manifest ({e})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{name}: not a {FORMAT} manifest")
-    if manifest.get("version") != VERSION:
+    if manifest.get("version") not in READABLE_VERSIONS:
         raise CheckpointError(f"{name}: format version {manifest.get('version')!r}, "
-                              f"this hbkernels reads {VERSION}")
+                              f"this hbkernels reads {READABLE_VERSIONS}")
     return manifest
 
 
@@ -537,25 +581,28 @@ class Checkpoint:
         self.parent._fill(table, array, rows, c0, c1, out)
         self._reader.changed_rows(table, array, rows, c0, c1, out)
 
+    def _saves_back_to(self, last):
+        """This save and its parents, newest first, to the first ``save`` where
+        ``last(save)`` holds."""
+        chain = [self]
+        while not last(chain[-1]):
+            chain.append(chain[-1].parent)
+        return chain
+
     def _dynamic(self, table, array, ids):
         """Rows of a dynamic table's ``array`` for live ``ids`` as of this save: from the
-        newest save of the chain that wrote each id's row."""
-        if self.parent is None:
-            saved = self._reader.all_rows(table, "ids")
-            data = self._reader.all_rows(table, array)
-        else:
-            saved = self._reader.all_rows(table, "rows")
-            data = self._reader.all_rows(table, array)
-        order = np.argsort(saved, kind="stable")
-        at, here = find_sorted(saved[order], ids)
-        out = np.empty((ids.shape[0],) + data.shape[1:], data.dtype)
-        out[here] = data[order[at[here]]]
+        newest save of the chain that wrote each id's row (one sort over the rows every
+        save of the chain wrote, however long the chain)."""
+        chain = self._saves_back_to(lambda save: save.parent is None)
+        keys = [save._reader.all_rows(table, "ids" if save.parent is None else "rows")
+                for save in chain]
+        newest, keys = _newest_entries(keys)
+        at, here = find_sorted(keys, ids)
         if not here.all():
-            if self.parent is None:
-                raise CheckpointError(f"{os.path.join(self.path, MANIFEST)}: no saved {array} for "
-                                      f"id {int(ids[~here][0])} of table {table!r}")
-            out[~here] = self.parent._dynamic(table, array, ids[~here])
-        return out
+            raise CheckpointError(f"{os.path.join(chain[-1].path, MANIFEST)}: no saved {array} "
+                                  f"for id {int(ids[~here][0])} of table {table!r}")
+        data = np.concatenate([save._reader.all_rows(table, array) for save in chain])
+        return data[newest[at]]
 
     def constructor_args(self, **overrides):
         """The saved constructor arguments of the collection (``plan``,
@@ -664,15 +711,39 @@ class Checkpoint:
         """Dynamic table ``name``'s ids, scores, pending ids, rows and state as of this
         save, the ids this rank owns now handed to
         :meth:`EmbeddingCollection.restore_dynamic`."""
-        data = {a: self._reader.all_rows(name, a) for a in ("ids", "last", "count")}
-        ids = data["ids"]
-        if ids.shape[0] != np.unique(ids).shape[0]:
-            raise CheckpointError(f"{os.path.join(self.path, MANIFEST)}: table {name!r} has an "
-                                  f"id saved twice")
+        ids, last, count = self._dynamic_index(name, "")
         mine = dynamic_owner(np, ids, coll.comm.world_size) == coll.comm.rank
         arrays = ["weights"] + [slot for slot, _ in coll.optimizer.slots if (name, slot) in saved]
         rows = {a: self._dynamic(name, a, ids[mine]) for a in arrays}  # only the rows it keeps
-        pending = None
-        if (name, "pending_ids") in saved:
-            pending = tuple(self._reader.all_rows(name, f"pending_{k}") for k in ("ids", "last", "count"))
-        coll.restore_dynamic(name, ids[mine], data["last"][mine], data["count"][mine], rows, pending)
+        pending = self._dynamic_index(name, "pending_") if (name, "pending_ids") in saved else None
+        coll.restore_dynamic(name, ids[mine], last[mine], count[mine], rows, pending)
+
+    def _lists_every_id(self):
+        """This save lists a dynamic table's every live and pending id: a full save, or
+        an incremental one of format version 1."""
+        return self.parent is None or self.manifest["version"] < 2
+
+    def _dynamic_index(self, name, kind):
+        """``(ids ascending, last, count)`` of dynamic table ``name``'s live ids (``kind``
+        ``""``) or pending ids (``"pending_"``) as of this save: those of the newest save
+        of the chain that lists every id, then each later save's changes (an id's newest
+        entry wins: used, with its scores, or ``evicted`` / ``pending_removed``)."""
+        chain = self._saves_back_to(Checkpoint._lists_every_id)
+        gone = "evicted" if kind == "" else "pending_removed"
+        ids, last, count, alive = [], [], [], []  # per entry, newest save first
+        for save in chain:
+            arrays = {f["array"] for f in save.manifest["files"] if f["table"] == name}
+            listed = ([save._reader.all_rows(name, f"{kind}{a}") for a in ("ids", "last", "count")]
+                      if f"{kind}ids" in arrays else [np.zeros(0, np.int64)] * 3)
+            dropped = (save._reader.all_rows(name, gone) if save is not chain[-1] and gone in arrays
+                       else np.zeros(0, np.int64))
+            ids += [listed[0], dropped]
+            last += [listed[1], np.zeros_like(dropped)]
+            count += [listed[2], np.zeros_like(dropped)]
+            alive += [np.ones(listed[0].shape[0], bool), np.zeros(dropped.shape[0], bool)]
+        if ids[-2].shape[0] != np.unique(ids[-2]).shape[0]:  # the save listing every id
+            raise CheckpointError(f"{os.path.join(chain[-1].path, MANIFEST)}: table {name!r} has "
+                                  f"an id saved twice")
+        newest, _ = _newest_entries(ids)
+        newest = newest[np.concatenate(alive)[newest]]
+        return tuple(np.concatenate(a)[newest] for a in (ids, last, count))

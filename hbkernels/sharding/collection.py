@@ -72,6 +72,9 @@ from .plan import Plan, make_plan
 from .tier import FusedArrays, Store, Tier
 
 
+CHAIN_LIMIT = 0.5  # save(incremental=True): a full save once the chain holds this x a full one
+
+
 class Pool(NamedTuple):
     """One ``embedding_bag`` launch of a forward: its combiner and CSR input over the
     fused rows, and ``pieces`` ``[(feature, c0, c1, first bag, bags)]`` of the output;
@@ -250,6 +253,8 @@ class EmbeddingCollection:
         self._insert = True  # the current forward's: dynamic tables admit ids
         self._last_save = None  # (path, manifest crc32) of the last save
         self._chain = []  # directories of the last full save and the incremental ones after it
+        self._full_bytes, self._chain_bytes = 0, 0  # of the last full save; of the saves after it
+        self._marks = {}  # dynamic table -> what its next incremental save compares with
         self.stats = {}
         self.timings = defaultdict(float)
         self._timing = False
@@ -1057,13 +1062,20 @@ class EmbeddingCollection:
                           initializer=rows_of, quantize=quantize)
 
     # -- checkpoints ----------------------------------------------------------------------------------
-    def save(self, path, incremental=False):
+    def save(self, path, incremental=False, *, chain_limit=CHAIN_LIMIT):
         """Write a checkpoint directory (see :mod:`hbkernels.sharding.checkpoint`):
-        arrays plus a JSON manifest, atomically; collective. ``incremental``: only the
-        rows changed since this collection's previous save, into a new directory
-        ``path`` chained to that save (``load`` replays the chain)."""
+        arrays plus a JSON manifest, atomically; collective. ``incremental``: only what
+        changed since this collection's previous save (rows and optimizer state of the
+        rows touched; of a dynamic table the ids used, admitted and evicted and their
+        scores), into a new directory ``path`` chained to that save (``load`` replays the
+        chain). Once the incremental saves since the last full one hold ``chain_limit``
+        times its bytes, an incremental save is written full instead (a new chain).
+        Returns ``"full"`` or ``"incremental"``: what was written."""
         where = os.path.abspath(os.fspath(path))
         parent = None
+        if (incremental and self._last_save is not None
+                and self._chain_bytes >= chain_limit * self._full_bytes):
+            incremental = False  # the chain is long enough: start a new one
         if incremental:
             if self.quantize:
                 raise ValueError("a quantized collection does not change: save it whole")
@@ -1074,13 +1086,19 @@ class EmbeddingCollection:
                                  f"to a new directory")
             parent = self._last_save
         self._settle()
-        crc = checkpoint.save(self, path, parent=parent,
-                              changed=self._changed if incremental else None)
+        crc, written, self._marks = checkpoint.save(
+            self, path, parent=parent, changed=self._changed if incremental else None,
+            since=self._marks if incremental else None)
         self._chain = self._chain + [where] if incremental else [where]
         self._last_save = (where, crc)
+        if incremental:
+            self._chain_bytes += written
+        else:
+            self._full_bytes, self._chain_bytes = written, 0
         if not self.quantize:
             self._changed = {group: self._family(group.device).xp.zeros(int(f.weights.shape[0]), bool)
                              for group, f in self.arrays.items()}
+        return "incremental" if incremental else "full"
 
     @classmethod
     def load(cls, path, comm=None, *, paths=None, **overrides):

@@ -1,0 +1,227 @@
+"""Incremental checkpoints that grow with what changed (``save(incremental=True)``).
+
+* bytes: after a step touching 12 ids, an incremental save of a dynamic table of 4,000
+  or 4,000,000 live ids (and of a static table) holds at most
+  ``2 x touched x (row + state + 24 B) + 16 KB``, with and without evictions;
+* a chain of 100 incremental saves (admission after two sightings, LFU eviction, a
+  static table beside) loads to exactly the collection's state: ids, rows, optimizer
+  state, scores, pending ids, the call counter;
+* a chain past ``chain_limit`` x its full save starts again with a full save;
+* a crash at any write of an incremental save leaves the chain before it loadable;
+* ``hbkernels compact`` turns a chain into one full save of the same state.
+"""
+import json
+import os
+
+import numpy as np
+import pytest
+from helpers import same_collections
+
+import hbkernels as hbk
+from hbkernels.cli import main
+from hbkernels.sharding import checkpoint
+
+LOCAL = hbk.dist.init("local")
+
+
+def files_bytes(path):
+    """Bytes of the files the save at ``path`` names (its manifest left out)."""
+    return sum(f["bytes"] for f in json.loads((path / "manifest.json").read_text())["files"])
+
+
+def save_bytes(path):
+    """Bytes of the save at ``path``: its manifest and the files it names."""
+    return (path / "manifest.json").stat().st_size + files_bytes(path)
+
+
+def step(coll, feats):
+    out = coll.forward(feats)
+    coll.backward({f: np.ones(o.shape, np.float32) for f, o in out.items()})
+
+
+@pytest.mark.parametrize("live", [4_000, 4_000_000])
+@pytest.mark.parametrize("evicting", [False, True], ids=["no-eviction", "eviction"])
+def test_an_incremental_save_holds_what_the_step_touched(tmp_path, live, evicting):
+    dim = 4
+    specs = [hbk.TableSpec("d", num_rows=None, dim=dim, capacity=live, evict="lru"),
+             hbk.TableSpec("s", num_rows=live, dim=dim)]
+    coll = hbk.EmbeddingCollection(specs, comm=LOCAL, optimizer=hbk.optim.Adagrad(lr=0.1))
+    rng = np.random.default_rng(live)
+    ids = rng.choice(2**62, live, replace=False).astype(np.int64)
+    coll.forward({"d": ids, "s": np.arange(live)})  # every slot taken
+    assert coll.dynamic_counts("d")["size"] == live
+    assert coll.save(tmp_path / "full") == "full"
+    touched = rng.choice(ids, 12, replace=False)
+    if evicting:  # 4 ids never seen: 4 of the least recently used leave
+        touched[:4] = rng.integers(2**62, 2**63 - 1, 4)
+    step(coll, {"d": touched, "s": rng.integers(0, live, 12)})
+    assert coll.save(tmp_path / "inc", incremental=True) == "incremental"
+    row_and_state = 2 * dim * 4
+    bound = 2 * 2 * 12 * (row_and_state + 24) + 16 * 1024  # two tables of 12 rows each
+    assert save_bytes(tmp_path / "inc") <= bound, (save_bytes(tmp_path / "inc"), bound)
+    manifest = json.loads((tmp_path / "inc" / "manifest.json").read_text())
+    evicted = [f["num_rows"] for f in manifest["files"] if f["array"] == "evicted"]
+    assert evicted == [4 if evicting else 0]
+    same_collections(coll, hbk.EmbeddingCollection.load(tmp_path / "inc", comm=LOCAL))
+
+
+def test_a_chain_of_100_saves_replays_exactly(tmp_path):
+    rng = np.random.default_rng(0)
+    specs = [hbk.TableSpec("d", num_rows=None, dim=3, capacity=24, evict="lfu", admit_count=2),
+             hbk.TableSpec("s", num_rows=200, dim=5)]
+    coll = hbk.EmbeddingCollection(specs, comm=LOCAL, optimizer=hbk.optim.Adam(lr=0.05))
+    pool = rng.integers(-2**63, 2**63 - 1, 60, dtype=np.int64)
+
+    def feats():
+        n = int(rng.integers(0, 9))
+        return {"d": hbk.Ragged(rng.choice(pool, n), np.array([0, n // 2, n])),
+                "s": rng.integers(0, 200, 3)}
+
+    step(coll, feats())
+    coll.save(tmp_path / "0")
+    for k in range(1, 101):
+        if k % 7 == 0:  # a look-up only: scores move, rows do not
+            coll.forward(feats())
+        elif k % 11:  # (and every 11th save follows no call at all)
+            step(coll, feats())
+        assert coll.save(tmp_path / str(k), incremental=True, chain_limit=np.inf) == "incremental"
+    assert coll.dynamic_counts("d")["evicted"] > 0
+    assert coll.hash_tables["d"].pending_state()["ids"].shape[0] > 0
+    back = hbk.EmbeddingCollection.load(tmp_path / "100", comm=LOCAL)
+    same_collections(coll, back)
+    step(coll, {"d": hbk.Ragged(pool[:6], np.array([0, 6])), "s": np.arange(3)})
+    step(back, {"d": hbk.Ragged(pool[:6], np.array([0, 6])), "s": np.arange(3)})
+    same_collections(coll, back)  # and they go on alike
+
+
+def test_a_chain_past_its_limit_starts_again(tmp_path):
+    specs = [hbk.TableSpec("s", num_rows=1000, dim=8)]
+    coll = hbk.EmbeddingCollection(specs, comm=LOCAL)
+    coll.save(tmp_path / "0")
+    full, chain, kinds, expected = files_bytes(tmp_path / "0"), 0, [], []
+    for k in range(1, 7):
+        step(coll, {"s": np.arange(100 * k, 100 * k + 150)})  # 15% of the rows a save
+        expected.append("full" if chain >= 0.5 * full else "incremental")
+        kinds.append(coll.save(tmp_path / str(k), incremental=True))
+        chain = 0 if kinds[-1] == "full" else chain + files_bytes(tmp_path / str(k))
+        assert ("parent" in json.loads((tmp_path / str(k) / "manifest.json").read_text())) == \
+            (kinds[-1] == "incremental")
+        same_collections(coll, hbk.EmbeddingCollection.load(tmp_path / str(k), comm=LOCAL))
+    assert kinds == expected and "full" in kinds and kinds[-1] == "incremental", kinds
+
+
+def test_a_crash_during_an_incremental_save_leaves_the_chain(tmp_path, monkeypatch):
+    rng = np.random.default_rng(1)
+    specs = [hbk.TableSpec("d", num_rows=None, dim=2, capacity=8, admit_count=2),
+             hbk.TableSpec("s", num_rows=50, dim=2)]
+    coll = hbk.EmbeddingCollection(specs, comm=LOCAL)
+    pool = rng.integers(0, 2**62, 20)
+    step(coll, {"d": rng.choice(pool, 6), "s": np.arange(6)})
+    coll.save(tmp_path / "a")
+    step(coll, {"d": rng.choice(pool, 6), "s": np.arange(6)})
+    coll.save(tmp_path / "b", incremental=True)
+    before = hbk.EmbeddingCollection.load(tmp_path / "b", comm=LOCAL)
+    same_collections(coll, before)
+    step(coll, {"d": rng.choice(pool, 6), "s": np.arange(3, 9)})
+    writes = []
+    real = {name: getattr(checkpoint, name) for name in ("write_atomic", "write_json_atomic")}
+
+    def crashing(name, k):
+        def write(*args, **kwargs):
+            writes.append(name)
+            if len(writes) == k:
+                raise OSError(28, "No space left on device (simulated)")
+            return real[name](*args, **kwargs)
+        return write
+
+    k = 1
+    while True:
+        writes.clear()
+        for name in real:
+            monkeypatch.setattr(checkpoint, name, crashing(name, k))
+        target = tmp_path / f"c{k}"
+        try:
+            coll.save(target, incremental=True)
+        except hbk.CheckpointError:
+            assert not (target / "manifest.json").exists()
+            same_collections(before, hbk.EmbeddingCollection.load(tmp_path / "b", comm=LOCAL))
+            k += 1
+            continue
+        break
+    assert k > 3, f"the save wrote only {writes}"
+    monkeypatch.undo()
+    same_collections(coll, hbk.EmbeddingCollection.load(target, comm=LOCAL))
+
+
+def test_compact_turns_a_chain_into_one_full_save(tmp_path, capsys):
+    rng = np.random.default_rng(2)
+    specs = [hbk.TableSpec("d", num_rows=None, dim=3, capacity=16, evict="lfu"),
+             hbk.TableSpec("s", num_rows=40, dim=3)]
+    coll = hbk.EmbeddingCollection(specs, comm=LOCAL)
+    pool = rng.integers(0, 2**62, 30)
+    step(coll, {"d": rng.choice(pool, 10), "s": np.arange(5)})
+    coll.save(tmp_path / "0")
+    for k in range(1, 4):
+        step(coll, {"d": rng.choice(pool, 10), "s": np.arange(5 * k, 5 * k + 5)})
+        coll.save(tmp_path / str(k), incremental=True, chain_limit=np.inf)
+    assert main(["compact", str(tmp_path / "3"), "--out", str(tmp_path / "whole")]) == 0
+    assert "a full save and 3 incremental saves" in capsys.readouterr().out
+    manifest = json.loads((tmp_path / "whole" / "manifest.json").read_text())
+    assert "parent" not in manifest
+    for k in range(4):  # the chain is no longer needed
+        os.rename(tmp_path / str(k), tmp_path / f"gone{k}")
+    same_collections(coll, hbk.EmbeddingCollection.load(tmp_path / "whole", comm=LOCAL))
+    assert main(["compact", str(tmp_path / "whole"), "--out", str(tmp_path / "whole")]) == 1
+
+
+def _chain(tmp_path):
+    """A full save and an incremental one of a dynamic table with pending ids and
+    evictions: the incremental save's directory."""
+    rng = np.random.default_rng(3)
+    specs = [hbk.TableSpec("d", num_rows=None, dim=2, capacity=6, admit_count=2, evict="lru")]
+    coll = hbk.EmbeddingCollection(specs, comm=LOCAL)
+    pool = rng.integers(0, 2**62, 12)
+    for ids in (pool[:5], pool[:5], pool[5:8]):  # 5 admitted, 3 pending
+        step(coll, {"d": ids})
+    coll.save(tmp_path / "a")
+    for ids in (pool[5:10], pool[5:10], pool[10:12]):  # 5 admitted (4 evicted), 2 pending
+        step(coll, {"d": ids})
+    coll.save(tmp_path / "b", incremental=True, chain_limit=np.inf)
+    manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    assert all(f["num_rows"] for f in manifest["files"]
+               if f["array"] in ("evicted", "pending_removed")), manifest["files"]
+    same_collections(coll, hbk.EmbeddingCollection.load(tmp_path / "b", comm=LOCAL))
+    return tmp_path / "b"
+
+
+CHANGE_EDITS = [("evicted", "dtype", "float32"), ("evicted", "shape", [3, 1]),
+                ("evicted", "array", "weights"), ("pending_removed", "array", "nothing"),
+                ("ids", "num_rows", 10**9), ("last", "shape", [0])]
+
+
+@pytest.mark.parametrize("array, key, value", CHANGE_EDITS,
+                         ids=[f"{a}.{k}={v!r}" for a, k, v in CHANGE_EDITS])
+def test_a_tampered_incremental_save_is_refused(tmp_path, array, key, value):
+    from hbkernels.sharding import _manifest
+
+    path = _chain(tmp_path)
+    hbk.EmbeddingCollection.load(path, comm=LOCAL)  # as saved: fine
+    manifest = json.loads((path / "manifest.json").read_text())
+    next(f for f in manifest["files"] if f["array"] == array)[key] = value
+    body = {k: v for k, v in manifest.items() if k != "crc32"}
+    (path / "manifest.json").write_text(json.dumps(_manifest.seal(body)))
+    with pytest.raises(hbk.CheckpointError, match="manifest.json"):
+        hbk.EmbeddingCollection.load(path, comm=LOCAL)
+
+
+@pytest.mark.parametrize("array", ["evicted", "pending_removed"])
+def test_an_incremental_save_without_its_removals_is_refused(tmp_path, array):
+    from hbkernels.sharding import _manifest
+
+    path = _chain(tmp_path)
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["files"] = [f for f in manifest["files"] if f["array"] != array]
+    body = {k: v for k, v in manifest.items() if k != "crc32"}
+    (path / "manifest.json").write_text(json.dumps(_manifest.seal(body)))
+    with pytest.raises(hbk.CheckpointError, match=f"lack \\['{array}'\\]"):
+        hbk.EmbeddingCollection.load(path, comm=LOCAL)
