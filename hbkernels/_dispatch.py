@@ -128,7 +128,7 @@ class CudaFamily:
     def from_compute(self, a):
         """An :attr:`xp` result as an array of this family."""
         if self.name == "numba" and isinstance(a, np.ndarray):
-            return self.from_numpy(np.ascontiguousarray(a))
+            return self.from_numpy(c_order(np, a))
         if self.name == "simulated":
             return _simulator.device(a)
         return a
@@ -184,7 +184,7 @@ class CudaFamily:
         module = self._module()
         if module is not None:
             return module.asarray(a)
-        return numba_cuda().to_device(np.ascontiguousarray(a))
+        return numba_cuda().to_device(c_order(np, a))
 
     def reshape(self, a, shape):
         return a.reshape(shape)
@@ -353,6 +353,12 @@ def _writable(name, a):
     return a
 
 
+def c_order(xp, a, dtype=None):
+    """``a`` as a C-contiguous array of ``xp`` (of ``dtype``), its shape kept (a 0-d array
+    stays 0-d, which ``ascontiguousarray`` does not do); a copy only where needed."""
+    return xp.asarray(a, dtype=dtype, order="C")
+
+
 def _needs_copy(a):
     flags = getattr(a, "flags", None)
     if flags is None:
@@ -371,13 +377,13 @@ def kernel_ready(a, table_name=None):
         return a
     native = np.dtype(a.dtype).newbyteorder("=")
     if type(a) is _simulator.SimArray:
-        return _simulator.device(np.ascontiguousarray(a, dtype=native))
+        return _simulator.device(c_order(np, a, native))
     if isinstance(a, np.ndarray):
         if table_name is not None:
             _warn_table_copy(table_name, a)
-        return np.ascontiguousarray(a, dtype=native)
+        return c_order(np, a, native)
     if (type(a).__module__ or "").startswith("cupy"):
-        return cupy().ascontiguousarray(a, dtype=native)
+        return c_order(cupy(), a, native)
     return a  # Numba device arrays: the kernels take their strides
 
 

@@ -60,7 +60,7 @@ class Backend:
     def put(self, a):
         if a is None or not self.is_cuda:
             return a
-        a = np.ascontiguousarray(a)
+        a = np.asarray(a, order="C")  # (ascontiguousarray would make a 0-d array 1-d)
         if self._cupy is not None:
             return self._cupy.asarray(a)
         from numba import cuda

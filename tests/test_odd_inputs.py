@@ -222,3 +222,113 @@ def test_a_large_table_that_must_be_copied_warns_once(rng, monkeypatch):
         warnings.simplefilter("error")
         hbk.embedding_bag(table, values, offsets)
         hbk.embedding_bag(np.ascontiguousarray(table[:10]), np.array([1]), np.array([0, 1]))
+
+
+def shapes(x):
+    """``x`` as a 0-d array (its first element), as it is, and with a leading axis."""
+    return {"0-d": np.asarray(x.reshape(-1)[0]), "as-is": x, "n-d": x[None]}
+
+
+def answer(run, inputs, put=lambda a: a, get=np.asarray):
+    """What a call answers: ``("ok", arrays)`` or ``(error type, message)``."""
+    try:
+        result = run({k: put(v) for k, v in inputs.items()})
+        hbk.synchronize()
+    except (ValueError, TypeError, IndexError) as e:
+        return type(e).__name__, str(e)
+    return "ok", [get(r) for r in (result if isinstance(result, tuple) else (result,))]
+
+
+def same_answer(a, b, what):
+    assert a[0] == b[0], f"{what}: {a[0]} {a[1] if a[0] != 'ok' else ''} vs {b[0]} " \
+                         f"{b[1] if b[0] != 'ok' else ''}"
+    if a[0] != "ok":
+        return
+    for x, y in zip(a[1], b[1]):
+        assert x.shape == y.shape, (what, x.shape, y.shape)
+        np.testing.assert_array_equal(x, y, err_msg=what)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_0d_1d_nd_inputs_answer_alike_in_both_byte_orders_and_on_both_backends(rng, backend, op):
+    """The same call in native and non-native byte order gives the same answer, result or
+    error (the caller's shape is what validation sees); the CUDA path gives the CPU's."""
+    run, names = OPS[op]
+    inputs = case(rng)
+    for name in names:
+        for label, x in shapes(inputs[name]).items():
+            odd = dict(inputs, **{name: x})
+            native = answer(run, odd)
+            swapped = answer(run, dict(odd, **{name: big_endian(x)}))
+            same_answer(swapped, native, f"{op}: {name} {label}, byte order")
+            if backend.is_cuda:  # the same answer; values up to float order and id order
+                gpu = answer(run, odd, backend.put, backend.get)
+                assert gpu[0] == native[0], (op, name, label, gpu, native)
+                pairs = list(zip(gpu[1], native[1])) if gpu[0] == "ok" else []
+                if op == "unique":  # the distinct ids and their counts; inverse by their order
+                    pairs = pairs[:1] + pairs[2:]
+                for x, y in pairs:
+                    assert x.shape == y.shape, (op, name, label, x.shape, y.shape)
+                    np.testing.assert_allclose(np.sort(x, axis=None), np.sort(y, axis=None),
+                                               rtol=1e-5, atol=1e-6, err_msg=f"{op} {name}")
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("num_rows", [2**31 - 1, 2**31, 2**40])
+@pytest.mark.parametrize("mode", ["div", "mod"])
+def test_partition_of_ids_against_tables_past_2_31_rows(backend, dtype, num_rows, mode):
+    """Index arithmetic in 64 bits whatever the ids' dtype: the CPU's and the CUDA path's
+    answers are equal, results and errors alike."""
+    top = min(np.iinfo(dtype).max, num_rows - 1)  # the largest id in range
+    ids = np.array([529685, 7, top, 0, top // 2], dtype)
+    for case_ids in (ids, np.append(ids, -1).astype(dtype)):  # a bad id: a BoundsError
+        def run(a):
+            return hbk.partition(a["ids"], 3, mode=mode, num_rows=num_rows)
+        cpu = answer(run, {"ids": case_ids})
+        if case_ids.shape[0] > ids.shape[0]:
+            assert cpu[0] == "BoundsError" or cpu[0] == "IndexError", cpu
+        else:
+            assert cpu[0] == "ok", cpu
+            block = -(-num_rows // 3)
+            wide = case_ids.astype(np.int64)
+            expected = np.minimum(wide // block, 2) if mode == "div" else wide % 3
+            np.testing.assert_array_equal(np.diff(np.searchsorted(np.sort(expected), range(4))),
+                                          cpu[1][1])
+        if backend.is_cuda:
+            same_answer(answer(run, {"ids": case_ids}, backend.put, backend.get), cpu,
+                        f"partition {mode} {dtype.__name__} num_rows={num_rows}")
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("num_rows", [2**31 - 1, 2**31, 2**40])
+def test_backward_ops_against_tables_past_2_31_rows(rng, backend, dtype, num_rows):
+    """The sparse gradients of ids near the int32 limit, and a bad id's error, are the
+    same on the CPU and the CUDA path."""
+    top = min(np.iinfo(dtype).max, num_rows - 1)
+    values = np.array([top, 5, top, 0, top - 1], dtype)
+    offsets = np.array([0, 2, 2, 5], dtype)
+    grad = rng.standard_normal((3, 4)).astype(np.float32)
+    ops = {
+        "embedding_bag_backward": lambda a: hbk.embedding_bag_backward(
+            a["grad"], a["values"], a["offsets"], num_rows=num_rows, combiner="mean"),
+        "lookup_backward": lambda a: hbk.lookup_backward(
+            a["rows"], a["values"], num_rows=num_rows),
+    }
+    inputs = {"grad": grad, "values": values, "offsets": offsets,
+              "rows": rng.standard_normal((5, 4)).astype(np.float32)}
+    for name, run in ops.items():
+        for ids in (values, np.append(values[:-1], -1).astype(dtype)):
+            case_inputs = dict(inputs, values=ids)
+            cpu = answer(run, case_inputs)
+            assert cpu[0] == ("ok" if ids is values else "BoundsError"), (name, cpu)
+            if cpu[0] == "ok":  # the distinct ids, and each one's summed row
+                order = np.argsort(cpu[1][0])
+                assert sorted(cpu[1][0].tolist()) == sorted(set(values.tolist()))
+            if backend.is_cuda:
+                gpu = answer(run, case_inputs, backend.put, backend.get)
+                assert gpu[0] == cpu[0], (name, gpu, cpu)
+                if gpu[0] == "ok":
+                    mine = np.argsort(gpu[1][0])
+                    np.testing.assert_array_equal(gpu[1][0][mine], cpu[1][0][order])
+                    np.testing.assert_allclose(gpu[1][1][mine], cpu[1][1][order], rtol=1e-6,
+                                               atol=1e-6)

@@ -4,16 +4,20 @@ package directory and ``$HOME`` read-only: ``import hbkernels``, ``hbkernels inf
 
 The wheel is built from this checkout (``pip wheel --no-build-isolation``, offline) and
 installed with ``--no-deps`` into a venv with ``--system-site-packages`` (numpy, numba,
-torch come from this Python). The venv, the checkout and a fresh ``$HOME`` are
+torch come from this Python; when this Python is itself a venv's, whose packages the new
+venv's ``--system-site-packages`` would not see, a ``.pth`` file adds this venv's
+site-packages after the new venv's own). The venv, the checkout and a fresh ``$HOME`` are
 bind-mounted read-only in a private mount namespace (``unshare -m``: needs root, skipped
 elsewhere); the commands run in a scratch directory, the only writable place besides the
 temporary directory.
 """
 import os
 import shutil
+import site
 import subprocess
 import sys
 import zipfile
+from pathlib import Path
 
 import pytest
 
@@ -42,6 +46,10 @@ def venv(tmp_path_factory):
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(env_dir)], check=True,
                    timeout=300)
     python = env_dir / "bin" / "python"
+    if sys.prefix != sys.base_prefix:  # inside a venv: its packages, after the new venv's
+        own = subprocess.run([str(python), "-c", "import site; print(site.getsitepackages()[0])"],
+                             check=True, capture_output=True, text=True).stdout.strip()
+        Path(own, "outer-venv.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
                    check=True, capture_output=True, timeout=300)
     return base, python

@@ -23,7 +23,7 @@ def _shard_of(ids, num_shards, mode, block, limit, shard, err):
     """``shard[i]`` of ``ids[i]``; ``err[0] = min bad i`` (``limit < 0``: no upper limit)."""
     start, step = cuda.grid(1), cuda.gridsize(1)
     for i in range(start, ids.shape[0], step):
-        v = ids[i]
+        v = np.int64(ids[i])  # 64-bit arithmetic whatever the ids' dtype: block may pass 2^31
         if v < 0 or (limit >= 0 and v >= limit):
             cuda.atomic.min(err, 0, i)
             shard[i] = 0
