@@ -88,7 +88,8 @@ def test_run_all_smoke(tmp_path):
     rows = read_rows(out)
     anchored = ({"fused_step"} if HAVE_TBE else set()) | ({"train"} if HAVE_TORCHREC else set())
     assert {r["op"] for r in rows} == {"copy", "hash_table", "tiered", "host_per_call",
-                                       "quantized_bag", *SCRIPTS} | anchored
+                                       "quantized_bag", "checkpoint_save", "checkpoint_load",
+                                       *SCRIPTS} | anchored
     assert sum(r["op"] == "copy" for r in rows) == 1
 
 
@@ -202,3 +203,12 @@ def test_quantized_bag_bench_smoke(tmp_path):
     if HAVE_TBE:
         assert "fbgemm-intn-tbe" in providers
     assert all(float(r["median_ms"]) > 0 and float(r["gbps"]) > 0 for r in rows)
+
+
+def test_checkpoint_bench_smoke(tmp_path):
+    """Incremental saves and the chain's load against the full save's, in rows of one CSV."""
+    rows = smoke("checkpoint", tmp_path / "bench.csv")
+    saves = [r for r in rows if r["op"] == "checkpoint_save"]
+    loads = {r["provider"] for r in rows if r["op"] == "checkpoint_load"}
+    assert len(saves) == 1 and "bytes=" in saves[0]["size"] and float(saves[0]["median_ms"]) > 0
+    assert loads == {"hbkernels-chain-5", "hbkernels-full"}

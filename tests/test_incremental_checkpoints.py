@@ -225,3 +225,55 @@ def test_an_incremental_save_without_its_removals_is_refused(tmp_path, array):
     (path / "manifest.json").write_text(json.dumps(_manifest.seal(body)))
     with pytest.raises(hbk.CheckpointError, match=f"lack \\['{array}'\\]"):
         hbk.EmbeddingCollection.load(path, comm=LOCAL)
+
+
+def test_a_chain_stops_at_max_chain_and_a_restore_starts_a_new_one(tmp_path):
+    specs = [hbk.TableSpec("d", num_rows=None, dim=2, capacity=8),
+             hbk.TableSpec("s", num_rows=8, dim=2)]
+    coll = hbk.EmbeddingCollection(specs, comm=LOCAL, optimizer=hbk.optim.SGD(lr=0.1))
+    coll.save(tmp_path / "0")
+    kinds = []
+    for k in range(1, checkpoint.MAX_CHAIN + 3):
+        step(coll, {"d": np.array([k % 5]), "s": np.array([k % 8])})
+        kinds.append(coll.save(tmp_path / str(k), incremental=True, chain_limit=np.inf))
+        if k == checkpoint.MAX_CHAIN:  # the longest chain loads
+            same_collections(coll, hbk.EmbeddingCollection.load(tmp_path / str(k), comm=LOCAL))
+    assert kinds.index("full") == checkpoint.MAX_CHAIN, kinds.index("full")
+    same_collections(coll, hbk.EmbeddingCollection.load(tmp_path / str(len(kinds)), comm=LOCAL))
+    ids, last, count = coll.dynamic_scores("d")
+    coll.restore_dynamic("d", ids, last, count, {"weights": coll.full_weights("d")[1] + 1})
+    assert coll.save(tmp_path / "after", incremental=True) == "full"
+    same_collections(coll, hbk.EmbeddingCollection.load(tmp_path / "after", comm=LOCAL))
+
+
+def _reseal(path, edit):
+    from hbkernels.sharding import _manifest
+
+    manifest = json.loads((path / "manifest.json").read_text())
+    edit(manifest)
+    body = {k: v for k, v in manifest.items() if k != "crc32"}
+    (path / "manifest.json").write_text(json.dumps(_manifest.seal(body)))
+
+
+def test_format_and_removal_lists_are_checked(tmp_path):
+    path = _chain(tmp_path)
+    entry = next(f for f in json.loads((path / "manifest.json").read_text())["files"]
+                 if f["array"] == "evicted")
+    _reseal(path, lambda m: m.update(version=1))  # as format 1, with its removals listed
+    with pytest.raises(hbk.CheckpointError, match="only an incremental save of format 2 has"):
+        hbk.EmbeddingCollection.load(path, comm=LOCAL)
+    _reseal(path, lambda m: m.update(files=[f for f in m["files"] if f["array"] not in
+                                            ("evicted", "pending_removed")]))
+    with pytest.raises(hbk.CheckpointError, match="version 1 chained to a save of version 2"):
+        hbk.EmbeddingCollection.load(path, comm=LOCAL)  # and without: read as format 1 it
+    full = tmp_path / "a"                              # would keep evicted ids
+    _reseal(full, lambda m: m["files"].append(dict(entry, file=m["save"] + "/extra.npy")))
+    with pytest.raises(hbk.CheckpointError, match="only an incremental save of format 2 has"):
+        hbk.EmbeddingCollection.load(full, comm=LOCAL)
+
+
+def test_pending_ids_are_required_where_the_table_admits_late(tmp_path):
+    path = _chain(tmp_path)
+    _reseal(path, lambda m: m.update(files=[f for f in m["files"] if f["array"] != "pending_ids"]))
+    with pytest.raises(hbk.CheckpointError, match="pending_ids"):
+        hbk.EmbeddingCollection.load(path, comm=LOCAL)

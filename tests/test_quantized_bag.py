@@ -161,3 +161,22 @@ def test_same_as_fbgemm_int_n_tbe_on_the_same_codes(rng, bits, dim, combiner):
                    torch.from_numpy(offsets.astype(np.int32))).numpy()
     got = hbk.embedding_bag(q, values, offsets, combiner=combiner)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_word_kernel_takes_only_rows_it_can_read_in_words(backend, rng):
+    """No rows, a row of codes not a multiple of 4 bytes, rows off 4-byte boundaries: the
+    byte kernel (and the same answers)."""
+    from hbkernels.cuda.quantized_bag import word_rows
+
+    empty = hbk.quantize_rows(backend.put(np.zeros((0, 8), np.float32)), bits=8)
+    out = hbk.embedding_bag(empty, backend.put(np.array([3])), backend.put(np.array([0, 1])),
+                            bounds="zero")
+    np.testing.assert_array_equal(backend.get(out), np.zeros((1, 8), np.float32))
+    with raises(hbk.BoundsError, match="out of range"):
+        hbk.embedding_bag(empty, backend.put(np.array([3])), backend.put(np.array([0, 1])))
+    q = hbk.quantize_rows(rng.standard_normal((6, 8)).astype(np.float32), bits=8)
+    assert word_rows(q) is not None
+    assert word_rows(hbk.quantize_rows(rng.standard_normal((6, 6)).astype(np.float32))) is None
+    shifted = np.zeros(q.rows.size + 1, np.uint8)[1:].reshape(q.rows.shape)
+    shifted[...] = q.rows
+    assert word_rows(hbk.QuantizedTable.from_rows(shifted, 8, 8)) is None

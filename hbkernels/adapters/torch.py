@@ -866,6 +866,8 @@ class EmbeddingCollectionModule(torch.nn.Module):
                     _write_shard_rows(arrays["weights" if item == "weight" else item], shard, value)
         for group, step in steps.items():
             coll.arrays[group].state["step"][0] = step
+        if found:
+            coll.rows_written_elsewhere()
 
     def extra_repr(self):
         return f"tables={sorted(self.collection.tables)}, device={self.collection.device}"

@@ -30,10 +30,7 @@ def run(args):
 
     if not os.path.isdir(args.checkpoint):
         raise CLIError(f"no checkpoint directory {args.checkpoint}")
-    saved = Checkpoint(args.checkpoint)
-    chain = [saved]
-    while chain[-1].parent is not None:
-        chain.append(chain[-1].parent)
+    chain = Checkpoint(args.checkpoint).chain()
     out = os.path.abspath(args.out)
     if any(os.path.abspath(c.path) == out for c in chain):
         raise CLIError(f"--out {args.out} holds a save of the chain it reads")

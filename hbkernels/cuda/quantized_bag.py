@@ -7,8 +7,8 @@ rounding. The table's packed rows hold each row's codes, then its float16 scale 
 bytes. A group of ``G`` lanes owns a bag, grid-stride over bags, and reads each row's codes
 in units, coalesced, with the scale and bias from the same row:
 
-* words (:func:`quantized_word_kernel`), where a row's code bytes are a multiple of 4 (``D ·
-  bits`` a multiple of 32; the rows then lie on 4-byte boundaries): ``G`` the next power of
+* words (:func:`quantized_word_kernel`), where a row's codes take a multiple of 4 bytes and
+  the rows lie on 4-byte boundaries (:func:`word_rows`): ``G`` the next power of
   two >= the row's words, at most a warp; lane ``l`` reads 32-bit words ``l, l + G, ...`` (a
   pass per ``G`` words: one for D = 128 at 8 bits), the row's last word its scale and bias,
   :data:`.embedding_bag.ROWS_IN_FLIGHT` rows at a time (their loads issued before any is used), and unpacks
@@ -40,6 +40,7 @@ from ._launch import (
     threads_per_block,
 )
 from ._launcher import launch
+from ._vector import data_pointer
 from .embedding_bag import ROWS_IN_FLIGHT, bag_range, empty_batch_bad_offset
 
 
@@ -191,14 +192,14 @@ def quantized_word_kernel(bits, weights_dtype, group):
 
 
 def word_rows(q):
-    """``q``'s rows as uint32 words ``[E, row words + 1]`` (a view), or None where a row's
-    code bytes are not a multiple of 4 or the rows cannot be viewed so."""
-    if q.width % 4:
+    """``q``'s rows as uint32 words ``[E, row words + 1]`` (a view), or None where they
+    cannot be read so: a row's code bytes not a multiple of 4, rows not on 4-byte
+    boundaries (the array's start or its row stride), rows not contiguous, or no rows."""
+    rows = q.rows
+    if q.width % 4 or not q.num_rows or data_pointer(rows) % 4 or rows.strides[0] % 4 \
+            or rows.strides[1] != 1:
         return None
-    try:
-        return q.rows.view(np.uint32)
-    except (ValueError, TypeError, AttributeError):  # strided rows, an unaligned view
-        return None
+    return rows.view(np.uint32)
 
 
 def embedding_bag(family, q, values, offsets, per_sample_weights, combiner, bounds,

@@ -129,7 +129,8 @@ def check(manifest, where, slots):
     for name, t in tables.items():
         if t.get("num_rows") is None:
             _check_dynamic(where, name, [f for f in manifest["files"] if f["table"] == name],
-                           parent is not None, manifest.get("version", 1) >= 2)
+                           parent is not None, manifest.get("version", 1) >= 2,
+                           t.get("admit_count", 1) != 1)
     return tables
 
 
@@ -138,19 +139,27 @@ DYNAMIC_ARRAYS = {name: True for name in ("ids", "last", "count", "pending_ids",
 # (one value per row; an incremental save's evicted and pending_removed: ids gone since)
 
 
-def _check_dynamic(where, name, files, incremental, changes):
+def _check_dynamic(where, name, files, incremental, changes, pending):
     """A dynamic table's files: for each rank that wrote some, ``ids``, ``weights``,
-    ``last`` and ``count`` (and ``evicted`` in an incremental save that lists
-    ``changes``, format 2); the arrays of one kind of row with the same number of rows
-    (live or used ids; pending ids; in an incremental save, the changed ids of ``rows``)."""
+    ``last`` and ``count``, and with ``pending`` ids (``admit_count`` > 1) the
+    ``pending_`` ones; in an incremental save that lists ``changes`` (format 2) also
+    ``evicted`` (and ``pending_removed``), which no other save has; the arrays of one
+    kind of row with the same number of rows (live or used ids; pending ids; in an
+    incremental save, the changed ids of ``rows``)."""
     by_rank = {}
     for f in files:
         by_rank.setdefault(f["row_start"], {})[f["array"]] = f["num_rows"]
+    delta = incremental and changes
     for rank, arrays in by_rank.items():
-        needed = {"ids", "weights", "last", "count"} | ({"evicted"} if incremental and changes
-                                                        else set())
-        if incremental and changes and "pending_ids" in arrays:
-            needed.add("pending_removed")
+        needed = {"ids", "weights", "last", "count"}
+        if pending:
+            needed |= {"pending_ids", "pending_last", "pending_count"}
+        if delta:
+            needed |= {"evicted"} | ({"pending_removed"} if pending else set())
+        stray = sorted({"evicted", "pending_removed"} & set(arrays)) if not delta else []
+        if stray:
+            _fail(where, f"table {name!r}: rank {rank}'s files hold {stray}, which only an "
+                         f"incremental save of format 2 has")
         missing = sorted(needed - set(arrays))
         if missing:
             _fail(where, f"table {name!r}: rank {rank}'s files lack {missing}")

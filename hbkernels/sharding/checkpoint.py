@@ -72,7 +72,7 @@ VERSION = 2  # 2: an incremental save lists a dynamic table's changes, not all i
 READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 1 << 28
-MAX_CHAIN = 1000  # incremental saves one load follows back to a full save
+MAX_CHAIN = 200  # incremental saves one load follows back to a full save (save keeps below)
 _CHUNK = 1 << 22
 CHUNK_ROWS = 1 << 16  # rows of a table's files in memory at a time, saving or loading
 
@@ -215,8 +215,9 @@ def save(coll, path, parent=None, changed=None, since=None):
     error = None
     files = []
     steps = {s.table: int(coll.arrays[s.group].state["step"][0]) for s in coll.local_shards()}
-    kept = {name: table.state() for name, table in coll.hash_tables.items()}  # one pass each
+    kept = {}
     try:
+        kept = {name: table.state() for name, table in coll.hash_tables.items()}  # one pass each
         os.makedirs(os.path.join(path, save_dir), exist_ok=True)
         for shard in coll.local_shards():
             if coll.plan[shard.table].kind == "data_parallel" and me != 0:
@@ -548,6 +549,9 @@ class Checkpoint:
         if depth >= MAX_CHAIN:
             raise CheckpointError(f"{where}: a chain of more than {MAX_CHAIN} incremental saves")
         parent = Checkpoint(os.path.normpath(os.path.join(self.path, link["path"])), depth + 1)
+        if parent.manifest["version"] > self.manifest["version"]:
+            raise CheckpointError(f"{where}: format version {self.manifest['version']} chained to "
+                                  f"a save of version {parent.manifest['version']}")
         if parent.manifest.get("crc32") != link["crc32"]:
             raise CheckpointError(
                 f"{os.path.join(parent.path, MANIFEST)}: not the save {where} was chained to "
@@ -581,19 +585,19 @@ class Checkpoint:
         self.parent._fill(table, array, rows, c0, c1, out)
         self._reader.changed_rows(table, array, rows, c0, c1, out)
 
-    def _saves_back_to(self, last):
+    def chain(self, last=lambda save: save.parent is None):
         """This save and its parents, newest first, to the first ``save`` where
-        ``last(save)`` holds."""
-        chain = [self]
-        while not last(chain[-1]):
-            chain.append(chain[-1].parent)
-        return chain
+        ``last(save)`` holds (default: the full save the chain starts from)."""
+        saves = [self]
+        while not last(saves[-1]):
+            saves.append(saves[-1].parent)
+        return saves
 
     def _dynamic(self, table, array, ids):
         """Rows of a dynamic table's ``array`` for live ``ids`` as of this save: from the
         newest save of the chain that wrote each id's row (one sort over the rows every
         save of the chain wrote, however long the chain)."""
-        chain = self._saves_back_to(lambda save: save.parent is None)
+        chain = self.chain()
         keys = [save._reader.all_rows(table, "ids" if save.parent is None else "rows")
                 for save in chain]
         newest, keys = _newest_entries(keys)
@@ -728,7 +732,7 @@ class Checkpoint:
         ``""``) or pending ids (``"pending_"``) as of this save: those of the newest save
         of the chain that lists every id, then each later save's changes (an id's newest
         entry wins: used, with its scores, or ``evicted`` / ``pending_removed``)."""
-        chain = self._saves_back_to(Checkpoint._lists_every_id)
+        chain = self.chain(Checkpoint._lists_every_id)
         gone = "evicted" if kind == "" else "pending_removed"
         ids, last, count, alive = [], [], [], []  # per entry, newest save first
         for save in chain:

@@ -41,6 +41,7 @@ seed and the table (:func:`initial_weights`), never on the plan or world size.
 (10, 4)
 """
 import contextlib
+import math
 import os
 import time
 from collections import defaultdict
@@ -955,6 +956,11 @@ class EmbeddingCollection:
             ids, last, count = ids[order], last[order], count[order]
         return ids, last, count
 
+    def rows_written_elsewhere(self):
+        """Rows were written other than by :meth:`backward` (a restore): the next save
+        is a full one, since no incremental save could say what changed."""
+        self._chain_bytes = math.inf
+
     def restore_dynamic(self, name, ids, last, count, rows, pending=None):
         """Put the saved ids of dynamic table ``name`` back (NumPy arrays over all
         ranks; this rank takes the ids it owns), replacing what the table held here:
@@ -968,6 +974,7 @@ class EmbeddingCollection:
         n, me = self.comm.world_size, self.comm.rank
         table = self.hash_tables[name]
         table.clear()
+        self.rows_written_elsewhere()
         mine = dynamic_owner(np, ids, n) == me
         step = int(last[mine].max()) if mine.any() else 0  # its call counter (HashTable.state)
         waiting = None
@@ -1029,8 +1036,9 @@ class EmbeddingCollection:
         ``quantize_rows(full_weights(name)).dequantize()`` up to float32 summation
         order, its :meth:`full_weights` is that table, and it saves and loads at any
         world size as exactly the same codes. Its forward returns float32 for the
-        quantized tables; :meth:`backward` raises ``TypeError``; dynamic ids are not
-        supported. Tables in a slow tier are read whole and held quantized in memory.
+        quantized tables; :meth:`backward` raises ``TypeError``; a collection with dynamic
+        tables is a ``ValueError``. Tables in a slow tier are read whole and held quantized
+        in memory.
         Collective.
 
         >>> import numpy as np, hbkernels as hbk
@@ -1069,13 +1077,13 @@ class EmbeddingCollection:
         rows touched; of a dynamic table the ids used, admitted and evicted and their
         scores), into a new directory ``path`` chained to that save (``load`` replays the
         chain). Once the incremental saves since the last full one hold ``chain_limit``
-        times its bytes, an incremental save is written full instead (a new chain).
+        times its bytes, or number :data:`~hbkernels.sharding.checkpoint.MAX_CHAIN`, or
+        after rows were written other than by :meth:`backward` (:meth:`restore_dynamic`,
+        a torch ``load_state_dict``), an incremental save is written full instead (a new
+        chain).
         Returns ``"full"`` or ``"incremental"``: what was written."""
         where = os.path.abspath(os.fspath(path))
         parent = None
-        if (incremental and self._last_save is not None
-                and self._chain_bytes >= chain_limit * self._full_bytes):
-            incremental = False  # the chain is long enough: start a new one
         if incremental:
             if self.quantize:
                 raise ValueError("a quantized collection does not change: save it whole")
@@ -1085,6 +1093,9 @@ class EmbeddingCollection:
                 raise ValueError(f"{path} holds a save this incremental save chains to; save it "
                                  f"to a new directory")
             parent = self._last_save
+            if (self._chain_bytes >= chain_limit * self._full_bytes
+                    or len(self._chain) > checkpoint.MAX_CHAIN):
+                parent, incremental = None, False  # the chain is long enough: start a new one
         self._settle()
         crc, written, self._marks = checkpoint.save(
             self, path, parent=parent, changed=self._changed if incremental else None,
