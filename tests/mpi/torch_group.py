@@ -78,4 +78,6 @@ for bad in ("mpi", "nccl", "local"):
         assert "group" in str(e), e
     else:
         raise AssertionError(f"init({bad!r}, group=<torch group>) was accepted")
+comm.barrier()  # every rank done with the groups before one tears them down
+tdist.destroy_process_group()  # gloo's threads joined here, not left to the interpreter's exit
 finish(comm)
