@@ -211,4 +211,4 @@ def test_checkpoint_bench_smoke(tmp_path):
     saves = [r for r in rows if r["op"] == "checkpoint_save"]
     loads = {r["provider"] for r in rows if r["op"] == "checkpoint_load"}
     assert len(saves) == 1 and "bytes=" in saves[0]["size"] and float(saves[0]["median_ms"]) > 0
-    assert loads == {"hbkernels-chain-5", "hbkernels-full"}
+    assert loads == {"hbkernels-chain-5", "hbkernels-full", "hbkernels-chain-default"}

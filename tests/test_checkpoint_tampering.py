@@ -107,7 +107,7 @@ def test_a_full_disk_while_the_manifest_is_written(saved, monkeypatch):
     def full(*_):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(checkpoint, "write_json_atomic", full)
+    monkeypatch.setattr(checkpoint, "_write_manifest", full)
     with pytest.raises(hbk.CheckpointError, match="No space left on device"):
         make().save(saved)
     assert sorted(p.name for p in saved.iterdir()) == sorted(["manifest.json", before["save"]])
@@ -171,6 +171,43 @@ def test_an_edited_manifest_fails_its_checksum(saved):
     m["seed"] += 1
     write_manifest(saved, m, reseal=False)
     refused(saved, "manifest.json", "crc32")
+
+
+def test_an_edited_manifest_as_written_fails_its_checksum(saved):
+    """A save writes its crc32 first, then the canonical JSON it is the crc32 of; a load
+    checks it on the text as read, and an edit of that text is caught."""
+    text = (saved / "manifest.json").read_bytes()
+    assert text.startswith(b'{"crc32":%d,' % manifest_of(saved)["crc32"])
+    assert _manifest.is_sealed_text(text, manifest_of(saved))
+    load(saved)
+    edited = text.replace(b'"seed":3', b'"seed":4')
+    assert edited != text
+    (saved / "manifest.json").write_bytes(edited)
+    refused(saved, "manifest.json", "crc32")
+    (saved / "manifest.json").write_bytes(text.replace(b'"seed":3', b'"seed": 3'))
+    load(saved)  # the same content, not as written: checked on its parsed content
+
+
+def test_a_file_with_another_npy_header_loads(saved):
+    """A shard written with another ``.npy`` header (format 2.0) is read through NumPy's
+    parser, its shape and dtype held to the manifest's."""
+    m = manifest_of(saved)
+    entry = next(f for f in m["files"] if f["array"] == "weights" and f["table"] == "user")
+    target = saved / entry["file"]
+    data = np.load(target)
+    with open(target, "wb") as f:
+        np.lib.format.write_array(f, data, version=(2, 0))
+    raw = target.read_bytes()
+    entry["bytes"], entry["crc32"] = len(raw), zlib.crc32(raw)
+    write_manifest(saved, m)
+    np.testing.assert_array_equal(load(saved).full_weights("user"), make().full_weights("user"))
+    with open(target, "wb") as f:  # a header of another shape
+        np.lib.format.write_array(f, data[:, :2].copy(), version=(2, 0))
+    raw = target.read_bytes() + bytes(entry["bytes"] - len(target.read_bytes()))
+    target.write_bytes(raw)
+    entry["crc32"] = zlib.crc32(raw)
+    write_manifest(saved, m)
+    refused(saved, target.name, "the manifest says")
 
 
 FILE_EDITS = [

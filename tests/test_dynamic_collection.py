@@ -193,7 +193,7 @@ def test_incremental_saves_chain_and_replay(rng, tmp_path):
     for name in ("b", "c"):
         train(3)
         coll.forward({"t": batch(rng, pool), "u": rng.integers(0, 20, 6)})  # admits, no update
-        coll.save(tmp_path / name, incremental=True)
+        coll.save(tmp_path / name, incremental=True, chain_limit=np.inf)
         manifest = read_manifest(tmp_path / name)
         assert manifest["parent"]["path"] == ("../a" if name == "b" else "../b")
         u_rows = [f["num_rows"] for f in manifest["files"] if f["table"] == "u" and f["array"] == "weights"]

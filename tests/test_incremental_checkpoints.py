@@ -7,15 +7,24 @@
   static table beside) loads to exactly the collection's state: ids, rows, optimizer
   state, scores, pending ids, the call counter;
 * a chain past ``chain_limit`` x its full save starts again with a full save;
-* a crash at any write of an incremental save leaves the chain before it loadable;
+* a failed write (or a SIGKILL half way through one) of an incremental save leaves the
+  chain before it loadable;
+* an incremental save is one file per rank, each array in it under its own crc32; a
+  damaged file or an edited offset is refused, and a chain format 2 wrote is still read;
 * ``hbkernels compact`` turns a chain into one full save of the same state.
 """
 import json
 import os
+import signal
+import subprocess
+import sys
+import textwrap
+import zlib
 
 import numpy as np
 import pytest
 from helpers import same_collections
+from mpirun import ROOT
 
 import hbkernels as hbk
 from hbkernels.cli import main
@@ -26,7 +35,8 @@ LOCAL = hbk.dist.init("local")
 
 def files_bytes(path):
     """Bytes of the files the save at ``path`` names (its manifest left out)."""
-    return sum(f["bytes"] for f in json.loads((path / "manifest.json").read_text())["files"])
+    named = {f["file"] for f in json.loads((path / "manifest.json").read_text())["files"]}
+    return sum((path / name).stat().st_size for name in named)
 
 
 def save_bytes(path):
@@ -95,15 +105,16 @@ def test_a_chain_of_100_saves_replays_exactly(tmp_path):
 
 
 def test_a_chain_past_its_limit_starts_again(tmp_path):
-    specs = [hbk.TableSpec("s", num_rows=1000, dim=8)]
+    specs = [hbk.TableSpec("s", num_rows=4000, dim=8)]
     coll = hbk.EmbeddingCollection(specs, comm=LOCAL)
     coll.save(tmp_path / "0")
     full, chain, kinds, expected = files_bytes(tmp_path / "0"), 0, [], []
-    for k in range(1, 7):
-        step(coll, {"s": np.arange(100 * k, 100 * k + 150)})  # 15% of the rows a save
+    for k in range(1, 6):
+        step(coll, {"s": np.arange(400 * k, 400 * k + 600)})  # 15% of the rows a save
         expected.append("full" if chain >= 0.5 * full else "incremental")
         kinds.append(coll.save(tmp_path / str(k), incremental=True))
-        chain = 0 if kinds[-1] == "full" else chain + files_bytes(tmp_path / str(k))
+        chain = 0 if kinds[-1] == "full" else chain + max(files_bytes(tmp_path / str(k)),
+                                                          checkpoint.CHAIN_SAVE_BYTES)
         assert ("parent" in json.loads((tmp_path / str(k) / "manifest.json").read_text())) == \
             (kinds[-1] == "incremental")
         same_collections(coll, hbk.EmbeddingCollection.load(tmp_path / str(k), comm=LOCAL))
@@ -119,12 +130,12 @@ def test_a_crash_during_an_incremental_save_leaves_the_chain(tmp_path, monkeypat
     step(coll, {"d": rng.choice(pool, 6), "s": np.arange(6)})
     coll.save(tmp_path / "a")
     step(coll, {"d": rng.choice(pool, 6), "s": np.arange(6)})
-    coll.save(tmp_path / "b", incremental=True)
+    coll.save(tmp_path / "b", incremental=True, chain_limit=np.inf)
     before = hbk.EmbeddingCollection.load(tmp_path / "b", comm=LOCAL)
     same_collections(coll, before)
     step(coll, {"d": rng.choice(pool, 6), "s": np.arange(3, 9)})
     writes = []
-    real = {name: getattr(checkpoint, name) for name in ("write_atomic", "write_json_atomic")}
+    real = {"write_atomic": checkpoint.write_atomic}  # each file: the pack, then the manifest
 
     def crashing(name, k):
         def write(*args, **kwargs):
@@ -141,16 +152,78 @@ def test_a_crash_during_an_incremental_save_leaves_the_chain(tmp_path, monkeypat
             monkeypatch.setattr(checkpoint, name, crashing(name, k))
         target = tmp_path / f"c{k}"
         try:
-            coll.save(target, incremental=True)
+            coll.save(target, incremental=True, chain_limit=np.inf)
         except hbk.CheckpointError:
             assert not (target / "manifest.json").exists()
             same_collections(before, hbk.EmbeddingCollection.load(tmp_path / "b", comm=LOCAL))
             k += 1
             continue
         break
-    assert k > 3, f"the save wrote only {writes}"
+    assert k == 3, f"the save wrote {writes}"
     monkeypatch.undo()
     same_collections(coll, hbk.EmbeddingCollection.load(target, comm=LOCAL))
+
+
+KILLED = textwrap.dedent("""
+    import os, signal, sys
+    import numpy as np
+    import hbkernels as hbk
+    from hbkernels.sharding import checkpoint
+
+    where, fatal = sys.argv[1], int(sys.argv[2])
+    specs = [hbk.TableSpec("d", num_rows=None, dim=3, capacity=8, admit_count=2),
+             hbk.TableSpec("s", num_rows=50, dim=3)]
+    coll = hbk.EmbeddingCollection(specs, comm=hbk.dist.init("local"), device="cpu")
+    rng = np.random.default_rng(4)
+
+    def step():
+        out = coll.forward({"d": rng.integers(0, 20, 6), "s": rng.integers(0, 50, 6)})
+        coll.backward({f: np.ones(o.shape, np.float32) for f, o in out.items()})
+
+    step()
+    coll.save(os.path.join(where, "a"))
+    step()
+    coll.save(os.path.join(where, "b"), incremental=True, chain_limit=np.inf)
+    coll.save(os.path.join(where, "same-as-b"))
+    real, calls = checkpoint.write_atomic, []
+
+    class Dying:  # half of what the fatal write writes reaches the file, then SIGKILL
+        def __init__(self, f):
+            self.f = f
+        def write(self, data):
+            view = memoryview(data).cast("B")
+            self.f.write(view[:max(1, view.nbytes // 2)])
+            self.f.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def dying(path, write):
+        calls.append(path)
+        return real(path, (lambda f: write(Dying(f))) if len(calls) == fatal else write)
+
+    checkpoint.write_atomic = dying
+    step()
+    coll.save(os.path.join(where, "c"), incremental=True, chain_limit=np.inf)
+    print("not killed")
+""")
+
+
+@pytest.mark.parametrize("fatal", [1, 2], ids=["in-its-file", "in-its-manifest"])
+def test_a_kill_during_an_incremental_save_leaves_the_chain(tmp_path, fatal):
+    """SIGKILL half way through writing an incremental save's file (or its manifest):
+    the chain before it loads as saved, and a save into the same directory goes on."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-c", KILLED, str(tmp_path), str(fatal)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == -signal.SIGKILL, done.stdout + done.stderr
+    assert list((tmp_path / "c").glob("save-*/*.tmp-*")) or list((tmp_path / "c").glob("*.tmp-*"))
+    with pytest.raises(hbk.CheckpointError, match="no checkpoint manifest"):
+        hbk.EmbeddingCollection.load(tmp_path / "c", comm=LOCAL)
+    back = hbk.EmbeddingCollection.load(tmp_path / "b", comm=LOCAL)
+    same_collections(hbk.EmbeddingCollection.load(tmp_path / "same-as-b", comm=LOCAL), back)
+    back.save(tmp_path / "c")  # what the killed save left is removed
+    assert [p.name for p in (tmp_path / "c").iterdir() if p.name != "manifest.json"] == \
+        [json.loads((tmp_path / "c" / "manifest.json").read_text())["save"]]
+    same_collections(back, hbk.EmbeddingCollection.load(tmp_path / "c", comm=LOCAL))
 
 
 def test_compact_turns_a_chain_into_one_full_save(tmp_path, capsys):
@@ -255,21 +328,98 @@ def _reseal(path, edit):
     (path / "manifest.json").write_text(json.dumps(_manifest.seal(body)))
 
 
-def test_format_and_removal_lists_are_checked(tmp_path):
+def _reseal_parent(path, edit):
+    """``edit`` the manifest of the save the one at ``path`` chains to, and relink."""
+    parent = (path / json.loads((path / "manifest.json").read_text())["parent"]["path"]).resolve()
+    _reseal(parent, edit)
+    crc = json.loads((parent / "manifest.json").read_text())["crc32"]
+    _reseal(path, lambda m: m["parent"].update(crc32=crc))
+
+
+def _unpack(path):
+    """Rewrite the incremental save at ``path`` as format 2 wrote it: each array in a
+    ``.npy`` file of its own."""
+    manifest = json.loads((path / "manifest.json").read_text())
+    packs = {f["file"] for f in manifest["files"]}
+    for f in manifest["files"]:
+        raw = (path / f["file"]).read_bytes()[f.pop("offset"):][:f["bytes"]]
+        f["file"] = f"{manifest['save']}/t0.{f['slice']}.{f['row_start']}-{f['row_step']}.{f['array']}.npy"
+        np.save(path / f["file"], np.frombuffer(raw, f["dtype"]).reshape(f["shape"]))
+        raw = (path / f["file"]).read_bytes()
+        f.update(bytes=len(raw), crc32=zlib.crc32(raw))
+    for name in packs:
+        os.remove(path / name)
+    _reseal(path, lambda m: m.update(files=manifest["files"], version=2))
+
+
+def test_formats_and_removal_lists_are_checked(tmp_path):
     path = _chain(tmp_path)
+    full = tmp_path / "a"
+    saved = hbk.EmbeddingCollection.load(path, comm=LOCAL)
+    _reseal(path, lambda m: m.update(version=2))  # offsets in a format-2 save
+    with pytest.raises(hbk.CheckpointError, match="only an incremental save of format 3 has"):
+        hbk.EmbeddingCollection.load(path, comm=LOCAL)
+    _reseal_parent(path, lambda m: m.update(version=2))
+    _unpack(path)  # a chain format 2 wrote: still read
+    same_collections(saved, hbk.EmbeddingCollection.load(path, comm=LOCAL))
     entry = next(f for f in json.loads((path / "manifest.json").read_text())["files"]
                  if f["array"] == "evicted")
     _reseal(path, lambda m: m.update(version=1))  # as format 1, with its removals listed
-    with pytest.raises(hbk.CheckpointError, match="only an incremental save of format 2 has"):
+    with pytest.raises(hbk.CheckpointError, match="only an incremental save of format 2 or later"):
         hbk.EmbeddingCollection.load(path, comm=LOCAL)
     _reseal(path, lambda m: m.update(files=[f for f in m["files"] if f["array"] not in
                                             ("evicted", "pending_removed")]))
     with pytest.raises(hbk.CheckpointError, match="version 1 chained to a save of version 2"):
-        hbk.EmbeddingCollection.load(path, comm=LOCAL)  # and without: read as format 1 it
-    full = tmp_path / "a"                              # would keep evicted ids
+        hbk.EmbeddingCollection.load(path, comm=LOCAL)  # (read as format 1 it keeps evicted ids)
     _reseal(full, lambda m: m["files"].append(dict(entry, file=m["save"] + "/extra.npy")))
-    with pytest.raises(hbk.CheckpointError, match="only an incremental save of format 2 has"):
+    with pytest.raises(hbk.CheckpointError, match="only an incremental save of format 2 or later"):
         hbk.EmbeddingCollection.load(full, comm=LOCAL)
+
+
+PACK_EDITS = {
+    "a byte of its weights": lambda f, pack: pack.__setitem__(f["offset"] + 1,
+                                                              pack[f["offset"] + 1] ^ 1),
+    "the pack cut short": lambda f, pack: pack.__delitem__(slice(f["offset"] + 4, None)),
+    "its offset moved": lambda f, pack: f.__setitem__("offset", f["offset"] + 64),
+    "its offset past the end": lambda f, pack: f.__setitem__("offset", 10**9),
+}
+
+
+@pytest.mark.parametrize("edit", list(PACK_EDITS))
+def test_a_damaged_incremental_file_is_refused(tmp_path, edit):
+    """An incremental save writes one file per rank; each array in it has its own crc32."""
+    path = _chain(tmp_path)
+    manifest = json.loads((path / "manifest.json").read_text())
+    entry = next(f for f in manifest["files"] if f["array"] == "weights")
+    assert {f["file"] for f in manifest["files"]} == {entry["file"]}  # one file
+    assert all(f["offset"] % checkpoint.PACK_ALIGN == 0 for f in manifest["files"])
+    pack = bytearray((path / entry["file"]).read_bytes())
+    PACK_EDITS[edit](entry, pack)
+    (path / entry["file"]).write_bytes(pack)
+    _reseal(path, lambda m: m.update(files=manifest["files"]))
+    with pytest.raises(hbk.CheckpointError, match=r"r0\.pack\.npy: checkpoint file is corrupt"):
+        hbk.EmbeddingCollection.load(path, comm=LOCAL)
+
+
+@pytest.mark.parametrize("key, value", [("offset", -64), ("offset", "0"), ("bytes", 1),
+                                        ("file", "save-1-00000000/r0.pack.npy")])
+def test_pack_fields_are_checked(tmp_path, key, value):
+    path = _chain(tmp_path)
+    _reseal(path, lambda m: next(f for f in m["files"] if f["array"] == "weights")
+            .__setitem__(key, value))
+    with pytest.raises(hbk.CheckpointError, match="manifest.json"):
+        hbk.EmbeddingCollection.load(path, comm=LOCAL)
+
+
+def test_an_incremental_file_is_a_npy_of_bytes(tmp_path):
+    path = _chain(tmp_path)
+    entry = next(f for f in json.loads((path / "manifest.json").read_text())["files"]
+                 if f["array"] == "weights")
+    pack = np.load(path / entry["file"])
+    assert pack.dtype == np.uint8
+    got = pack[entry["offset"] - (path / entry["file"]).stat().st_size + pack.shape[0]:][:entry["bytes"]]
+    np.testing.assert_array_equal(got.view(np.float32).reshape(entry["shape"]),
+                                  checkpoint.Checkpoint(path)._reader.all_rows("d", "weights"))
 
 
 def test_pending_ids_are_required_where_the_table_admits_late(tmp_path):

@@ -34,6 +34,8 @@ def add_command(subparsers):
 
 
 def run(args):
+    import numpy as np
+
     import hbkernels as hbk
 
     if not os.path.isdir(args.checkpoint):
@@ -51,7 +53,7 @@ def run(args):
     q.save(args.out)
     if comm.rank == 0:
         for name, spec in coll.tables.items():
-            before = spec.rows * spec.dim * (2 if spec.dtype == "float16" else 4)
+            before = spec.rows * spec.dim * np.dtype(spec.dtype).itemsize
             after = spec.rows * (row_bytes(spec.dim, args.bits) + 4) if name in q.quantize else before
             print(f"{name}: {spec.rows:,} x {spec.dim}, {before:,} -> {after:,} bytes in memory"
                   + (f" (int{args.bits})" if name in q.quantize else " (kept)"))

@@ -6,11 +6,14 @@ names are made of the characters :data:`FILE_NAME` allows (:func:`file_name`
 generates them from the table's position, never from its name). Every field a
 reader uses is checked here before a file is opened: types, ranges, the table
 and optimizer slot each file belongs to, its rows and columns inside the table,
-its shape from its rows and columns, its dtype, size and crc32. The manifest
-carries the crc32 of its own canonical JSON (:func:`seal`). Any violation is a
+its shape from its rows and columns, its dtype, size and crc32 (and in an
+incremental save of format 3, whose arrays share one file per rank, its
+``offset`` in that file). The manifest carries the crc32 of its own canonical
+JSON (:func:`seal`), written first (:func:`sealed_text`). Any violation is a
 :class:`~hbkernels.CheckpointError` naming the manifest.
 """
 import json
+import math
 import re
 import zlib
 
@@ -24,6 +27,7 @@ FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,240}\.npy")
 STATE_DTYPES = ("float32", "float64")
 TABLE_DTYPES = ("float32", "float16")
 QUANTIZED_ARRAYS = {"codes": False, "scale": True, "bias": True}  # array -> one value per row
+_ITEMSIZE = {name: np.dtype(name).itemsize for name in STATE_DTYPES + TABLE_DTYPES + ("uint8", "int64")}
 _U32 = 1 << 32
 
 
@@ -34,6 +38,12 @@ def is_save_dir(name):
 
 def save_dir_name(time_ns, tag):
     return f"save-{int(time_ns)}-{int(tag) & 0xFFFFFFFF:08x}"
+
+
+def pack_name(rank):
+    """The name of the one file rank ``rank`` writes in an incremental save (format 3):
+    each array of its entries at the entry's ``offset``."""
+    return f"r{int(rank)}.pack.npy"
 
 
 def file_name(table_index, shard, array):
@@ -52,14 +62,35 @@ def seal(manifest):
     return dict(manifest, crc32=zlib.crc32(_canonical(manifest)))
 
 
+_SEALED_TEXT = re.compile(rb'\{"crc32":(0|[1-9][0-9]{0,9}),')
+
+
+def sealed_text(manifest):
+    """``(text, crc32)``: ``manifest`` (JSON-able: as parsed back from its text, with at
+    least one field) as a save writes it, its ``crc32`` (that of :func:`seal`) the first
+    field and the rest its canonical JSON, so a reader checks the crc32 on the text as
+    read (:func:`is_sealed_text`)."""
+    body = _canonical(manifest)
+    crc = zlib.crc32(body)
+    return b'{"crc32":%d,' % crc + body[1:], crc
+
+
+def is_sealed_text(text, manifest):
+    """Whether ``text``, whose JSON is ``manifest``, is as :func:`sealed_text` wrote it and
+    holds the crc32 of its content: then :func:`check` need not rebuild the canonical JSON
+    (any other text, a hand-written or older manifest, is checked on its parsed content)."""
+    m = _SEALED_TEXT.match(text)
+    return (m is not None and int(m[1]) == manifest.get("crc32")
+            and zlib.crc32(memoryview(text)[m.end():], zlib.crc32(b"{")) == manifest["crc32"])
+
+
 def _fail(where, message):
     raise CheckpointError(f"{where}: {message}")
 
 
 def _int(where, d, key, lo=None, hi=None):
-    v = d.get(key) if isinstance(d, dict) else None
-    if not isinstance(v, int) or isinstance(v, bool) or (lo is not None and v < lo) or \
-            (hi is not None and v > hi):
+    v = d.get(key) if type(d) is dict else None
+    if type(v) is not int or (lo is not None and v < lo) or (hi is not None and v > hi):
         bounds = f" in [{lo}, {hi}]" if hi is not None else (f" >= {lo}" if lo is not None else "")
         _fail(where, f"{key} must be an integer{bounds}, got {v!r}")
     return v
@@ -73,11 +104,12 @@ def _field(where, d, key, types):
     return d[key]
 
 
-def check(manifest, where, slots):
-    """Check the manifest ``manifest`` (parsed JSON) of checkpoint file ``where``;
+def check(manifest, where, slots, sealed=False):
+    """Check the manifest ``manifest`` (parsed JSON) of checkpoint file ``where`` (its
+    crc32 already checked on its text where ``sealed``: :func:`is_sealed_text`);
     ``slots(optimizer entry)`` gives ``{slot name: per_row}`` of the saved optimizer.
     Returns ``{table name: table entry}``."""
-    if "crc32" in manifest:
+    if "crc32" in manifest and not sealed:
         if _int(where, manifest, "crc32", 0, _U32 - 1) != zlib.crc32(_canonical(manifest)):
             _fail(where, "the manifest's crc32 does not match its content (edited or corrupt)")
     save = _field(where, manifest, "save", str)
@@ -123,9 +155,11 @@ def check(manifest, where, slots):
         _field(where, parent, "path", str)
         _int(where, parent, "crc32", 0, _U32 - 1)
         arrays["rows"] = True
+    packed = parent is not None and manifest.get("version", 1) >= 3
+    kinds = {name: _table_arrays(t, QUANTIZED_ARRAYS if name in quantize else arrays,
+                                 parent is not None) for name, t in tables.items()}
     for f in _field(where, manifest, "files", list):
-        _check_file(where, f, save, tables, QUANTIZED_ARRAYS if f.get("table") in quantize
-                    else arrays, parent is not None)
+        _check_file(where, f, save, tables, kinds, packed)
     for name, t in tables.items():
         if t.get("num_rows") is None:
             _check_dynamic(where, name, [f for f in manifest["files"] if f["table"] == name],
@@ -159,7 +193,7 @@ def _check_dynamic(where, name, files, incremental, changes, pending):
         stray = sorted({"evicted", "pending_removed"} & set(arrays)) if not delta else []
         if stray:
             _fail(where, f"table {name!r}: rank {rank}'s files hold {stray}, which only an "
-                         f"incremental save of format 2 has")
+                         f"incremental save of format 2 or later has")
         missing = sorted(needed - set(arrays))
         if missing:
             _fail(where, f"table {name!r}: rank {rank}'s files lack {missing}")
@@ -178,7 +212,19 @@ def _check_dynamic(where, name, files, incremental, changes, pending):
                              f"rows {rows}")
 
 
-def _check_file(where, f, save, tables, arrays, incremental):
+def _table_arrays(table, arrays, incremental):
+    """``(arrays, incremental)`` of manifest table entry ``table``, whose saves hold
+    ``arrays`` (name -> one value per row) and, ``incremental``, changed rows only: a
+    dynamic table has its index's arrays too; a table in files is saved sparse, the
+    rows it holds named in ``rows``."""
+    if table.get("num_rows") is None:
+        return dict(arrays, **DYNAMIC_ARRAYS), incremental
+    if table.get("storage") == "mmap":
+        return dict(arrays, rows=True), True
+    return arrays, incremental
+
+
+def _check_file(where, f, save, tables, kinds, packed):
     rel = _field(where, f, "file", str)
     parts = rel.split("/")
     if len(parts) != 2 or parts[0] != save or not FILE_NAME.fullmatch(parts[1]):
@@ -187,10 +233,7 @@ def _check_file(where, f, save, tables, arrays, incremental):
     if table is None:
         _fail(where, f"file {rel!r} belongs to no table of the manifest ({f['table']!r})")
     dynamic = table.get("num_rows") is None
-    if dynamic:
-        arrays = dict(arrays, **DYNAMIC_ARRAYS)
-    elif table.get("storage") == "mmap":  # saved sparse: the rows it holds, named in "rows"
-        arrays, incremental = dict(arrays, rows=True), True
+    arrays, incremental = kinds[f["table"]]
     array = _field(where, f, "array", str)
     if array not in arrays:
         _fail(where, f"file {rel!r}: no array {array!r} in a table (expected one of "
@@ -218,7 +261,13 @@ def _check_file(where, f, save, tables, arrays, incremental):
     if f.get("shape") != expected:
         _fail(where, f"file {rel!r}: shape {f.get('shape')!r}, its rows and columns make "
                      f"{expected}")
-    header_max = 1 << 16
-    payload = int(np.prod(expected)) * np.dtype(dtype).itemsize
-    _int(where, f, "bytes", payload, payload + header_max)
+    payload = math.prod(expected) * _ITEMSIZE[dtype]
+    if packed:  # its bytes inside the save's one file per rank
+        _int(where, f, "offset", 0)
+        _int(where, f, "bytes", payload, payload)
+    elif "offset" in f:
+        _fail(where, f"file {rel!r}: an offset, which only an incremental save of format 3 has")
+    else:  # a .npy file of its own
+        header_max = 1 << 16
+        _int(where, f, "bytes", payload, payload + header_max)
     _int(where, f, "crc32", 0, _U32 - 1)

@@ -10,12 +10,16 @@ saved weights of any shard and the saved optimizer state.
 
 Layout of a checkpoint directory::
 
-    manifest.json              # format, tables, optimizer, plan, files (+ crc32 each), crc32
+    manifest.json              # crc32 first, then format, tables, optimizer, plan, files
     save-<ns>-<8 hex>/t<table index>.<slice>.<row_start>-<row_step>.<array>.npy
+    save-<ns>-<8 hex>/r<rank>.pack.npy         # an incremental save: one file per rank
 
 Each ``.npy`` holds one shard of one array (``weights`` or an optimizer slot):
 rows ``row_start + row_step * k`` (``k < num_rows``), columns ``[c0, c1)`` of
-the table. A replicated table is written once, by rank 0. File names never
+the table. An incremental save writes each rank's arrays into one file instead
+(:func:`_save_pack`: a ``.npy`` of bytes, each array at the ``offset`` its file
+entry names, with its own crc32), so a load opens one file per rank and save of
+a chain. A replicated table is written once, by rank 0. File names never
 contain a table's name, so no name can form a path. A table in files
 (``storage="mmap"``) is saved sparse, never as a copy of its files: the rows its
 files hold (rows ever touched), named in a ``rows`` file beside them; its other
@@ -35,17 +39,23 @@ is a :class:`CheckpointError` on every rank, the new save directory is
 removed, and the previous manifest and the files it names stay intact.
 
 Loading trusts nothing in the directory: the manifest is checked field by field
-(:mod:`._manifest`: its own crc32, every file inside the save directory under a
-name hbkernels generates, rows and columns inside the table, shape, dtype and
-size consistent, the optimizer rebuilt through its constructor, the tables
-through :func:`~hbkernels.types.table_spec`); files are opened only as regular
-files (never through a symbolic link, never a device), their size and crc32
-checked before they are memory-mapped, and every element of every shard must
-come from a file. Anything else is a :class:`CheckpointError` naming the file.
+(:mod:`._manifest`: its own crc32, on its text as written
+(:func:`~._manifest.sealed_text`) or else on its parsed content; every file
+inside the save directory under a name hbkernels generates, rows and columns
+inside the table, shape, dtype and size consistent, the optimizer rebuilt
+through its constructor, the tables through :func:`~hbkernels.types.table_spec`);
+files are opened only as regular files (never through a symbolic link, never a
+device), their size and crc32 checked before use (small files read whole, large
+ones memory-mapped), and every element of every shard must come from a file.
+Anything else is a :class:`CheckpointError` naming the file.
 """
 import errno
+import functools
 import inspect
+import io
 import json
+import math
+import mmap
 import os
 import shutil
 import stat
@@ -57,7 +67,7 @@ import numpy as np
 
 from .. import optim as _optim
 from .._dispatch import classify, host
-from .._files import fsync_dir, write_atomic, write_json_atomic
+from .._files import fsync_dir, write_atomic
 from .._sorted import find_sorted
 from .._version import __version__
 from ..errors import CheckpointError
@@ -68,12 +78,17 @@ from .kinds.row_wise import dynamic_owner
 from .layout import initial_rows, shard_rows
 
 FORMAT = "hbkernels-embedding-collection"
-VERSION = 2  # 2: an incremental save lists a dynamic table's changes, not all its ids
-READABLE_VERSIONS = (1, 2)
+VERSION = 3  # 2: an incremental save lists a dynamic table's changes, not all its ids;
+#             3: an incremental save writes one file per rank (``offset`` in its entries)
+READABLE_VERSIONS = (1, 2, 3)
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 1 << 28
 MAX_CHAIN = 200  # incremental saves one load follows back to a full save (save keeps below)
-_CHUNK = 1 << 22
+CHAIN_SAVE_BYTES = 1 << 16  # the least an incremental save counts toward a chain's limit:
+#                             opening one save of a chain costs a load about as much as
+#                             reading this many bytes of a full save
+_READ_WHOLE = 1 << 24  # a file up to this size is read once into memory; a larger one is mapped
+PACK_ALIGN = 64  # byte alignment of each array in an incremental save's file
 CHUNK_ROWS = 1 << 16  # rows of a table's files in memory at a time, saving or loading
 
 
@@ -84,7 +99,8 @@ class _CrcWriter:
         self.f, self.crc, self.size = f, 0, 0
 
     def write(self, data):
-        view = memoryview(data).cast("B")
+        view = memoryview(data)
+        view = view.cast("B") if view.nbytes else memoryview(b"")
         self.crc = zlib.crc32(view, self.crc)
         self.size += view.nbytes
         return self.f.write(view)
@@ -104,21 +120,68 @@ class _Gathered:
             yield np.ascontiguousarray(self.array[self.at[s:s + CHUNK_ROWS]])
 
 
+@functools.lru_cache(maxsize=256)
+def _npy_header(dtype, shape):
+    """The ``.npy`` header (format 1.0, C order, no pickle) a save writes before the
+    elements of an array of ``dtype`` and ``shape``: what ``np.save`` writes for it."""
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, {
+        "descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False,
+        "shape": tuple(shape)})
+    return buf.getvalue()
+
+
 def _save_array(path, array):
-    """``np.save`` (no pickle) atomically, a :class:`_Gathered` a chunk at a time;
-    returns (crc32, bytes)."""
+    """``array`` as a ``.npy`` file (:func:`_npy_header`, then its elements in C order)
+    written atomically, a :class:`_Gathered` a chunk at a time; returns (crc32, bytes)."""
     def write(f):
         w = _CrcWriter(f)
-        if isinstance(array, _Gathered):
-            np.lib.format.write_array_header_1_0(w, {
-                "descr": np.lib.format.dtype_to_descr(array.dtype), "fortran_order": False,
-                "shape": array.shape})
-            for chunk in array.chunks():
-                w.write(chunk)
-        else:
-            np.save(w, np.ascontiguousarray(array), allow_pickle=False)
+        w.write(_npy_header(array.dtype, array.shape))
+        for chunk in (array.chunks() if isinstance(array, _Gathered)
+                      else [np.ascontiguousarray(array)]):
+            w.write(chunk)
         return w.crc, w.size
     return write_atomic(path, write)
+
+
+def _save_pack(path, arrays):
+    """``arrays`` (host arrays or :class:`_Gathered`) in one file, written atomically:
+    a ``.npy`` header of a uint8 array holding them all, then each in C order at an
+    offset from the file's start that is a multiple of :data:`PACK_ALIGN` (zeros
+    between). Returns ``([(offset, crc32, bytes)] of each array, the file's bytes)``."""
+    sizes = [math.prod(a.shape) * a.dtype.itemsize for a in arrays]
+
+    def layout(start):
+        offsets, at = [], start
+        for size in sizes:
+            offsets.append(at)
+            at = -(-(at + size) // PACK_ALIGN) * PACK_ALIGN
+        return offsets, offsets[-1] + sizes[-1]
+
+    header, fit = b"", _npy_header("uint8", (0,))
+    while len(fit) != len(header):  # its length (a multiple of 64) may grow with the total
+        header = fit
+        offsets, end = layout(len(header))
+        fit = _npy_header("uint8", (end - len(header),))
+    header = fit
+
+    def write(f):
+        placed, at = [], f.write(header)
+        for array, offset in zip(arrays, offsets):
+            at += f.write(bytes(offset - at))
+            w = _CrcWriter(f)
+            for chunk in (array.chunks() if isinstance(array, _Gathered)
+                          else [np.ascontiguousarray(array)]):
+                w.write(chunk)
+            placed.append((offset, w.crc, w.size))
+            at += w.size
+        return placed, at
+    return write_atomic(path, write)
+
+
+def _write_manifest(path, text):
+    """Manifest ``text`` into checkpoint directory ``path``, atomically."""
+    write_atomic(os.path.join(path, MANIFEST), lambda f: f.write(text))
 
 
 def _bytes_json(comm, obj):
@@ -139,6 +202,7 @@ def _optimizer_json(opt):
             "options": {k: list(v) if isinstance(v, tuple) else v for k, v in vars(opt).items()}}
 
 
+@functools.lru_cache(maxsize=None)
 def _constructor_options(cls):
     """The keyword arguments ``cls(...)`` takes (its own and, through ``**options``,
     those of the classes above it)."""
@@ -150,7 +214,7 @@ def _constructor_options(cls):
         names |= {p.name for p in params if p.name != "self" and p.kind != p.VAR_KEYWORD}
         if not any(p.kind == p.VAR_KEYWORD for p in params):
             break
-    return names
+    return frozenset(names)
 
 
 def _optimizer_from_json(d, where):
@@ -213,7 +277,7 @@ def save(coll, path, parent=None, changed=None, since=None):
     save_dir = _manifest.save_dir_name(save_id[0], save_id[1])
     index = {name: k for k, name in enumerate(coll.tables)}
     error = None
-    files = []
+    files, parts, written = [], [], 0
     steps = {s.table: int(coll.arrays[s.group].state["step"][0]) for s in coll.local_shards()}
     kept = {}
     try:
@@ -230,16 +294,27 @@ def save(coll, path, parent=None, changed=None, since=None):
             for name, part in arrays.items():
                 part = part if isinstance(part, _Gathered) else host(part)
                 rel = f"{save_dir}/{_manifest.file_name(index[shard.table], shard, name)}"
-                crc, size = _save_array(os.path.join(path, rel), part)
                 files.append({"file": rel, "table": shard.table, "array": name,
                               "slice": shard.slice, "row_start": shard.row_start,
                               "row_step": shard.row_step, "num_rows": int(part.shape[0]),
                               "c0": shard.c0, "c1": shard.c1, "dtype": part.dtype.name,
-                              "shape": list(part.shape), "crc32": crc, "bytes": size})
+                              "shape": list(part.shape)})
+                parts.append(part)
+        if parent is not None and files:  # an incremental save: one file per rank
+            rel = f"{save_dir}/{_manifest.pack_name(me)}"
+            placed, written = _save_pack(os.path.join(path, rel), parts)
+            for f, (offset, crc, size) in zip(files, placed):
+                f.update(file=rel, offset=offset, crc32=crc, bytes=size)
+        else:
+            for f, part in zip(files, parts):
+                crc, size = _save_array(os.path.join(path, f["file"]), part)
+                f.update(crc32=crc, bytes=size)
+                written += size
         fsync_dir(os.path.join(path, save_dir))
     except Exception as e:  # noqa: BLE001 - every rank learns of it below
         error = f"rank {me}: {type(e).__name__}: {e}"
-    everyone = _bytes_json(comm, {"error": error, "files": files, "steps": steps})
+    everyone = _bytes_json(comm, {"error": error, "files": files, "steps": steps,
+                                  "written": written})
     errors = [r["error"] for r in everyone if r["error"]]
     if not errors and me == 0:
         steps = {t: s for r in everyone for t, s in r["steps"].items()}
@@ -260,8 +335,8 @@ def save(coll, path, parent=None, changed=None, since=None):
             manifest["parent"] = {"path": os.path.relpath(parent[0], os.path.abspath(path)),
                                   "crc32": parent[1]}
         try:
-            sealed = _manifest.seal(json.loads(json.dumps(manifest, default=float)))
-            write_json_atomic(os.path.join(path, MANIFEST), sealed)
+            text, crc = _manifest.sealed_text(json.loads(json.dumps(manifest, default=float)))
+            _write_manifest(path, text)
             fsync_dir(path)
         except Exception as e:  # noqa: BLE001 - every rank learns of it below
             errors.append(f"rank 0 writing {MANIFEST}: {type(e).__name__}: {e}")
@@ -277,8 +352,8 @@ def save(coll, path, parent=None, changed=None, since=None):
         _remove_old_saves(path, save_dir)
     if comm.world_size > 1:
         comm.barrier()
-    written = sum(f["bytes"] for r in everyone for f in r["files"])
-    return (sealed["crc32"] if me == 0 else None), written, {
+    written = sum(r["written"] for r in everyone)
+    return (crc if me == 0 else None), written, {
         name: _dynamic_mark(state) for name, state in kept.items()}
 
 
@@ -299,7 +374,7 @@ def _newest_entries(keys):
     """``(entries, keys ascending)``: for each distinct key of the arrays ``keys`` (newest
     first; within one array the keys are distinct) the index, into their concatenation,
     of its newest entry."""
-    position = np.concatenate([np.full(k.shape[0], n) for n, k in enumerate(keys)])
+    position = np.repeat(np.arange(len(keys)), [k.shape[0] for k in keys])
     keys = np.concatenate(keys) if keys else np.zeros(0, np.int64)
     order = np.lexsort((position, keys))  # by key, the newest first
     first = np.ones(order.shape[0], bool)
@@ -364,8 +439,8 @@ def _holds_only_saved_files(directory):
 
 
 def _open_plain(name):
-    """A read-only file descriptor of ``name``, a regular file (never a symlink, a
-    device or a pipe)."""
+    """``(fd, size)``: a read-only file descriptor of ``name``, a regular file (never a
+    symlink, a device or a pipe), and its size."""
     try:
         fd = os.open(name, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
     except OSError as e:
@@ -373,35 +448,58 @@ def _open_plain(name):
             raise CheckpointError(f"{name}: is a symbolic link; a checkpoint reads only its "
                                   f"own regular files") from None
         raise
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
         os.close(fd)
         raise CheckpointError(f"{name}: not a regular file; a checkpoint reads only its own "
                               f"regular files")
-    return fd
+    return fd, st.st_size
+
+
+def _read_upto(fd, n):
+    """Up to ``n`` bytes of ``fd`` from where it is (fewer only at the end of the file)."""
+    data = os.read(fd, n)
+    while len(data) < n and (more := os.read(fd, n - len(data))):
+        data += more
+    return data
 
 
 def read_manifest(path):
     """The manifest of checkpoint ``path`` (dict), checked (see :mod:`._manifest`)."""
+    return _read_manifest(path)[0]
+
+
+def _read_manifest(path):
+    """``(manifest, whether its text is sealed: _manifest.is_sealed_text)`` of
+    checkpoint ``path``."""
     name = os.path.join(os.fspath(path), MANIFEST)
     try:
-        fd = _open_plain(name)
+        fd, size = _open_plain(name)
     except FileNotFoundError:
         raise CheckpointError(f"{name}: no checkpoint manifest here") from None
     except OSError as e:
         raise CheckpointError(f"{name}: unreadable manifest ({e.strerror or e})") from None
     try:
-        with os.fdopen(fd, "rb") as f:
-            if os.fstat(f.fileno()).st_size > MAX_MANIFEST_BYTES:
-                raise CheckpointError(f"{name}: larger than {MAX_MANIFEST_BYTES} bytes, not a manifest")
-            manifest = json.loads(f.read(MAX_MANIFEST_BYTES + 1).decode())
+        if size > MAX_MANIFEST_BYTES:
+            raise CheckpointError(f"{name}: larger than {MAX_MANIFEST_BYTES} bytes, not a manifest")
+        text = _read_upto(fd, size)
+        manifest = json.loads(text.decode())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{name}: unreadable manifest ({e})") from None
+    finally:
+        os.close(fd)
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{name}: not a {FORMAT} manifest")
     if manifest.get("version") not in READABLE_VERSIONS:
         raise CheckpointError(f"{name}: format version {manifest.get('version')!r}, "
                               f"this hbkernels reads {READABLE_VERSIONS}")
-    return manifest
+    return manifest, _manifest.is_sealed_text(text, manifest)
+
+
+def _entry_key(entry):
+    """What identifies the array of file entry ``entry`` (entries of one incremental save
+    share a file; arrays of no bytes may share an offset)."""
+    return entry["file"], entry.get("offset"), entry["dtype"], tuple(entry["shape"])
 
 
 class _Reader:
@@ -412,33 +510,60 @@ class _Reader:
         self.files = {}
         for f in manifest["files"]:
             self.files.setdefault((f["table"], f["array"]), []).append(f)
-        self._open = {}
+        self._open = {}  # _entry_key -> array; ("sorted",) + _entry_key -> _sorted
+        self._files = {}  # file -> _contents
+
+    def _contents(self, file):
+        """A read-only memoryview of the save's file ``file`` (a regular file): read
+        once when small, memory-mapped when large."""
+        if file not in self._files:
+            name = os.path.join(self.path, file)
+            try:
+                fd, size = _open_plain(name)
+                try:
+                    data = (_read_upto(fd, size) if size <= _READ_WHOLE
+                            else mmap.mmap(fd, 0, access=mmap.ACCESS_READ))
+                finally:
+                    os.close(fd)
+            except OSError as e:
+                raise CheckpointError(f"{name}: cannot read checkpoint file ({e.strerror or e})") from None
+            self._files[file] = memoryview(data)
+        return self._files[file]
 
     def _array(self, entry):
+        """The array of file entry ``entry`` (read-only), its bytes and crc32 checked:
+        a ``.npy`` file, or bytes ``[offset, offset + bytes)`` of an incremental save's
+        file where the entry has an ``offset``."""
+        key = _entry_key(entry)
+        if key in self._open:
+            return self._open[key]
+        data = self._contents(entry["file"])
+        packed = "offset" in entry
+        lo = entry["offset"] if packed else 0
+        hi = lo + entry["bytes"]
+        crc = zlib.crc32(data[lo:hi])
         name = os.path.join(self.path, entry["file"])
-        if name in self._open:
-            return self._open[name]
-        try:
-            fd = _open_plain(name)
-            with os.fdopen(fd, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                crc = 0
-                if size == entry["bytes"]:
-                    while chunk := f.read(_CHUNK):
-                        crc = zlib.crc32(chunk, crc)
-        except OSError as e:
-            raise CheckpointError(f"{name}: cannot read checkpoint file ({e.strerror or e})") from None
-        if size != entry["bytes"] or crc != entry["crc32"]:
-            raise CheckpointError(f"{name}: checkpoint file is corrupt ({size} bytes, crc32 {crc:08x}; "
+        if (len(data) < hi if packed else len(data) != hi) or crc != entry["crc32"]:
+            what = f"bytes [{lo}, {hi}) of {len(data)}" if packed else f"{len(data)} bytes"
+            raise CheckpointError(f"{name}: checkpoint file is corrupt ({what}, crc32 {crc:08x}; "
                                   f"the manifest says {entry['bytes']} bytes, {entry['crc32']:08x})")
+        shape, dtype = tuple(entry["shape"]), entry["dtype"]
+        header = b"" if packed else _npy_header(dtype, shape)
+        if data[:len(header)] == header:  # as a save writes it
+            self._open[key] = np.frombuffer(data[lo + len(header):hi], dtype).reshape(shape)
+            return self._open[key]
         try:
-            arr = np.load(name, mmap_mode="r", allow_pickle=False)
+            if len(data) <= _READ_WHOLE:  # another writer's .npy header
+                arr = np.load(io.BytesIO(data), allow_pickle=False)
+                arr.flags.writeable = False
+            else:
+                arr = np.load(name, mmap_mode="r", allow_pickle=False)
         except ValueError as e:
             raise CheckpointError(f"{name}: not a valid .npy file ({e})") from None
-        if list(arr.shape) != entry["shape"] or arr.dtype.name != entry["dtype"]:
+        if arr.shape != shape or arr.dtype.name != dtype:
             raise CheckpointError(f"{name}: holds {arr.shape} {arr.dtype.name}, the manifest says "
-                                  f"{tuple(entry['shape'])} {entry['dtype']}")
-        self._open[name] = arr
+                                  f"{shape} {dtype}")
+        self._open[key] = arr
         return arr
 
     def changed_rows(self, table, array, rows, c0, c1, out):
@@ -467,7 +592,7 @@ class _Reader:
 
     def _sorted(self, entry):
         """``(rows ascending, their order)`` of a ``rows`` file (computed once)."""
-        key = ("sorted", entry["file"])
+        key = ("sorted",) + _entry_key(entry)
         if key not in self._open:
             saved = np.asarray(self._array(entry))
             order = np.argsort(saved)
@@ -478,11 +603,16 @@ class _Reader:
         """Every saved row of a dynamic table's ``array``, its files in the order of the
         ranks that wrote them (so the arrays of one table line up)."""
         entries = sorted(self.files.get((table, array), []), key=lambda e: e["row_start"])
-        parts = [np.asarray(self._array(e)) for e in entries]
-        if not parts:
+        if not entries:
             raise CheckpointError(f"{os.path.join(self.path, MANIFEST)}: no saved {array} of "
                                   f"table {table!r}")
-        return np.concatenate(parts)
+        if len(entries) == 1:
+            return self._array(entries[0])
+        return np.concatenate([self._array(e) for e in entries])
+
+    def has(self, table, array):
+        """Whether this save has files of ``array`` of ``table``."""
+        return (table, array) in self.files
 
     def rows(self, table, array, rows, c0, c1, out):
         """Fill ``out`` ([len(rows), c1 - c0], or [len(rows)] per-row) with saved rows;
@@ -516,12 +646,17 @@ class Checkpoint:
     """Checkpoint ``path``, opened: its manifest read and checked; arrays are read
     (and their crc32 checked) only as shards ask for them."""
 
-    def __init__(self, path, depth=0):
+    def __init__(self, path, depth=0, child=None):
         self.path = os.fspath(path)
-        self.manifest = read_manifest(path)
+        self.manifest, sealed = _read_manifest(path)
         where = os.path.join(self.path, MANIFEST)
-        entries = _manifest.check(self.manifest, where,
-                                  lambda d: dict(_optimizer_from_json(d, where).slots))
+
+        def slots(optimizer):  # a parent's optimizer is its child's, as a rule: made once
+            self._slots = (child._slots if child is not None and optimizer == child.manifest["optimizer"]
+                           else dict(_optimizer_from_json(optimizer, where).slots))
+            return self._slots
+
+        entries = _manifest.check(self.manifest, where, slots, sealed)
         save = os.path.join(self.path, self.manifest["save"])
         try:
             is_dir = stat.S_ISDIR(os.lstat(save).st_mode)
@@ -531,12 +666,18 @@ class Checkpoint:
             raise CheckpointError(f"{save}: not a directory (a symbolic link?); a checkpoint "
                                   f"reads only its own files")
         self._reader = _Reader(path, self.manifest)
-        self.tables = []
+        self._newest = {}  # dynamic table -> _newest_entries of the rows of its chain
+        self._specs = {}  # table -> (its manifest entry less its step, its TableSpec)
         for name, t in entries.items():
-            try:
-                self.tables.append(table_spec(TableSpec(**{k: v for k, v in t.items() if k != "step"})))
-            except (TypeError, ValueError) as e:
-                raise CheckpointError(f"{where}: table {name!r}: {e}") from None
+            entry = {k: v for k, v in t.items() if k != "step"}
+            known = child._specs.get(name) if child is not None else None
+            if known is None or known[0] != entry:
+                try:
+                    known = entry, table_spec(TableSpec(**entry))
+                except (TypeError, ValueError) as e:
+                    raise CheckpointError(f"{where}: table {name!r}: {e}") from None
+            self._specs[name] = known
+        self.tables = [spec for _, spec in self._specs.values()]
         self.steps = {name: t["step"] for name, t in entries.items()}
         self.parent = self._open_parent(where, depth)
 
@@ -548,7 +689,7 @@ class Checkpoint:
             return None
         if depth >= MAX_CHAIN:
             raise CheckpointError(f"{where}: a chain of more than {MAX_CHAIN} incremental saves")
-        parent = Checkpoint(os.path.normpath(os.path.join(self.path, link["path"])), depth + 1)
+        parent = Checkpoint(os.path.normpath(os.path.join(self.path, link["path"])), depth + 1, self)
         if parent.manifest["version"] > self.manifest["version"]:
             raise CheckpointError(f"{where}: format version {self.manifest['version']} chained to "
                                   f"a save of version {parent.manifest['version']}")
@@ -598,9 +739,11 @@ class Checkpoint:
         newest save of the chain that wrote each id's row (one sort over the rows every
         save of the chain wrote, however long the chain)."""
         chain = self.chain()
-        keys = [save._reader.all_rows(table, "ids" if save.parent is None else "rows")
-                for save in chain]
-        newest, keys = _newest_entries(keys)
+        if table not in self._newest:
+            self._newest[table] = _newest_entries([
+                save._reader.all_rows(table, "ids" if save.parent is None else "rows")
+                for save in chain])
+        newest, keys = self._newest[table]
         at, here = find_sorted(keys, ids)
         if not here.all():
             raise CheckpointError(f"{os.path.join(chain[-1].path, MANIFEST)}: no saved {array} "
@@ -735,12 +878,13 @@ class Checkpoint:
         chain = self.chain(Checkpoint._lists_every_id)
         gone = "evicted" if kind == "" else "pending_removed"
         ids, last, count, alive = [], [], [], []  # per entry, newest save first
+        none = np.zeros(0, np.int64)
         for save in chain:
-            arrays = {f["array"] for f in save.manifest["files"] if f["table"] == name}
-            listed = ([save._reader.all_rows(name, f"{kind}{a}") for a in ("ids", "last", "count")]
-                      if f"{kind}ids" in arrays else [np.zeros(0, np.int64)] * 3)
-            dropped = (save._reader.all_rows(name, gone) if save is not chain[-1] and gone in arrays
-                       else np.zeros(0, np.int64))
+            reader = save._reader
+            listed = ([reader.all_rows(name, f"{kind}{a}") for a in ("ids", "last", "count")]
+                      if reader.has(name, f"{kind}ids") else [none] * 3)
+            dropped = (reader.all_rows(name, gone) if save is not chain[-1] and reader.has(name, gone)
+                       else none)
             ids += [listed[0], dropped]
             last += [listed[1], np.zeros_like(dropped)]
             count += [listed[2], np.zeros_like(dropped)]

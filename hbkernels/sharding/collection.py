@@ -1077,7 +1077,9 @@ class EmbeddingCollection:
         rows touched; of a dynamic table the ids used, admitted and evicted and their
         scores), into a new directory ``path`` chained to that save (``load`` replays the
         chain). Once the incremental saves since the last full one hold ``chain_limit``
-        times its bytes, or number :data:`~hbkernels.sharding.checkpoint.MAX_CHAIN`, or
+        times its bytes (each counted as at least
+        :data:`~hbkernels.sharding.checkpoint.CHAIN_SAVE_BYTES`, what opening a save costs
+        a load), or number :data:`~hbkernels.sharding.checkpoint.MAX_CHAIN`, or
         after rows were written other than by :meth:`backward` (:meth:`restore_dynamic`,
         a torch ``load_state_dict``), an incremental save is written full instead (a new
         chain).
@@ -1103,7 +1105,7 @@ class EmbeddingCollection:
         self._chain = self._chain + [where] if incremental else [where]
         self._last_save = (where, crc)
         if incremental:
-            self._chain_bytes += written
+            self._chain_bytes += max(written, checkpoint.CHAIN_SAVE_BYTES)
         else:
             self._full_bytes, self._chain_bytes = written, 0
         if not self.quantize:
