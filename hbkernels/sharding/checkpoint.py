@@ -84,9 +84,9 @@ READABLE_VERSIONS = (1, 2, 3)
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 1 << 28
 MAX_CHAIN = 200  # incremental saves one load follows back to a full save (save keeps below)
-CHAIN_SAVE_BYTES = 1 << 16  # the least an incremental save counts toward a chain's limit:
-#                             opening one save of a chain costs a load about as much as
-#                             reading this many bytes of a full save
+CHAIN_SAVE_BYTES = 1 << 17  # the least an incremental save counts toward a chain's limit:
+#                             more than opening one save of a chain costs a load, counted
+#                             in bytes of a full save
 _READ_WHOLE = 1 << 24  # a file up to this size is read once into memory; a larger one is mapped
 PACK_ALIGN = 64  # byte alignment of each array in an incremental save's file
 CHUNK_ROWS = 1 << 16  # rows of a table's files in memory at a time, saving or loading
