@@ -120,6 +120,12 @@ class _Gathered:
             yield np.ascontiguousarray(self.array[self.at[s:s + CHUNK_ROWS]])
 
 
+def _chunks(array):
+    """The elements of ``array`` (a host array or a :class:`_Gathered`) in C order, as
+    contiguous arrays: a :class:`_Gathered` a chunk of rows at a time."""
+    return array.chunks() if isinstance(array, _Gathered) else [np.ascontiguousarray(array)]
+
+
 @functools.lru_cache(maxsize=256)
 def _npy_header(dtype, shape):
     """The ``.npy`` header (format 1.0, C order, no pickle) a save writes before the
@@ -137,8 +143,7 @@ def _save_array(path, array):
     def write(f):
         w = _CrcWriter(f)
         w.write(_npy_header(array.dtype, array.shape))
-        for chunk in (array.chunks() if isinstance(array, _Gathered)
-                      else [np.ascontiguousarray(array)]):
+        for chunk in _chunks(array):
             w.write(chunk)
         return w.crc, w.size
     return write_atomic(path, write)
@@ -170,8 +175,7 @@ def _save_pack(path, arrays):
         for array, offset in zip(arrays, offsets):
             at += f.write(bytes(offset - at))
             w = _CrcWriter(f)
-            for chunk in (array.chunks() if isinstance(array, _Gathered)
-                          else [np.ascontiguousarray(array)]):
+            for chunk in _chunks(array):
                 w.write(chunk)
             placed.append((offset, w.crc, w.size))
             at += w.size
@@ -542,16 +546,17 @@ class _Reader:
         lo = entry["offset"] if packed else 0
         hi = lo + entry["bytes"]
         crc = zlib.crc32(data[lo:hi])
-        name = os.path.join(self.path, entry["file"])
         if (len(data) < hi if packed else len(data) != hi) or crc != entry["crc32"]:
             what = f"bytes [{lo}, {hi}) of {len(data)}" if packed else f"{len(data)} bytes"
-            raise CheckpointError(f"{name}: checkpoint file is corrupt ({what}, crc32 {crc:08x}; "
-                                  f"the manifest says {entry['bytes']} bytes, {entry['crc32']:08x})")
+            raise CheckpointError(f"{os.path.join(self.path, entry['file'])}: checkpoint file is "
+                                  f"corrupt ({what}, crc32 {crc:08x}; the manifest says "
+                                  f"{entry['bytes']} bytes, {entry['crc32']:08x})")
         shape, dtype = tuple(entry["shape"]), entry["dtype"]
         header = b"" if packed else _npy_header(dtype, shape)
         if data[:len(header)] == header:  # as a save writes it
             self._open[key] = np.frombuffer(data[lo + len(header):hi], dtype).reshape(shape)
             return self._open[key]
+        name = os.path.join(self.path, entry["file"])
         try:
             if len(data) <= _READ_WHOLE:  # another writer's .npy header
                 arr = np.load(io.BytesIO(data), allow_pickle=False)
@@ -801,8 +806,7 @@ class Checkpoint:
 
     def saved_rows(self, table):
         """The rows of sparse table ``table`` some save of the chain holds, ascending."""
-        rows = [np.asarray(self._reader.all_rows(table, "rows"))] if (
-            (table, "rows") in {(f["table"], f["array"]) for f in self.manifest["files"]}) else []
+        rows = [np.asarray(self._reader.all_rows(table, "rows"))] if self._reader.has(table, "rows") else []
         if self.parent is not None:
             rows.append(self.parent.saved_rows(table))
         return np.unique(np.concatenate(rows)) if rows else np.zeros(0, np.int64)

@@ -53,30 +53,56 @@ def _chunks(rows):
         yield s, rows[s:s + CHUNK_ROWS]
 
 
+def _shard_rows(coll, shard):
+    """``(k, float32 rows k of shard's weights)``, a chunk of rows at a time."""
+    weights = coll.shard_arrays(shard)["weights"]
+    for s, rows in _chunks(np.arange(shard.num_rows)):
+        yield rows, host(weights[s:s + rows.shape[0]]).astype(np.float32)
+
+
+def _range(shard, rows, x):
+    """:func:`~hbkernels.quantize.row_range` of rows ``x``, rows ``rows`` of ``shard``."""
+    return row_range(np, x, shard.row_start + shard.row_step * int(rows[0]), shard.row_step)
+
+
+def _quantize_shard(coll, shard, bits, ranges=None):
+    """:class:`QuantizedRows` of ``shard``'s weights, read once: each row quantized over
+    ``ranges`` (``(lo, hi)`` per row of the shard) or, None, over its own values."""
+    codes = np.empty((shard.num_rows, shard.c1 - shard.c0), np.uint8)
+    scale = np.empty(shard.num_rows, np.float16)
+    bias = np.empty(shard.num_rows, np.float16)
+    for rows, x in _shard_rows(coll, shard):
+        lo, hi = _range(shard, rows, x) if ranges is None else (ranges[0][rows], ranges[1][rows])
+        codes[rows], scale[rows], bias[rows] = quantize_values(np, x, bits, lo, hi)
+    return QuantizedRows(codes, scale, bias)
+
+
 def quantize_shards(coll, quantize):
     """``{(table, slice): QuantizedRows}`` (NumPy) of this rank's shards of the tables
     in ``quantize``, rows in :func:`~hbkernels.sharding.layout.shard_rows` order.
-    Collective at world size > 1: a row of NaN or Inf, or beyond float16's range,
-    is a ``ValueError`` on its rank and a :class:`~hbkernels.dist.CommError` on the
-    others. ``coll``'s tiers are settled (every row made) first."""
+    A shard's weights are read once; a column_wise table's twice (each row's range
+    over every rank's columns, then the codes). Collective at world size > 1: a row
+    of NaN or Inf, or beyond float16's range, is a ``ValueError`` on its rank and a
+    :class:`~hbkernels.dist.CommError` on the others. ``coll``'s tiers are settled
+    (every row made) first."""
     shards = [s for s in coll.local_shards() if s.table in quantize]
-    ranges = {}  # (table, slice) -> (lo, hi) of the shard's rows
+    names = sorted(t for t in quantize if coll.plan[t].kind == "column_wise")
+    out, ranges = {}, {}  # ranges: (table, slice) -> (lo, hi) of a column_wise shard's rows
     try:
         for shard in shards:
-            weights = coll.shard_arrays(shard)["weights"]
+            if shard.table not in names:
+                out[shard.table, shard.slice] = _quantize_shard(coll, shard, quantize[shard.table])
+                continue
             lo = np.empty(shard.num_rows, np.float32)
             hi = np.empty(shard.num_rows, np.float32)
-            for s, rows in _chunks(np.arange(shard.num_rows)):
-                x = host(weights[s:s + rows.shape[0]]).astype(np.float32)
-                lo[rows], hi[rows] = row_range(np, x, shard.row_start + shard.row_step * s,
-                                               shard.row_step)
+            for rows, x in _shard_rows(coll, shard):
+                lo[rows], hi[rows] = _range(shard, rows, x)
             ranges[shard.table, shard.slice] = lo, hi
     except Exception as error:  # noqa: BLE001 - the peers wait in the allreduce below
         if coll.comm.world_size > 1:
             coll.comm.fail_collectively("allreduce", error)
         raise
     # a row's range over its column slices: every rank's for each column_wise table
-    names = sorted(t for t in quantize if coll.plan[t].kind == "column_wise")
     parts = []
     for name in names:
         lo = np.full(coll.tables[name].num_rows, np.inf, np.float32)
@@ -98,19 +124,7 @@ def quantize_shards(coll, quantize):
         for shard in shards:
             if shard.table == name:
                 at = shard_rows(shard)
-                ranges[name, shard.slice] = lo[at], hi[at]
-    out = {}
-    for shard in shards:
-        weights = coll.shard_arrays(shard)["weights"]
-        lo, hi = ranges[shard.table, shard.slice]
-        codes = np.empty((shard.num_rows, shard.c1 - shard.c0), np.uint8)
-        scale = np.empty(shard.num_rows, np.float16)
-        bias = np.empty(shard.num_rows, np.float16)
-        for s, rows in _chunks(np.arange(shard.num_rows)):
-            x = host(weights[s:s + rows.shape[0]]).astype(np.float32)
-            codes[rows], scale[rows], bias[rows] = quantize_values(
-                np, x, quantize[shard.table], lo[rows], hi[rows])
-        out[shard.table, shard.slice] = QuantizedRows(codes, scale, bias)
+                out[name, shard.slice] = _quantize_shard(coll, shard, quantize[name], (lo[at], hi[at]))
     return out
 
 
