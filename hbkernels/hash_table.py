@@ -208,6 +208,44 @@ class HashTable:
         """``pending`` of :meth:`state` alone (without a pass over the live ids)."""
         return None if self._pending is None else self._pending.state()
 
+    def mark(self):
+        """What :meth:`changes` compares with later: copies of the id in each slot and of
+        which slots are live (in the table's array family), the call counter, and the
+        same of the pending ids' table (``pending``, or None)."""
+        return {"slot_ids": self._slot_ids.copy(), "live": self._last >= 0, "step": self.step,
+                "pending": None if self._pending is None else self._pending.mark()}
+
+    def changes(self, mark):
+        """What changed since ``mark`` (:meth:`mark`, taken since the last :meth:`clear`
+        or :meth:`restore`), as NumPy arrays: ``ids`` used since (ascending; every
+        admission is a use) with their ``slots``, ``last`` and ``count``; ``evicted``:
+        ids live at the mark and not now (ascending), evicted or erased; ``pending``:
+        the same of the ids waiting for admission (used: seen; evicted: admitted,
+        forgotten or erased), or None. Passes over the slots, no sort of the live ids:
+        what is sorted is the ids used or removed."""
+        xp = self._xp
+        used = xp.flatnonzero(self._last > mark["step"])
+        ids = self._slot_ids[used]
+        order = xp.argsort(ids)
+        used, ids = used[order], ids[order]
+        live = self._last >= 0
+        moved = xp.flatnonzero(mark["live"] & (~live | (self._slot_ids != mark["slot_ids"])))
+        gone = mark["slot_ids"][moved]  # an id live elsewhere now was admitted since: used
+        gone = xp.sort(gone[~xp.isin(gone, ids)])
+        return {"ids": host(ids), "slots": host(used), "last": host(self._last[used]),
+                "count": host(self._count[used]), "evicted": host(gone),
+                "pending": None if self._pending is None else self._pending.changes(mark["pending"])}
+
+    def live_at(self, slots):
+        """``(ids, slots)`` (NumPy) of the live ids among ``slots`` (distinct slots in
+        ``[0, capacity)``), ascending by id."""
+        xp = self._xp
+        slots = xp.asarray(slots, np.int64)
+        slots = slots[self._last[slots] >= 0]
+        ids = self._slot_ids[slots]
+        order = xp.argsort(ids)
+        return host(ids[order]), host(slots[order])
+
     def restore(self, ids, last, count, step, pending=None):
         """Give the distinct absent ``ids`` (NumPy) free slots with these scores (a
         loaded checkpoint); the call counter becomes at least ``step``; ``pending``:

@@ -206,9 +206,11 @@ def test_quantized_bag_bench_smoke(tmp_path):
 
 
 def test_checkpoint_bench_smoke(tmp_path):
-    """Incremental saves and the chain's load against the full save's, in rows of one CSV."""
+    """Incremental and full saves, and the chain's load against the full save's, in rows
+    of one CSV."""
     rows = smoke("checkpoint", tmp_path / "bench.csv")
-    saves = [r for r in rows if r["op"] == "checkpoint_save"]
+    saves = {r["provider"]: r for r in rows if r["op"] == "checkpoint_save"}
     loads = {r["provider"] for r in rows if r["op"] == "checkpoint_load"}
-    assert len(saves) == 1 and "bytes=" in saves[0]["size"] and float(saves[0]["median_ms"]) > 0
+    assert set(saves) == {"hbkernels-incremental", "hbkernels-full"}
+    assert all("bytes=" in r["size"] and float(r["median_ms"]) > 0 for r in saves.values())
     assert loads == {"hbkernels-chain-5", "hbkernels-full", "hbkernels-chain-default"}

@@ -229,3 +229,76 @@ def test_evict_lowest_takes_the_policys_first_ids_outside_keep():
     with raises(hbk.CapacityError):
         t.evict_lowest(7)  # one more than it holds
     assert t.evict_lowest(0)[0].shape == (0,)
+
+
+def _by_id(s):
+    """``{id: (slot, last, count)}`` of a ``state()`` (or its ``pending``)."""
+    rows = zip(*(np.asarray(s[k]).tolist() for k in ("ids", "slots", "last", "count")))
+    return {i: tuple(rest) for i, *rest in rows}
+
+
+def _assert_changes(got, before, after, step):
+    """``got`` (of ``changes``) is what tells ``before`` and ``after`` (:func:`_by_id`)
+    apart: the ids with a ``last`` past ``step``, and the ids gone."""
+    used = sorted(i for i, (_, last, _) in after.items() if last > step)
+    assert got["ids"].tolist() == used and got["ids"].dtype == np.int64
+    assert list(zip(got["slots"].tolist(), got["last"].tolist(), got["count"].tolist())) == [
+        after[i] for i in used]
+    assert got["evicted"].tolist() == sorted(set(before) - set(after))
+
+
+@pytest.mark.parametrize("evict", ["lru", "lfu"])
+@pytest.mark.parametrize("admit_count", [1, 3])
+def test_changes_since_a_mark_are_the_difference_of_two_states(backend, rng, evict, admit_count):
+    """Zipf calls that evict, erasures and evict_lowest between a mark and ``changes``:
+    the ids used since (their slots and scores) and the ids gone (evicted, erased; an id
+    evicted and admitted again is used, not gone), and the same of the pending ids (seen
+    since; admitted, forgotten or erased), as two ``state()``s tell them apart."""
+    pool = rng.integers(I64.min, I64.max, 120, dtype=np.int64, endpoint=True)
+    pool[:len(EDGES)] = EDGES
+    capacity = 10 if backend.small else 30
+    t = make(backend, capacity, evict=evict, admit_count=admit_count,
+             pending_capacity=capacity // 2)
+    for rounds in range(3 if backend.small else 8):
+        before = t.state()
+        mark = t.mark()
+        for call in range(int(rng.integers(0, 4 if backend.small else 10))):
+            ids = zipf_ids(rng, int(rng.integers(0, 8 if backend.small else 25)), pool)
+            if call % 4 == 3:
+                t.erase(backend.put(ids[:3]))
+            elif call % 5 == 4 and t.size > 2:
+                t.evict_lowest(2)
+            else:
+                t.slots(backend.put(ids))
+        after, got = t.state(), t.changes(mark)
+        _assert_changes(got, _by_id(before), _by_id(after), before["step"])
+        if admit_count == 1:
+            assert got["pending"] is None
+        else:
+            _assert_changes(got["pending"], _by_id(before["pending"]), _by_id(after["pending"]),
+                            before["step"])
+
+
+def test_an_id_evicted_and_admitted_again_is_used_not_gone():
+    """Capacity 2: 1 evicted by 3, then admitted again in 2's slot; 2 is gone."""
+    t = hbk.HashTable(2, evict="lru")
+    t.slots(np.array([1, 2]))
+    mark = t.mark()
+    t.slots(np.array([3]))  # evicts 1 (the older call ties: the smaller id)
+    t.slots(np.array([1]))  # evicts 2, which 1 replaces in its slot
+    got = t.changes(mark)
+    assert got["ids"].tolist() == [1, 3] and got["evicted"].tolist() == [2]
+    assert t.changes(t.mark())["ids"].shape == (0,) == t.changes(t.mark())["evicted"].shape
+
+
+def test_live_at_names_the_live_ids_of_slots(backend, rng):
+    """Slots given back by erase are left out; ids ascending, with their slots."""
+    t = make(backend, 16)
+    ids = rng.permutation(np.array(EDGES[:6] + [5, 6, 7], np.int64))
+    t.slots(backend.put(ids))
+    t.erase(backend.put(ids[:2]))
+    asked = rng.permutation(16)[:10]
+    got_ids, got_slots = t.live_at(asked)
+    want = sorted((i, s) for i, (s, _, _) in _by_id(t.state()).items() if s in set(asked.tolist()))
+    assert list(zip(got_ids.tolist(), got_slots.tolist())) == want
+    assert t.live_at(np.zeros(0, np.int64))[0].shape == (0,)

@@ -235,12 +235,11 @@ def _optimizer_from_json(d, where):
         raise CheckpointError(f"{where}: bad {cls.__name__} options in the manifest ({e})") from None
 
 
-def _changed_arrays(coll, shard, changed, since=None, kept=None):
+def _changed_arrays(coll, shard, changed, since=None):
     """The rows of ``shard`` changed since the last save (``changed`` None: those a
-    table in files holds): ``rows`` (table rows; a dynamic table's ids), then their
-    rows of the weights and of each optimizer slot; a dynamic table also writes what
-    changed in its index since ``since`` (:func:`_dynamic_changes`; ``kept``: its hash
-    table's ``state()``)."""
+    table in files holds): ``rows`` (table rows; a dynamic table's live ids), then
+    their rows of the weights and of each optimizer slot; a dynamic table also writes
+    what changed in its index since ``since[table]`` (:func:`_dynamic_changes`)."""
     fused = coll.arrays[shard.group]
     family = classify(fused.weights)[0]
     if not shard.group.dynamic:
@@ -256,10 +255,11 @@ def _changed_arrays(coll, shard, changed, since=None, kept=None):
             out.update({slot: _Gathered(fused.state[slot], at) for slot, _ in coll.optimizer.slots})
             return out
     else:
-        out = _dynamic_changes(kept, since[shard.table])
-        hit = host(changed[shard.group][family.put(kept["slots"] + shard.base)])
-        out["rows"] = kept["ids"][hit]
-        at = family.put(kept["slots"][hit] + shard.base)
+        table = coll.hash_tables[shard.table]
+        out = _dynamic_changes(table, since[shard.table])
+        rows = np.flatnonzero(host(changed[shard.group][shard.base:shard.base + table.capacity]))
+        out["rows"], slots = table.live_at(rows)
+        at = family.put(slots + shard.base)
     out["weights"] = fused.weights[at]
     out.update({slot: fused.state[slot][at] for slot, _ in coll.optimizer.slots})
     return out
@@ -271,8 +271,8 @@ def save(coll, path, parent=None, changed=None, since=None):
     ``changed`` (fused group -> bool per row), and of each dynamic table what changed
     since ``since[table]`` (what the previous save returned), chained to it.
     Returns ``(the manifest's crc32 on rank 0, None elsewhere; the bytes of the files
-    written, on every rank; ``{dynamic table: _dynamic_mark}`` of this rank's hash tables as
-    saved)``."""
+    written, on every rank; ``{dynamic table: HashTable.mark()}`` of this rank's hash tables
+    as saved)``."""
     comm, me = coll.comm, coll.comm.rank
     path = os.fspath(path)
     save_id = np.array([time.time_ns(), int(uuid.uuid4().int & 0x7FFFFFFF)], np.int64)
@@ -283,14 +283,16 @@ def save(coll, path, parent=None, changed=None, since=None):
     error = None
     files, parts, written = [], [], 0
     steps = {s.table: int(coll.arrays[s.group].state["step"][0]) for s in coll.local_shards()}
-    kept = {}
+    kept, marks = {}, {}  # dynamic table -> HashTable.state() (full saves only), .mark()
     try:
-        kept = {name: table.state() for name, table in coll.hash_tables.items()}  # one pass each
+        if parent is None:  # every live id, sorted
+            kept = {name: table.state() for name, table in coll.hash_tables.items()}
+        marks = {name: table.mark() for name, table in coll.hash_tables.items()}
         os.makedirs(os.path.join(path, save_dir), exist_ok=True)
         for shard in coll.local_shards():
             if coll.plan[shard.table].kind == "data_parallel" and me != 0:
                 continue  # replicas are identical: rank 0 writes the table
-            arrays = (_changed_arrays(coll, shard, changed, since, kept.get(shard.table))
+            arrays = (_changed_arrays(coll, shard, changed, since)
                       if parent is not None else
                       _dynamic_arrays(coll, shard, kept[shard.table]) if shard.group.dynamic else
                       _changed_arrays(coll, shard, None) if shard.group.storage == "mmap"
@@ -357,8 +359,7 @@ def save(coll, path, parent=None, changed=None, since=None):
     if comm.world_size > 1:
         comm.barrier()
     written = sum(r["written"] for r in everyone)
-    return (crc if me == 0 else None), written, {
-        name: _dynamic_mark(state) for name, state in kept.items()}
+    return (crc if me == 0 else None), written, marks
 
 
 def _dynamic_arrays(coll, shard, kept):
@@ -386,29 +387,18 @@ def _newest_entries(keys):
     return order[first], keys[order[first]]
 
 
-def _dynamic_mark(kept):
-    """What the next incremental save of a dynamic table compares with, from its hash
-    table's ``state()`` ``kept``: its live and pending ids (ascending) and its call counter."""
-    pending = kept["pending"]
-    return {"ids": kept["ids"], "pending": None if pending is None else np.sort(pending["ids"]),
-            "step": kept["step"]}
-
-
-def _dynamic_changes(kept, mark):
-    """A dynamic table's index changes since ``mark`` (:func:`_dynamic_mark`), from its
-    ``HashTable.state()`` ``kept``: the ``ids`` used since (``last`` after the mark's
-    counter: every admission is a use) with their ``last`` and ``count``, the ids
-    ``evicted`` (live at the mark, not now), and the same of the pending ids
-    (``pending_ids``, ``_last``, ``_count`` used since; ``pending_removed``)."""
-    used = kept["last"] > mark["step"]
-    out = {"ids": kept["ids"][used], "last": kept["last"][used], "count": kept["count"][used],
-           "evicted": mark["ids"][~find_sorted(kept["ids"], mark["ids"])[1]]}
-    pending = kept["pending"]
+def _dynamic_changes(table, mark):
+    """The index changes of dynamic table ``table`` (its ``HashTable``) since ``mark``
+    (its :meth:`~hbkernels.HashTable.mark`): the ``ids`` used since (every admission is
+    a use) with their ``last`` and ``count``, the ids ``evicted`` (live at the mark, not
+    now), and the same of the pending ids (``pending_ids``, ``_last``, ``_count`` seen
+    since; ``pending_removed``)."""
+    changes = table.changes(mark)
+    out = {k: changes[k] for k in ("ids", "last", "count", "evicted")}
+    pending = changes["pending"]
     if pending is not None:
-        seen = pending["last"] > mark["step"]
-        out.update({f"pending_{k}": pending[k][seen] for k in ("ids", "last", "count")})
-        now = np.sort(pending["ids"])
-        out["pending_removed"] = mark["pending"][~find_sorted(now, mark["pending"])[1]]
+        out.update({f"pending_{k}": pending[k] for k in ("ids", "last", "count")})
+        out["pending_removed"] = pending["evicted"]
     return out
 
 
