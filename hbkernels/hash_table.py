@@ -209,11 +209,12 @@ class HashTable:
         return None if self._pending is None else self._pending.state()
 
     def mark(self):
-        """What :meth:`changes` compares with later: copies of the id in each slot and of
-        which slots are live (in the table's array family), the call counter, and the
-        same of the pending ids' table (``pending``, or None)."""
-        return {"slot_ids": self._slot_ids.copy(), "live": self._last >= 0, "step": self.step,
-                "pending": None if self._pending is None else self._pending.mark()}
+        """What :meth:`changes` compares with later, in host memory (9 bytes per slot,
+        whatever the device): copies of the id in each slot and of which slots are
+        live, the call counter, and the same of the pending ids' table (``pending``, or
+        None)."""
+        return {"slot_ids": host(self._slot_ids).copy(), "live": host(self._last >= 0),
+                "step": self.step, "pending": None if self._pending is None else self._pending.mark()}
 
     def changes(self, mark):
         """What changed since ``mark`` (:meth:`mark`, taken since the last :meth:`clear`
@@ -228,13 +229,14 @@ class HashTable:
         ids = self._slot_ids[used]
         order = xp.argsort(ids)
         used, ids = used[order], ids[order]
-        live = self._last >= 0
-        moved = xp.flatnonzero(mark["live"] & (~live | (self._slot_ids != mark["slot_ids"])))
+        out = {"ids": host(ids), "slots": host(used), "last": host(self._last[used]),
+               "count": host(self._count[used]),
+               "pending": None if self._pending is None else self._pending.changes(mark["pending"])}
+        live, slot_ids = host(self._last >= 0), host(self._slot_ids)
+        moved = np.flatnonzero(mark["live"] & (~live | (slot_ids != mark["slot_ids"])))
         gone = mark["slot_ids"][moved]  # an id live elsewhere now was admitted since: used
-        gone = xp.sort(gone[~xp.isin(gone, ids)])
-        return {"ids": host(ids), "slots": host(used), "last": host(self._last[used]),
-                "count": host(self._count[used]), "evicted": host(gone),
-                "pending": None if self._pending is None else self._pending.changes(mark["pending"])}
+        out["evicted"] = np.sort(gone[~np.isin(gone, out["ids"])])
+        return out
 
     def live_at(self, slots):
         """``(ids, slots)`` (NumPy) of the live ids among ``slots`` (distinct slots in
