@@ -53,7 +53,7 @@ def _chunks(rows):
         yield s, rows[s:s + CHUNK_ROWS]
 
 
-def _shard_rows(coll, shard):
+def _weight_chunks(coll, shard):
     """``(k, float32 rows k of shard's weights)``, a chunk of rows at a time."""
     weights = coll.shard_arrays(shard)["weights"]
     for s, rows in _chunks(np.arange(shard.num_rows)):
@@ -71,7 +71,7 @@ def _quantize_shard(coll, shard, bits, ranges=None):
     codes = np.empty((shard.num_rows, shard.c1 - shard.c0), np.uint8)
     scale = np.empty(shard.num_rows, np.float16)
     bias = np.empty(shard.num_rows, np.float16)
-    for rows, x in _shard_rows(coll, shard):
+    for rows, x in _weight_chunks(coll, shard):
         lo, hi = _range(shard, rows, x) if ranges is None else (ranges[0][rows], ranges[1][rows])
         codes[rows], scale[rows], bias[rows] = quantize_values(np, x, bits, lo, hi)
     return QuantizedRows(codes, scale, bias)
@@ -95,7 +95,7 @@ def quantize_shards(coll, quantize):
                 continue
             lo = np.empty(shard.num_rows, np.float32)
             hi = np.empty(shard.num_rows, np.float32)
-            for rows, x in _shard_rows(coll, shard):
+            for rows, x in _weight_chunks(coll, shard):
                 lo[rows], hi[rows] = _range(shard, rows, x)
             ranges[shard.table, shard.slice] = lo, hi
     except Exception as error:  # noqa: BLE001 - the peers wait in the allreduce below
