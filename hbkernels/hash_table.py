@@ -183,12 +183,8 @@ class HashTable:
 
     def items(self):
         """``(ids, slots)`` of the live ids, ascending by id, in the table's array family."""
-        xp = self._xp
-        live = xp.flatnonzero(self._last >= 0)
-        ids = self._slot_ids[live]
-        order = xp.argsort(ids)
-        return (self._k.to_family(self._family, ids[order]),
-                self._k.to_family(self._family, live[order]))
+        ids, slots = self._by_id(self._xp.flatnonzero(self._last >= 0))
+        return self._k.to_family(self._family, ids), self._k.to_family(self._family, slots)
 
     def state(self):
         """What a checkpoint keeps, as NumPy arrays: ``ids`` (live, ascending), their
@@ -224,11 +220,7 @@ class HashTable:
         the same of the ids waiting for admission (used: seen; evicted: admitted,
         forgotten or erased), or None. Passes over the slots, no sort of the live ids:
         what is sorted is the ids used or removed."""
-        xp = self._xp
-        used = xp.flatnonzero(self._last > mark["step"])
-        ids = self._slot_ids[used]
-        order = xp.argsort(ids)
-        used, ids = used[order], ids[order]
+        ids, used = self._by_id(self._xp.flatnonzero(self._last > mark["step"]))
         out = {"ids": host(ids), "slots": host(used), "last": host(self._last[used]),
                "count": host(self._count[used]),
                "pending": None if self._pending is None else self._pending.changes(mark["pending"])}
@@ -241,12 +233,9 @@ class HashTable:
     def live_at(self, slots):
         """``(ids, slots)`` (NumPy) of the live ids among ``slots`` (distinct slots in
         ``[0, capacity)``), ascending by id."""
-        xp = self._xp
-        slots = xp.asarray(slots, np.int64)
-        slots = slots[self._last[slots] >= 0]
-        ids = self._slot_ids[slots]
-        order = xp.argsort(ids)
-        return host(ids[order]), host(slots[order])
+        slots = self._xp.asarray(slots, np.int64)
+        ids, slots = self._by_id(slots[self._last[slots] >= 0])
+        return host(ids), host(slots)
 
     def restore(self, ids, last, count, step, pending=None):
         """Give the distinct absent ``ids`` (NumPy) free slots with these scores (a
@@ -310,6 +299,12 @@ class HashTable:
     def __repr__(self):
         return (f"HashTable({self.name!r}, size={self.size}, capacity={self.capacity}, "
                 f"evict={self.evict!r}, admit_count={self.admit_count}, device={self.device!r})")
+
+    def _by_id(self, slots):
+        """``(ids, slots)`` (``xp``) of live ``slots``, ascending by id."""
+        ids = self._slot_ids[slots]
+        order = self._xp.argsort(ids)
+        return ids[order], slots[order]
 
     # -- one call --------------------------------------------------------------------------
     def _flat(self, ids):
