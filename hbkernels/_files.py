@@ -1,9 +1,13 @@
-"""Atomic file writes: a file is written under a temporary name, flushed to disk and
+"""Atomic file writes (a file is written under a temporary name, flushed to disk and
 renamed over its final name, so a reader (or a crash) sees the old file or the
-new one, never a part."""
+new one, never a part), and reads of regular files only."""
+import errno
 import json
 import os
+import stat
 import uuid
+
+from .errors import CheckpointError
 
 
 def fsync_dir(path):
@@ -42,3 +46,32 @@ def write_json_atomic(path, obj):
     ``path``, atomically (:func:`write_atomic`)."""
     text = (json.dumps(obj, indent=1, default=float) + "\n").encode()
     write_atomic(path, lambda f: f.write(text))
+
+
+_READ = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+
+
+def open_regular(name):
+    """``(fd, size)``: a read-only file descriptor of ``name``, a regular file (never a
+    symlink, a device or a pipe), and its size."""
+    try:
+        fd = os.open(name, _READ)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CheckpointError(f"{name}: is a symbolic link; a checkpoint reads only its "
+                                  f"own regular files") from None
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise CheckpointError(f"{name}: not a regular file; a checkpoint reads only its own "
+                              f"regular files")
+    return fd, st.st_size
+
+
+def read_upto(fd, n):
+    """Up to ``n`` bytes of ``fd`` from where it is (fewer only at the end of the file)."""
+    data = os.read(fd, n)
+    while len(data) < n and (more := os.read(fd, n - len(data))):
+        data += more
+    return data

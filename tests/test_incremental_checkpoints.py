@@ -11,6 +11,10 @@
   chain before it loadable;
 * an incremental save is one file per rank, each array in it under its own crc32; a
   damaged file or an edited offset is refused, and a chain format 2 wrote is still read;
+* the saves between the newest and the full one are read through their files alone (their
+  manifests moved away, the chain still loads), each file checked against the bytes and
+  crc32 its child names and its head (rows, link) against the newest save's layout; a
+  file of another layout is read through its manifest;
 * ``hbkernels compact`` turns a chain into one full save of the same state.
 """
 import json
@@ -426,4 +430,103 @@ def test_pending_ids_are_required_where_the_table_admits_late(tmp_path):
     path = _chain(tmp_path)
     _reseal(path, lambda m: m.update(files=[f for f in m["files"] if f["array"] != "pending_ids"]))
     with pytest.raises(hbk.CheckpointError, match="pending_ids"):
+        hbk.EmbeddingCollection.load(path, comm=LOCAL)
+
+
+def _packed_chain(tmp_path):
+    """A full save and three incremental ones of a dynamic and a static table (0 to 3):
+    the newest's directory and the collection."""
+    rng = np.random.default_rng(4)
+    specs = [hbk.TableSpec("d", num_rows=None, dim=3, capacity=10, admit_count=2, evict="lfu"),
+             hbk.TableSpec("s", num_rows=30, dim=2)]
+    coll = hbk.EmbeddingCollection(specs, comm=LOCAL, optimizer=hbk.optim.Adagrad(lr=0.1))
+    pool = rng.integers(0, 2**62, 16)
+    step(coll, {"d": rng.choice(pool, 8), "s": rng.integers(0, 30, 4)})
+    coll.save(tmp_path / "0")
+    for k in range(1, 4):
+        step(coll, {"d": rng.choice(pool, 8), "s": rng.integers(0, 30, 4)})
+        assert coll.save(tmp_path / str(k), incremental=True, chain_limit=np.inf) == "incremental"
+    return tmp_path / "3", coll
+
+
+def _edit_parent_pack(path, edit):
+    """``edit(bytearray)`` the file of the save the one at ``path`` chains to (its
+    parent, an incremental save: one rank's file), and relink: the crc32 the manifest
+    at ``path`` names for it."""
+    manifest = json.loads((path / "manifest.json").read_text())
+    name, _, _ = manifest["parent"]["packs"][0]
+    pack = (path / manifest["parent"]["path"] / name).resolve()
+    raw = bytearray(pack.read_bytes())
+    edit(raw)
+    pack.write_bytes(raw)
+    _reseal(path, lambda m: m["parent"].update(packs=[[name, len(raw), zlib.crc32(raw)]]))
+
+
+def _head(raw):
+    """Where the head of a pack's bytes ``raw`` begins (after its ``.npy`` header)."""
+    return 10 + int.from_bytes(raw[8:10], "little")
+
+
+def test_the_saves_below_the_newest_are_read_through_their_packs(tmp_path):
+    path, coll = _packed_chain(tmp_path)
+    for k in (1, 2):  # their manifests are not read
+        os.rename(tmp_path / str(k) / "manifest.json", tmp_path / str(k) / "unread.json")
+    same_collections(coll, hbk.EmbeddingCollection.load(path, comm=LOCAL))
+    assert len(checkpoint.Checkpoint(path).chain()) == 4
+    name = json.loads((tmp_path / "2" / "unread.json").read_text())["parent"]["packs"][0][0]
+    raw = bytearray((tmp_path / "1" / name).read_bytes())
+    os.rename(tmp_path / "1" / name, tmp_path / "copy")
+    os.symlink(tmp_path / "copy", tmp_path / "1" / name)  # the same bytes, through a link
+    with pytest.raises(hbk.CheckpointError, match="is a symbolic link"):
+        hbk.EmbeddingCollection.load(path, comm=LOCAL)
+    os.remove(tmp_path / "1" / name)
+    raw[-1] ^= 1  # a byte of save 1, named with its crc32 in save 2's file
+    (tmp_path / "1" / name).write_bytes(raw)
+    with pytest.raises(hbk.CheckpointError, match=r"r0\.pack\.npy: checkpoint file is corrupt"):
+        hbk.EmbeddingCollection.load(path, comm=LOCAL)
+    os.rename(tmp_path / "1" / name.split("/")[0], tmp_path / "1" / "elsewhere")
+    with pytest.raises(hbk.CheckpointError, match="missing; .* was overwritten or removed"):
+        hbk.EmbeddingCollection.load(path, comm=LOCAL)
+
+
+def test_a_file_not_of_the_newest_saves_layout_is_read_through_its_manifest(tmp_path):
+    path, coll = _packed_chain(tmp_path)
+
+    def layout(raw):  # the crc32 of its layout, in its head
+        raw[_head(raw) + 12] ^= 1
+
+    _edit_parent_pack(path, layout)
+    same_collections(coll, hbk.EmbeddingCollection.load(path, comm=LOCAL))
+    os.rename(tmp_path / "2" / "manifest.json", tmp_path / "2" / "unread.json")
+    with pytest.raises(hbk.CheckpointError, match="2/manifest.json: no checkpoint manifest here"):
+        hbk.EmbeddingCollection.load(path, comm=LOCAL)
+
+
+def _link(raw):
+    """Where the link in the head of a pack's bytes ``raw`` begins."""
+    at = _head(raw)
+    return at + 24 + 8 * int.from_bytes(raw[at + 8:at + 12], "little")
+
+
+HEAD_EDITS = {
+    "a row count": (lambda raw: raw.__setitem__(slice(_head(raw) + 24, _head(raw) + 32),
+                                                (10**6).to_bytes(8, "little")),
+                    "do not hold the rows their heads name"),
+    "its link's lengths": (lambda raw: raw.__setitem__(slice(_link(raw) + 8, _link(raw) + 10),
+                                                       b"\xff\xff"),
+                           "unreadable link in its head"),
+    "its link's directory": (lambda raw: raw.__setitem__(_link(raw) + 12 + 16, ord("x")),
+                             "unreadable link in its head"),
+    "its .npy header": (lambda raw: raw.__setitem__(8, 7), "not a pack"),
+}
+
+
+@pytest.mark.parametrize("edit", list(HEAD_EDITS))
+def test_a_damaged_head_is_refused(tmp_path, edit):
+    """A file's head (its rows and its link) is checked as a manifest would be, though
+    its crc32 is the one its child names."""
+    path, _ = _packed_chain(tmp_path)
+    fix, message = HEAD_EDITS[edit]
+    _edit_parent_pack(path, fix)
+    with pytest.raises(hbk.CheckpointError, match=message):
         hbk.EmbeddingCollection.load(path, comm=LOCAL)

@@ -152,8 +152,7 @@ def check(manifest, where, slots, sealed=False):
     arrays = dict(slots(optimizer), weights=False)
     parent = manifest.get("parent")
     if parent is not None:  # an incremental save: changed rows, named in "rows" files
-        _field(where, parent, "path", str)
-        _int(where, parent, "crc32", 0, _U32 - 1)
+        check_link(where, parent)
         arrays["rows"] = True
     packed = parent is not None and manifest.get("version", 1) >= 3
     kinds = {name: _table_arrays(t, QUANTIZED_ARRAYS if name in quantize else arrays,
@@ -166,6 +165,36 @@ def check(manifest, where, slots, sealed=False):
                            parent is not None, manifest.get("version", 1) >= 2,
                            t.get("admit_count", 1) != 1)
     return tables
+
+
+PACK_FILE = re.compile(r"(save-[0-9]{1,20}-[0-9a-f]{8})/r(0|[1-9][0-9]{0,8})\.pack\.npy")
+
+
+def check_link(where, link):
+    """An incremental save's link to its parent: the parent's ``path`` (from this save's
+    directory), the ``crc32`` of its manifest and, where the parent is an incremental
+    save of format 4, its ``packs``: ``[file, bytes, crc32]`` of each of its files, all
+    in one save directory. Returns ``link``."""
+    _field(where, link, "path", str)
+    _int(where, link, "crc32", 0, _U32 - 1)
+    packs = link.get("packs")
+    if packs is None:
+        return link
+    dirs = set()
+    if type(packs) is not list or not packs:
+        _fail(where, f"parent packs must be a list of [file, bytes, crc32], got {packs!r}")
+    for pack in packs:
+        m = PACK_FILE.fullmatch(pack[0]) if type(pack) is list and len(pack) == 3 \
+            and type(pack[0]) is str else None
+        if m is None or type(pack[1]) is not int or pack[1] < 0 or type(pack[2]) is not int \
+                or not 0 <= pack[2] < _U32:
+            _fail(where, f"parent pack {pack!r} is not [r<rank>.pack.npy of a save directory, "
+                         f"bytes, crc32]")
+        dirs.add(m[1])
+    if len(dirs) != 1 or len({p[0] for p in packs}) != len(packs):
+        _fail(where, f"parent packs {[p[0] for p in packs]} are not distinct files of one save "
+                     f"directory")
+    return link
 
 
 DYNAMIC_ARRAYS = {name: True for name in ("ids", "last", "count", "pending_ids", "pending_last",

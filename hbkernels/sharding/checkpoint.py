@@ -18,10 +18,12 @@ Each ``.npy`` holds one shard of one array (``weights`` or an optimizer slot):
 rows ``row_start + row_step * k`` (``k < num_rows``), columns ``[c0, c1)`` of
 the table. An incremental save writes each rank's arrays into one file instead
 (:func:`_save_pack`: a ``.npy`` of bytes, each array at the ``offset`` its file
-entry names, with its own crc32), so a load opens one file per rank and save of
-a chain. A replicated table is written once, by rank 0. File names never
-contain a table's name, so no name can form a path. A table in files
-(``storage="mmap"``) is saved sparse, never as a copy of its files: the rows its
+entry names, with its own crc32, after a head: :mod:`._packs`), and its link to
+its parent names the parent's files where the parent is an incremental save too,
+so a load reads the newest save's manifest and, of each incremental save below
+it, one file per rank (:class:`_PackSave`). A replicated table is written once,
+by rank 0. File names never contain a table's name, so no name can form a path.
+A table in files (``storage="mmap"``) is saved sparse, never as a copy of its files: the rows its
 files hold (rows ever touched), named in a ``rows`` file beside them; its other
 rows are remade on load by :func:`~hbkernels.sharding.initial_weights` of the
 seed. An incremental save holds the rows changed since its parent, the same way.
@@ -38,7 +40,7 @@ and directories are never touched). A failure anywhere, a full disk included,
 is a :class:`CheckpointError` on every rank, the new save directory is
 removed, and the previous manifest and the files it names stay intact.
 
-Loading trusts nothing in the directory: the manifest is checked field by field
+Loading trusts nothing in the directory: each manifest read is checked field by field
 (:mod:`._manifest`: its own crc32, on its text as written
 (:func:`~._manifest.sealed_text`) or else on its parsed content; every file
 inside the save directory under a name hbkernels generates, rows and columns
@@ -46,10 +48,12 @@ inside the table, shape, dtype and size consistent, the optimizer rebuilt
 through its constructor, the tables through :func:`~hbkernels.types.table_spec`);
 files are opened only as regular files (never through a symbolic link, never a
 device), their size and crc32 checked before use (small files read whole, large
-ones memory-mapped), and every element of every shard must come from a file.
-Anything else is a :class:`CheckpointError` naming the file.
+ones memory-mapped), and every element of every shard must come from a file;
+a save read through its files alone has each file's bytes and crc32 checked
+against what its child names and its head against the layout of the newest
+manifest (:func:`._packs.walk`). Anything else is a :class:`CheckpointError`
+naming the file.
 """
-import errno
 import functools
 import inspect
 import io
@@ -67,20 +71,22 @@ import numpy as np
 
 from .. import optim as _optim
 from .._dispatch import classify, host
-from .._files import fsync_dir, write_atomic
+from .._files import fsync_dir, open_regular, read_upto, write_atomic
 from .._sorted import find_sorted
 from .._version import __version__
 from ..errors import CheckpointError
 from ..quantize import QuantizedRows
 from ..types import TableSpec, table_spec
-from . import _manifest
+from . import _manifest, _packs
 from .kinds.row_wise import dynamic_owner
 from .layout import initial_rows, shard_rows
 
 FORMAT = "hbkernels-embedding-collection"
-VERSION = 3  # 2: an incremental save lists a dynamic table's changes, not all its ids;
-#             3: an incremental save writes one file per rank (``offset`` in its entries)
-READABLE_VERSIONS = (1, 2, 3)
+VERSION = 4  # 2: an incremental save lists a dynamic table's changes, not all its ids;
+#             3: an incremental save writes one file per rank (``offset`` in its entries);
+#             4: each such file begins with a head (:mod:`._packs`), and a link to an
+#                incremental save of format 4 names its files
+READABLE_VERSIONS = (1, 2, 3, 4)
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 1 << 28
 MAX_CHAIN = 200  # incremental saves one load follows back to a full save (save keeps below)
@@ -88,7 +94,7 @@ CHAIN_SAVE_BYTES = 1 << 17  # the least an incremental save counts toward a chai
 #                             more than opening one save of a chain costs a load, counted
 #                             in bytes of a full save
 _READ_WHOLE = 1 << 24  # a file up to this size is read once into memory; a larger one is mapped
-PACK_ALIGN = 64  # byte alignment of each array in an incremental save's file
+PACK_ALIGN = _packs.ALIGN  # byte alignment of each array in an incremental save's file
 CHUNK_ROWS = 1 << 16  # rows of a table's files in memory at a time, saving or loading
 
 
@@ -153,7 +159,8 @@ def _save_pack(path, arrays):
     """``arrays`` (host arrays or :class:`_Gathered`) in one file, written atomically:
     a ``.npy`` header of a uint8 array holding them all, then each in C order at an
     offset from the file's start that is a multiple of :data:`PACK_ALIGN` (zeros
-    between). Returns ``([(offset, crc32, bytes)] of each array, the file's bytes)``."""
+    between). Returns ``([(offset, crc32, bytes)] of each array, the file's bytes, its
+    crc32)``."""
     sizes = [math.prod(a.shape) * a.dtype.itemsize for a in arrays]
 
     def layout(start):
@@ -171,15 +178,16 @@ def _save_pack(path, arrays):
     header = fit
 
     def write(f):
-        placed, at = [], f.write(header)
+        whole = _CrcWriter(f)
+        placed, at = [], whole.write(header)
         for array, offset in zip(arrays, offsets):
-            at += f.write(bytes(offset - at))
-            w = _CrcWriter(f)
+            at += whole.write(bytes(offset - at))
+            w = _CrcWriter(whole)
             for chunk in _chunks(array):
                 w.write(chunk)
             placed.append((offset, w.crc, w.size))
             at += w.size
-        return placed, at
+        return placed, at, whole.crc
     return write_atomic(path, write)
 
 
@@ -267,12 +275,14 @@ def _changed_arrays(coll, shard, changed, since=None):
 
 def save(coll, path, parent=None, changed=None, since=None):
     """Write ``coll`` to directory ``path`` (collective; see the module doc); with
-    ``parent`` (``(path, manifest crc32)`` of the previous save) only the rows marked in
-    ``changed`` (fused group -> bool per row), and of each dynamic table what changed
-    since ``since[table]`` (what the previous save returned), chained to it.
-    Returns ``(the manifest's crc32 on rank 0, None elsewhere; the bytes of the files
-    written, on every rank; ``{dynamic table: HashTable.mark()}`` of this rank's hash tables
-    as saved)``."""
+    ``parent`` (``(path, link)`` of the previous save: what this function returned as its
+    link) only the rows marked in ``changed`` (fused group -> bool per row), and of each
+    dynamic table what changed since ``since[table]`` (what the previous save returned),
+    chained to it.
+    Returns ``(its link: {"crc32": the manifest's crc32 on rank 0, None elsewhere, and
+    of an incremental save "packs": [file, bytes, crc32] of each rank's file}; the bytes
+    of the files written, on every rank; {dynamic table: HashTable.mark()} of this
+    rank's hash tables as saved)``."""
     comm, me = coll.comm, coll.comm.rank
     path = os.fspath(path)
     save_id = np.array([time.time_ns(), int(uuid.uuid4().int & 0x7FFFFFFF)], np.int64)
@@ -281,9 +291,12 @@ def save(coll, path, parent=None, changed=None, since=None):
     save_dir = _manifest.save_dir_name(save_id[0], save_id[1])
     index = {name: k for k, name in enumerate(coll.tables)}
     error = None
-    files, parts, written = [], [], 0
+    files, parts, written, pack = [], [], 0, None
     steps = {s.table: int(coll.arrays[s.group].state["step"][0]) for s in coll.local_shards()}
     kept, marks = {}, {}  # dynamic table -> HashTable.state() (full saves only), .mark()
+    link = None if parent is None else dict(
+        {"path": os.path.relpath(parent[0], os.path.abspath(path)), "crc32": parent[1]["crc32"]},
+        **({"packs": parent[1]["packs"]} if parent[1].get("packs") else {}))
     try:
         if parent is None:  # every live id, sorted
             kept = {name: table.state() for name, table in coll.hash_tables.items()}
@@ -306,11 +319,15 @@ def save(coll, path, parent=None, changed=None, since=None):
                               "c0": shard.c0, "c1": shard.c1, "dtype": part.dtype.name,
                               "shape": list(part.shape)})
                 parts.append(part)
-        if parent is not None and files:  # an incremental save: one file per rank
+        if parent is not None and (files or me == 0):  # one file per rank, rank 0's linked
             rel = f"{save_dir}/{_manifest.pack_name(me)}"
-            placed, written = _save_pack(os.path.join(path, rel), parts)
-            for f, (offset, crc, size) in zip(files, placed):
-                f.update(file=rel, offset=offset, crc32=crc, bytes=size)
+            for f in files:
+                f["file"] = rel
+            head = _packs.head(files, link if me == 0 else None)
+            placed, written, whole = _save_pack(os.path.join(path, rel), [head] + parts)
+            for f, (offset, crc, size) in zip(files, placed[1:]):
+                f.update(offset=offset, crc32=crc, bytes=size)
+            pack = [rel, written, whole]
         else:
             for f, part in zip(files, parts):
                 crc, size = _save_array(os.path.join(path, f["file"]), part)
@@ -320,7 +337,7 @@ def save(coll, path, parent=None, changed=None, since=None):
     except Exception as e:  # noqa: BLE001 - every rank learns of it below
         error = f"rank {me}: {type(e).__name__}: {e}"
     everyone = _bytes_json(comm, {"error": error, "files": files, "steps": steps,
-                                  "written": written})
+                                  "written": written, "pack": pack})
     errors = [r["error"] for r in everyone if r["error"]]
     if not errors and me == 0:
         steps = {t: s for r in everyone for t, s in r["steps"].items()}
@@ -338,8 +355,7 @@ def save(coll, path, parent=None, changed=None, since=None):
         if coll.quantize:
             manifest["quantize"] = coll.quantize
         if parent is not None:  # where the parent is, from here, and what it must hash to
-            manifest["parent"] = {"path": os.path.relpath(parent[0], os.path.abspath(path)),
-                                  "crc32": parent[1]}
+            manifest["parent"] = link
         try:
             text, crc = _manifest.sealed_text(json.loads(json.dumps(manifest, default=float)))
             _write_manifest(path, text)
@@ -359,7 +375,10 @@ def save(coll, path, parent=None, changed=None, since=None):
     if comm.world_size > 1:
         comm.barrier()
     written = sum(r["written"] for r in everyone)
-    return (crc if me == 0 else None), written, marks
+    mine = {"crc32": crc if me == 0 else None}
+    if parent is not None:
+        mine["packs"] = [r["pack"] for r in everyone if r["pack"] is not None]
+    return mine, written, marks
 
 
 def _dynamic_arrays(coll, shard, kept):
@@ -375,16 +394,14 @@ def _dynamic_arrays(coll, shard, kept):
     return out
 
 
-def _newest_entries(keys):
-    """``(entries, keys ascending)``: for each distinct key of the arrays ``keys`` (newest
-    first; within one array the keys are distinct) the index, into their concatenation,
-    of its newest entry."""
-    position = np.repeat(np.arange(len(keys)), [k.shape[0] for k in keys])
-    keys = np.concatenate(keys) if keys else np.zeros(0, np.int64)
+def _newest_entries(keys, position):
+    """``(entries, keys ascending)``: for each distinct key of ``keys`` the index of its
+    newest entry, the one of least ``position`` (of one position the keys are distinct)."""
     order = np.lexsort((position, keys))  # by key, the newest first
+    keys = keys[order]
     first = np.ones(order.shape[0], bool)
-    first[1:] = keys[order[1:]] != keys[order[:-1]]
-    return order[first], keys[order[first]]
+    first[1:] = keys[1:] != keys[:-1]
+    return order[first], keys[first]
 
 
 def _dynamic_changes(table, mark):
@@ -432,32 +449,6 @@ def _holds_only_saved_files(directory):
                (_manifest.FILE_NAME.fullmatch(n) or ".npy.tmp-" in n) for n in names)
 
 
-def _open_plain(name):
-    """``(fd, size)``: a read-only file descriptor of ``name``, a regular file (never a
-    symlink, a device or a pipe), and its size."""
-    try:
-        fd = os.open(name, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise CheckpointError(f"{name}: is a symbolic link; a checkpoint reads only its "
-                                  f"own regular files") from None
-        raise
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise CheckpointError(f"{name}: not a regular file; a checkpoint reads only its own "
-                              f"regular files")
-    return fd, st.st_size
-
-
-def _read_upto(fd, n):
-    """Up to ``n`` bytes of ``fd`` from where it is (fewer only at the end of the file)."""
-    data = os.read(fd, n)
-    while len(data) < n and (more := os.read(fd, n - len(data))):
-        data += more
-    return data
-
-
 def read_manifest(path):
     """The manifest of checkpoint ``path`` (dict), checked (see :mod:`._manifest`)."""
     return _read_manifest(path)[0]
@@ -468,7 +459,7 @@ def _read_manifest(path):
     checkpoint ``path``."""
     name = os.path.join(os.fspath(path), MANIFEST)
     try:
-        fd, size = _open_plain(name)
+        fd, size = open_regular(name)
     except FileNotFoundError:
         raise CheckpointError(f"{name}: no checkpoint manifest here") from None
     except OSError as e:
@@ -476,7 +467,7 @@ def _read_manifest(path):
     try:
         if size > MAX_MANIFEST_BYTES:
             raise CheckpointError(f"{name}: larger than {MAX_MANIFEST_BYTES} bytes, not a manifest")
-        text = _read_upto(fd, size)
+        text = read_upto(fd, size)
         manifest = json.loads(text.decode())
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{name}: unreadable manifest ({e})") from None
@@ -499,13 +490,13 @@ def _entry_key(entry):
 class _Reader:
     """Rows of the saved arrays, from the shard files (checked once, memory-mapped)."""
 
-    def __init__(self, path, manifest):
+    def __init__(self, path, manifest, contents=None):
         self.path = os.fspath(path)
         self.files = {}
         for f in manifest["files"]:
             self.files.setdefault((f["table"], f["array"]), []).append(f)
         self._open = {}  # _entry_key -> array; ("sorted",) + _entry_key -> _sorted
-        self._files = {}  # file -> _contents
+        self._files = dict(contents or {})  # file -> _contents (those read already)
 
     def _contents(self, file):
         """A read-only memoryview of the save's file ``file`` (a regular file): read
@@ -513,9 +504,9 @@ class _Reader:
         if file not in self._files:
             name = os.path.join(self.path, file)
             try:
-                fd, size = _open_plain(name)
+                fd, size = open_regular(name)
                 try:
-                    data = (_read_upto(fd, size) if size <= _READ_WHOLE
+                    data = (read_upto(fd, size) if size <= _READ_WHOLE
                             else mmap.mmap(fd, 0, access=mmap.ACCESS_READ))
                 finally:
                     os.close(fd)
@@ -661,7 +652,7 @@ class Checkpoint:
             raise CheckpointError(f"{save}: not a directory (a symbolic link?); a checkpoint "
                                   f"reads only its own files")
         self._reader = _Reader(path, self.manifest)
-        self._newest = {}  # dynamic table -> _newest_entries of the rows of its chain
+        self._chain_parts = {}  # chain(last) -> its _parts
         self._specs = {}  # table -> (its manifest entry less its step, its TableSpec)
         for name, t in entries.items():
             entry = {k: v for k, v in t.items() if k != "step"}
@@ -674,26 +665,43 @@ class Checkpoint:
             self._specs[name] = known
         self.tables = [spec for _, spec in self._specs.values()]
         self.steps = {name: t["step"] for name, t in entries.items()}
+        self.version = self.manifest["version"]
         self.parent = self._open_parent(where, depth)
 
     def _open_parent(self, where, depth):
         """The checkpoint an incremental save chains to, checked to be the one it was
-        chained to (its manifest's crc32), or None for a full save."""
+        chained to (its manifest's crc32), or None for a full save; the incremental
+        saves of format 4 below it that hold its layout are opened through their packs
+        alone (:func:`_packs.walk`: :class:`_PackSave`), the first save below them
+        through its manifest."""
         link = self.manifest.get("parent")
         if link is None:
             return None
+        limits = {spec.name: spec.capacity if spec.num_rows is None else spec.num_rows
+                  for _, spec in self._specs.values()}
+        packed = [f for f in self.manifest["files"] if "offset" in f] if self.version >= 4 else []
+        run, path, link, depth = _packs.walk(self.path, link, packed, limits, depth, MAX_CHAIN)
+        version = self.version if run is None else VERSION
+        if run is not None:
+            where = os.path.join(path, run.names[-1][0])
         if depth >= MAX_CHAIN:
             raise CheckpointError(f"{where}: a chain of more than {MAX_CHAIN} incremental saves")
-        parent = Checkpoint(os.path.normpath(os.path.join(self.path, link["path"])), depth + 1, self)
-        if parent.manifest["version"] > self.manifest["version"]:
-            raise CheckpointError(f"{where}: format version {self.manifest['version']} chained to "
-                                  f"a save of version {parent.manifest['version']}")
+        parent = Checkpoint(os.path.normpath(os.path.join(path, link["path"])), depth + 1, self)
+        if parent.version > version:
+            raise CheckpointError(f"{where}: format version {version} chained to a save of "
+                                  f"version {parent.version}")
         if parent.manifest.get("crc32") != link["crc32"]:
             raise CheckpointError(
                 f"{os.path.join(parent.path, MANIFEST)}: not the save {where} was chained to "
                 f"(crc32 {parent.manifest.get('crc32')!r}, the link says {link['crc32']}); "
                 f"it was overwritten or edited")
-        return parent
+        if run is None:
+            return parent
+        run.below = parent
+        saves = [_PackSave(run, s, self) for s in range(len(run))]
+        for save, below in zip(saves, saves[1:] + [parent]):
+            save.parent = below
+        return saves[0]
 
     def saved(self):
         """``{(table, array)}`` saved anywhere in the chain."""
@@ -721,30 +729,49 @@ class Checkpoint:
         self.parent._fill(table, array, rows, c0, c1, out)
         self._reader.changed_rows(table, array, rows, c0, c1, out)
 
-    def chain(self, last=lambda save: save.parent is None):
+    def _parts(self, last):
+        """:func:`_parts` of ``chain(last)``, computed once."""
+        if last not in self._chain_parts:
+            self._chain_parts[last] = _parts(self.chain(last))
+        return self._chain_parts[last]
+
+    def chain(self, last=None):
         """This save and its parents, newest first, to the first ``save`` where
         ``last(save)`` holds (default: the full save the chain starts from)."""
-        saves = [self]
+        saves, last = [self], last or _is_full
         while not last(saves[-1]):
             saves.append(saves[-1].parent)
         return saves
 
-    def _dynamic(self, table, array, ids):
-        """Rows of a dynamic table's ``array`` for live ``ids`` as of this save: from the
-        newest save of the chain that wrote each id's row (one sort over the rows every
-        save of the chain wrote, however long the chain)."""
-        chain = self.chain()
-        if table not in self._newest:
-            self._newest[table] = _newest_entries([
-                save._reader.all_rows(table, "ids" if save.parent is None else "rows")
-                for save in chain])
-        newest, keys = self._newest[table]
+    def _dynamic(self, table, arrays, ids):
+        """``{array: its rows for live ids}`` of a dynamic table's ``arrays`` as of this
+        save: each id's from the newest save of the chain that wrote its row (one sort
+        over the rows every save of the chain wrote, however long the chain)."""
+        parts = self._parts(_is_full)
+        keys, position, sizes = [], [], [0]
+        for first, part, _, full in parts:
+            values, rows = part(table, "ids" if full else "rows")
+            keys.append(values)
+            position.append(np.repeat(np.arange(first, first + rows.shape[0]), rows))
+            sizes.append(values.shape[0])
+        newest, keys = _newest_entries(np.concatenate(keys), np.concatenate(position))
         at, here = find_sorted(keys, ids)
         if not here.all():
-            raise CheckpointError(f"{os.path.join(chain[-1].path, MANIFEST)}: no saved {array} "
-                                  f"for id {int(ids[~here][0])} of table {table!r}")
-        data = np.concatenate([save._reader.all_rows(table, array) for save in chain])
-        return data[newest[at]]
+            raise CheckpointError(f"{os.path.join(parts[-1][2], MANIFEST)}: no saved "
+                                  f"{arrays[0]} for id {int(ids[~here][0])} of table {table!r}")
+        at = newest[at]  # into the parts' rows, one after another: the full save's last
+        start = int(np.sum(sizes[:-1]))  # of the full save's rows
+        older = at - start
+        newer = np.flatnonzero(older < 0)  # ids whose row an incremental save wrote
+        out = {}
+        for array in arrays:
+            data = parts[-1][1](table, array)[0]
+            out[array] = (data[np.maximum(older, 0)] if data.shape[0] else
+                          np.empty((at.shape[0],) + data.shape[1:], data.dtype))
+            if newer.size:
+                data = np.concatenate([part(table, array)[0] for _, part, _, _ in parts[:-1]])
+                out[array][newer] = data[at[newer]]
+        return out
 
     def constructor_args(self, **overrides):
         """The saved constructor arguments of the collection (``plan``,
@@ -855,37 +882,100 @@ class Checkpoint:
         ids, last, count = self._dynamic_index(name, "")
         mine = dynamic_owner(np, ids, coll.comm.world_size) == coll.comm.rank
         arrays = ["weights"] + [slot for slot, _ in coll.optimizer.slots if (name, slot) in saved]
-        rows = {a: self._dynamic(name, a, ids[mine]) for a in arrays}  # only the rows it keeps
+        rows = self._dynamic(name, arrays, ids[mine])  # only the rows it keeps
         pending = self._dynamic_index(name, "pending_") if (name, "pending_ids") in saved else None
         coll.restore_dynamic(name, ids[mine], last[mine], count[mine], rows, pending)
 
     def _lists_every_id(self):
         """This save lists a dynamic table's every live and pending id: a full save, or
         an incremental one of format version 1."""
-        return self.parent is None or self.manifest["version"] < 2
+        return self.parent is None or self.version < 2
 
     def _dynamic_index(self, name, kind):
         """``(ids ascending, last, count)`` of dynamic table ``name``'s live ids (``kind``
         ``""``) or pending ids (``"pending_"``) as of this save: those of the newest save
         of the chain that lists every id, then each later save's changes (an id's newest
         entry wins: used, with its scores, or ``evicted`` / ``pending_removed``)."""
-        chain = self.chain(Checkpoint._lists_every_id)
+        parts = self._parts(Checkpoint._lists_every_id)
         gone = "evicted" if kind == "" else "pending_removed"
-        ids, last, count, alive = [], [], [], []  # per entry, newest save first
-        none = np.zeros(0, np.int64)
-        for save in chain:
-            reader = save._reader
-            listed = ([reader.all_rows(name, f"{kind}{a}") for a in ("ids", "last", "count")]
-                      if reader.has(name, f"{kind}ids") else [none] * 3)
-            dropped = (reader.all_rows(name, gone) if save is not chain[-1] and reader.has(name, gone)
-                       else none)
-            ids += [listed[0], dropped]
-            last += [listed[1], np.zeros_like(dropped)]
-            count += [listed[2], np.zeros_like(dropped)]
-            alive += [np.ones(listed[0].shape[0], bool), np.zeros(dropped.shape[0], bool)]
-        if ids[-2].shape[0] != np.unique(ids[-2]).shape[0]:  # the save listing every id
-            raise CheckpointError(f"{os.path.join(chain[-1].path, MANIFEST)}: table {name!r} has "
-                                  f"an id saved twice")
-        newest, _ = _newest_entries(ids)
+        ids, last, count, alive, position = [], [], [], [], []  # newest save first
+        for k, (first, arrays, path, _) in enumerate(parts):  # position: 2 x its save (+1 if gone)
+            listed = [arrays(name, f"{kind}{a}") for a in ("ids", "last", "count")]
+            dropped = arrays(name, gone) if k < len(parts) - 1 else None
+            if listed[0] is not None:
+                ids.append(listed[0][0])
+                last.append(listed[1][0])
+                count.append(listed[2][0])
+                alive.append(np.ones(ids[-1].shape[0], bool))
+                position.append(np.repeat(2 * np.arange(first, first + listed[0][1].shape[0]),
+                                          listed[0][1]))
+            if dropped is not None:
+                ids.append(dropped[0])
+                last.append(np.zeros_like(dropped[0]))
+                count.append(np.zeros_like(dropped[0]))
+                alive.append(np.zeros(dropped[0].shape[0], bool))
+                position.append(np.repeat(2 * np.arange(first, first + dropped[1].shape[0]) + 1,
+                                          dropped[1]))
+        every = ids[-1] if listed[0] is not None else np.zeros(0, np.int64)
+        if every.shape[0] != np.unique(every).shape[0]:  # the save listing every id
+            raise CheckpointError(f"{os.path.join(path, MANIFEST)}: table {name!r} has an "
+                                  f"id saved twice")
+        if not ids:
+            return tuple(np.zeros(0, np.int64) for _ in range(3))
+        newest, _ = _newest_entries(np.concatenate(ids), np.concatenate(position))
         newest = newest[np.concatenate(alive)[newest]]
         return tuple(np.concatenate(a)[newest] for a in (ids, last, count))
+
+
+class _PackSave(Checkpoint):
+    """Save ``s`` of :class:`_packs.Run` ``run``: an incremental save of format 4 opened
+    through its packs alone, below ``top`` (the save whose manifest was read, whose
+    tables and layout it holds)."""
+
+    version = VERSION
+
+    def __init__(self, run, s, top):  # noqa: D107 - no manifest to read (see the class)
+        self.run, self.index, self.path = run, s, run.dirs[s]
+        self.tables, self._specs, self._slots = top.tables, top._specs, top._slots
+        self._chain_parts, self.parent = {}, None
+
+    @functools.cached_property
+    def _reader(self):
+        entries, contents = self.run.save(self.index)
+        return _Reader(self.path, {"files": entries}, contents)
+
+    def saved(self):
+        return {(e["table"], e["array"]) for e in self.run.entries} | self.run.below.saved()
+
+
+def _is_full(save):
+    """``save`` is a full save (its chain starts there)."""
+    return save.parent is None
+
+
+def _parts(chain):
+    """The saves of ``chain`` (newest first) in parts: ``(first, arrays, path, full)``
+    of each save opened through its manifest and of each run of :class:`_PackSave`:
+    ``first`` is the index in the chain of its first save, ``arrays(table, array)``
+    gives ``(values, rows of each save)`` (None where the part has no such array),
+    ``path`` is the directory of its oldest save and ``full`` whether that is a full
+    save. (No part refers to a save, so a save holding its parts holds no cycle.)"""
+    parts, k = [], 0
+    while k < len(chain):
+        save = chain[k]
+        if isinstance(save, _PackSave):
+            n = len(save.run) - save.index
+            parts.append((k, save.run.arrays, chain[k + n - 1].path, False))
+            k += n
+            continue
+
+        def arrays(table, array, reader=save._reader):
+            if not reader.has(table, array):
+                return None
+            values = reader.all_rows(table, array)
+            return values, np.array([values.shape[0]])
+
+        parts.append((k, arrays, save.path, save.parent is None))
+        k += 1
+    return parts
+

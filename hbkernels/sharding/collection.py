@@ -252,7 +252,7 @@ class EmbeddingCollection:
         self._saved = None
         self._changed = None  # group -> bool per fused row: changed since the last save
         self._insert = True  # the current forward's: dynamic tables admit ids
-        self._last_save = None  # (path, manifest crc32) of the last save
+        self._last_save = None  # (path, link) of the last save (what checkpoint.save returns)
         self._chain = []  # directories of the last full save and the incremental ones after it
         self._full_bytes, self._chain_bytes = 0, 0  # of the last full save; of the saves after it
         self._marks = {}  # dynamic table -> what its next incremental save compares with
@@ -1099,11 +1099,11 @@ class EmbeddingCollection:
                     or len(self._chain) > checkpoint.MAX_CHAIN):
                 parent, incremental = None, False  # the chain is long enough: start a new one
         self._settle()
-        crc, written, self._marks = checkpoint.save(
+        link, written, self._marks = checkpoint.save(
             self, path, parent=parent, changed=self._changed if incremental else None,
             since=self._marks if incremental else None)
         self._chain = self._chain + [where] if incremental else [where]
-        self._last_save = (where, crc)
+        self._last_save = (where, link)
         if incremental:
             self._chain_bytes += max(written, checkpoint.CHAIN_SAVE_BYTES)
         else:

@@ -4,10 +4,11 @@ tests/test_dynamic_collection.py as a chain in one work directory WORK):
 ``dynamic_checkpoint.py save WORK`` (n=2): raw 64-bit ids, LRU eviction, admission
 at the second call, Adam: trains 12 steps, saves to WORK/ckpt (loaded back at once, each
 rank's hash table as saved); rank 0 writes WORK/expected.npz (ids, rows, state, counts);
-3 more steps, an incremental save to
-WORK/incr chained to WORK/ckpt, and WORK/expected_incr.npz.
+3 more steps, each followed by an incremental save (WORK/incr1, WORK/incr2, WORK/incr,
+chained to WORK/ckpt), and WORK/expected_incr.npz.
 
-``dynamic_checkpoint.py load WORK`` (n=3): ``load(WORK/incr)`` replays the chain;
+``dynamic_checkpoint.py load WORK`` (n=3): ``load(WORK/incr)`` replays the chain (the
+manifests of incr1 and incr2 moved away: those saves are read through their packs);
 ``load(WORK/ckpt)``: the ids re-hashed to
 their new owners, a shard given more ids than its 4 slots leaving out those its
 policy evicts first, the others with the same rows and state bit for bit;
@@ -97,10 +98,15 @@ if MODE == "save":
     for k in ("ids", "last", "count"):
         np.testing.assert_array_equal(back[k], saved[k], err_msg=k)
         np.testing.assert_array_equal(back["pending"][k], saved["pending"][k], err_msg=k)
-    train(coll, 3, "more", POOL, 3)
-    coll.save(WORK / "incr", incremental=True)
+    for k, name in enumerate(("incr1", "incr2", "incr")):
+        train(coll, 1, f"more{k}", POOL, 3)
+        assert coll.save(WORK / name, incremental=True, chain_limit=np.inf) == "incremental"
     write_expected(coll, WORK / "expected_incr.npz")
 elif MODE == "load":
+    if R == 0:  # the saves between the full one and the newest are read through their packs
+        for name in ("incr1", "incr2"):
+            os.rename(WORK / name / "manifest.json", WORK / name / "manifest.json.unread")
+    comm.barrier()
     incr = hbk.EmbeddingCollection.load(WORK / "incr", comm=comm)
     compare(incr, WORK / "expected_incr.npz", incr.dynamic_counts("t")["evicted"])
     coll = hbk.EmbeddingCollection.load(WORK / "ckpt", comm=comm)

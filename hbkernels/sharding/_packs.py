@@ -1,0 +1,285 @@
+"""The files of incremental saves (format 4), and chains of them read through these
+files alone.
+
+Each rank of an incremental save writes one file (a *pack*: a ``.npy`` of bytes, each
+array at an offset that is a multiple of :data:`ALIGN`). Its first array is the pack's
+*head*: :data:`HEAD` (the magic, how many arrays follow, the crc32 of their
+:func:`layout`, the bytes of the link), the number of rows of each array (int64),
+then, in rank 0's pack, the save's link to its parent (what the manifest's ``parent``
+says, :func:`~._manifest.check_link`, in binary: :data:`LINK`, a :data:`PACK` for each
+of the parent's packs, the parent's save directory, the path to the parent). Each
+array's place follows from its rows and the layout, so the head is all a reader needs
+besides the layout.
+
+The manifest of a save names its parent's packs with their bytes and crc32 where the
+parent is an incremental save of format 4, so a load opens such a parent through its
+packs alone, and the parent's head names the packs of its own parent: :func:`walk`
+follows a chain from one checked manifest, reading one file per rank and save, each
+checked against the bytes and crc32 its child names, the rows of every save checked
+against the layout of the newest save's checked manifest. :class:`Run` holds what it
+read and gathers an array of every save of the run at once.
+"""
+import json
+import os
+import struct
+import zlib
+
+import numpy as np
+
+from .._files import open_regular, read_upto
+from ..errors import CheckpointError
+from . import _manifest
+
+ALIGN = 64  # byte alignment of each array in a pack
+HEAD = struct.Struct("<8sIII4x")  # magic, arrays, crc32 of their layout, bytes of the link
+LINK = struct.Struct("<IIHH")  # the parent manifest's crc32, its packs, bytes of its save
+#                                directory's name and of the path to it
+PACK = struct.Struct("<IIQ")  # one of the parent's packs: its rank, crc32 and bytes
+MAGIC = b"hbkpack4"
+_NPY = struct.Struct("<8sH")  # a .npy file's magic and version 1.0, then its header's bytes
+_NPY_MAGIC = b"\x93NUMPY\x01\x00"
+
+
+def layout(entries):
+    """The crc32 of what the manifest ``entries`` of one pack hold, less their rows:
+    table, array, slice, rows of the shard, columns, dtype and dimensions, in order."""
+    keys = [[e["table"], e["array"], e["slice"], e["row_start"], e["row_step"], e["c0"],
+             e["c1"], e["dtype"], len(e["shape"])] for e in entries]
+    return zlib.crc32(json.dumps(keys).encode())
+
+
+def _link(link):
+    """``(path, crc32, save directory, ((rank, crc32, bytes) of each pack), ranks)`` of
+    a manifest's checked ``link`` (no directory, no packs: a parent that has none)."""
+    named = [(_manifest.PACK_FILE.fullmatch(name), size, crc) for name, size, crc in link.get("packs") or []]
+    packs = tuple((int(m[2]), crc, size) for m, size, crc in named)
+    return (link["path"], link["crc32"], named[0][0][1] if named else "", packs,
+            tuple(p[0] for p in packs))
+
+
+def head(entries, link):
+    """The head of a pack holding the arrays of manifest ``entries`` (their
+    ``num_rows`` set), with ``link`` (a manifest's link, or None but in rank 0's pack)."""
+    text = b""
+    if link is not None:
+        path, crc, directory, packs, _ = _link(link)
+        path, directory = path.encode(), directory.encode()
+        text = (LINK.pack(crc, len(packs), len(directory), len(path))
+                + b"".join(PACK.pack(*p) for p in packs) + directory + path)
+    rows = np.array([e["num_rows"] for e in entries], np.int64)
+    return np.frombuffer(HEAD.pack(MAGIC, len(entries), layout(entries), len(text))
+                         + rows.tobytes() + text, np.uint8)
+
+
+def _read_link(raw, at, size, where):
+    """The link (as :func:`_link` gives it) of ``size`` bytes at ``at`` of a head's
+    bytes ``raw``, checked (the file ``where``)."""
+    try:
+        crc, n, dir_bytes, path_bytes = LINK.unpack_from(raw, at)
+        at += LINK.size
+        packs = tuple(PACK.iter_unpack(raw[at:at + n * PACK.size]))
+        at += n * PACK.size
+        directory = raw[at:at + dir_bytes].decode("ascii")
+        path = raw[at + dir_bytes:at + dir_bytes + path_bytes].decode()
+    except (struct.error, ValueError) as e:  # UnicodeDecodeError included
+        raise CheckpointError(f"{where}: unreadable link in its head ({e})") from None
+    ranks = tuple(p[0] for p in packs) if n != 1 else (packs[0][0],)
+    if (LINK.size + n * PACK.size + dir_bytes + path_bytes != size or not path
+            or (n and not _manifest.is_save_dir(directory))
+            or (n > 1 and list(ranks) != sorted(set(ranks)))):
+        raise CheckpointError(f"{where}: unreadable link in its head (its parent {path!r}, "
+                              f"directory {directory!r}, ranks {ranks})")
+    return path, crc, directory, packs, ranks
+
+
+def _align(n):
+    return -(-n // ALIGN) * ALIGN
+
+
+def _row_bytes(entry):
+    """Bytes of one row of the array of manifest ``entry``."""
+    cols = 1 if len(entry["shape"]) == 1 else entry["c1"] - entry["c0"]
+    return cols * np.dtype(entry["dtype"]).itemsize
+
+
+def _read(name, size, crc, child):
+    """The bytes of pack ``name``, a regular file (:func:`~hbkernels._files.open_regular`)
+    which must hold ``size`` bytes of crc32 ``crc`` (as ``child`` names it)."""
+    try:
+        fd, actual = open_regular(name)
+        try:
+            data = read_upto(fd, size) if actual == size else b""
+        finally:
+            os.close(fd)
+    except FileNotFoundError:
+        raise CheckpointError(f"{name}: missing; the save {child} chains to was overwritten "
+                              f"or removed") from None
+    except OSError as e:
+        raise CheckpointError(f"{name}: cannot read checkpoint file ({e.strerror or e})") from None
+    if len(data) != size or zlib.crc32(data) != crc:
+        raise CheckpointError(f"{name}: checkpoint file is corrupt ({actual} bytes; {child} "
+                              f"names {size} bytes of crc32 {crc:08x})")
+    return data
+
+
+class Run:
+    """Incremental saves of format 4, newest first, read through their packs by
+    :func:`walk`: ``dirs`` (each save's directory), ``names`` (its packs' names, from
+    that directory), ``rows`` ([saves, arrays of the layout]) and ``offsets`` (where
+    each array is in its pack). ``entries`` is the layout: the newest manifest's
+    entries, each with ``pack`` (the index of its file among a save's packs, of ranks
+    ``ranks``) and ``limit`` (the most rows it may hold)."""
+
+    def __init__(self, entries, ranks):
+        self.entries, self.ranks = entries, ranks
+        mine = [[e for e in entries if e["pack"] == k] for k in range(len(ranks))]
+        self._heads = [(len(m), layout(m)) for m in mine]  # what each pack's head says
+        self._rows_of = [struct.Struct(f"<{len(m)}q") for m in mine]  # its rows, in the head
+        first = np.cumsum([0] + [len(m) for m in mine])
+        self._order = np.array([first[e["pack"]] + mine[e["pack"]].index(e) for e in entries],
+                               np.int64)  # each entry's place in a save's heads, one after another
+        self._pack = np.array([e["pack"] for e in entries], np.int64)
+        self._cols = [np.flatnonzero(self._pack == k) for k in range(len(ranks))]
+        self._row_bytes = np.array([_row_bytes(e) for e in entries], np.int64)
+        self._limit = np.array([e["limit"] for e in entries], np.int64)
+        self._groups = _same_rows(entries)
+        self.dirs, self.names, self.data = [], [], []
+        self._rows, self._ends = [], []
+
+    def __len__(self):
+        return len(self.dirs)
+
+    def add(self, directory, names, data):
+        """Add the save in ``directory`` whose packs ``names`` hold ``data``. Returns its
+        link (as :func:`_link` gives it), or None where a pack's head is not of the
+        newest save's layout (then the run ends above it)."""
+        rows, ends, link = [], [], None
+        for k, raw in enumerate(data):
+            magic, at = _NPY.unpack_from(raw) if len(raw) >= _NPY.size else (None, 0)
+            at += _NPY.size
+            if magic != _NPY_MAGIC or at % ALIGN or at + HEAD.size > len(raw):
+                raise CheckpointError(f"{directory}/{names[k]}: not a pack (a .npy file of "
+                                      f"format 1.0 with a head)")
+            magic, n, crc, text = HEAD.unpack_from(raw, at)
+            if magic != MAGIC or (n, crc) != self._heads[k]:
+                return None
+            end = at + HEAD.size + 8 * n
+            if end + text > len(raw) or (text and k) or not (text or k):
+                raise CheckpointError(f"{directory}/{names[k]}: its head runs past the file, or "
+                                      f"its link is missing or not in rank 0's file")
+            rows += self._rows_of[k].unpack_from(raw, at + HEAD.size)
+            ends.append(end + text)
+            if text:
+                link = _read_link(raw, end, text, f"{directory}/{names[k]}")
+        self.dirs.append(directory)
+        self.names.append(names)
+        self.data.append([memoryview(raw) for raw in data])
+        self._rows.append(rows)
+        self._ends.append(ends)
+        return link
+
+    def close(self):
+        """Check every save's rows against the layout (bounds, the same rows in the
+        arrays of one kind of row, the packs' sizes) and place its arrays."""
+        self.rows = np.array(self._rows, np.int64).reshape(len(self), -1)[:, self._order]
+        sizes = self.rows * self._row_bytes
+        bad = ((self.rows < 0) | (self.rows > self._limit)).any(axis=1)
+        for group in self._groups:
+            bad |= (self.rows[:, group] != self.rows[:, group[:1]]).any(axis=1)
+        lengths = np.array([[len(raw) for raw in data] for data in self.data], np.int64)
+        ends = np.array(self._ends, np.int64)
+        self.offsets = np.zeros_like(sizes)
+        for k, cols in enumerate(self._cols):
+            end = ends[:, k]  # of the head
+            if cols.size:  # each array at the first multiple of ALIGN after the one before
+                step = np.cumsum(_align(sizes[:, cols]), axis=1)
+                self.offsets[:, cols] = _align(end)[:, None] + step - _align(sizes[:, cols])
+                end = self.offsets[:, cols[-1]] + sizes[:, cols[-1]]
+            bad |= end != lengths[:, k]
+        if bad.any():
+            s = int(np.argmax(bad))
+            raise CheckpointError(f"{self.dirs[s]}: its packs do not hold the rows their heads "
+                                  f"name ({self.rows[s].tolist()})")
+        del self._rows, self._ends
+
+    def arrays(self, table, array):
+        """``(values, rows)``: ``array`` of ``table`` of every save of the run, newest
+        first (within a save, its packs in rank order), and how many rows of it each
+        save holds; None where the layout has no such array."""
+        cols = sorted((j for j, e in enumerate(self.entries)
+                       if e["table"] == table and e["array"] == array),
+                      key=lambda j: self.entries[j]["row_start"])
+        if not cols:
+            return None
+        first = self.entries[cols[0]]
+        dtype, size = np.dtype(first["dtype"]), _row_bytes(first)
+        rows = self.rows[:, cols]
+        packs = [self.entries[j]["pack"] for j in cols]
+        ats, ns = self.offsets[:, cols].tolist(), (rows * size).tolist()
+        values = np.frombuffer(b"".join([data[k][at:at + n] for data, at_s, n_s in zip(self.data, ats, ns)
+                                         for k, at, n in zip(packs, at_s, n_s)]), dtype)
+        shape = (-1,) if len(first["shape"]) == 1 else (-1, size // dtype.itemsize)
+        return values.reshape(shape), rows.sum(axis=1)
+
+    def save(self, s):
+        """``(entries, {file: bytes})`` of save ``s`` of the run: the manifest entries
+        its packs hold (their ``crc32`` computed here: the packs were checked whole)
+        and the bytes of each pack."""
+        contents = dict(zip(self.names[s], self.data[s]))
+        entries = []
+        for j, e in enumerate(self.entries):
+            n, f = int(self.rows[s, j]), self.names[s][e["pack"]]
+            offset, size = int(self.offsets[s, j]), n * _row_bytes(e)
+            entry = {key: v for key, v in e.items() if key not in ("pack", "limit")}
+            entries.append(dict(entry, file=f, num_rows=n, offset=offset, bytes=size,
+                                shape=[n] if len(e["shape"]) == 1 else [n, e["c1"] - e["c0"]],
+                                crc32=zlib.crc32(contents[f][offset:offset + size])))
+        return entries, contents
+
+
+def walk(path, link, entries, limits, depth, max_depth):
+    """Follow ``link`` (the checked link of the save in directory ``path``, whose
+    checked manifest ``entries`` give the layout; ``limits``: table -> the most rows
+    an array of it may hold) through the incremental saves of format 4 it chains to,
+    as long as their packs hold that layout. Returns ``(run or None, directory, link,
+    depth)``: where the run ends, the directory of its oldest save (else ``path``) and
+    that save's link (``{"path", "crc32"}``), and ``depth`` plus the saves of the run."""
+    path_to, crc, directory, packs, ranks = _link(link)
+    mine = [_manifest.PACK_FILE.fullmatch(e["file"]) for e in entries]
+    mine = [int(m[2]) if m else -1 for m in mine]  # the rank of each entry's pack
+    if not ranks or any(r not in ranks for r in mine):
+        return None, path, link, depth
+    run = Run([dict(e, pack=ranks.index(r), limit=limits[e["table"]])
+               for e, r in zip(entries, mine)], ranks)
+    child = os.path.join(path, "manifest.json")
+    below_ranks, files = ranks, [f"/r{rank}.pack.npy" for rank in ranks]
+    while below_ranks == ranks:
+        if depth >= max_depth:
+            raise CheckpointError(f"{child}: a chain of more than {max_depth} incremental saves")
+        at = os.path.normpath(os.path.join(path, path_to))
+        names = [directory + name for name in files]
+        data = [_read(f"{at}/{name}", size, crc_p, child)
+                for name, (_, crc_p, size) in zip(names, packs)]
+        below = run.add(at, names, data)
+        if below is None:
+            break
+        path, depth, child = at, depth + 1, f"{at}/{names[0]}"
+        path_to, crc, directory, packs, below_ranks = below
+    if not len(run):
+        return None, path, link, depth
+    run.close()
+    return run, path, {"path": path_to, "crc32": crc}, depth
+
+
+def _same_rows(entries):
+    """Groups of columns of the layout ``entries`` that must hold the same rows: of one
+    table and shard, the live ids and their scores; the pending ones; the changed rows
+    (rows, weights, optimizer state)."""
+    groups = {}
+    for j, e in enumerate(entries):
+        if e["array"] in ("evicted", "pending_removed"):
+            continue
+        kind = ("pending" if e["array"].startswith("pending_") else
+                "live" if e["array"] in ("ids", "last", "count") else "changed")
+        groups.setdefault((e["table"], e["slice"], e["row_start"], kind), []).append(j)
+    return [g for g in groups.values() if len(g) > 1]
