@@ -73,21 +73,22 @@ def head(entries, link):
 
 def _read_link(raw, at, size, where):
     """The link (as :func:`_link` gives it) of ``size`` bytes at ``at`` of a head's
-    bytes ``raw``, checked (the file ``where``)."""
+    bytes ``raw``, checked (the file ``where()`` names)."""
     try:
         crc, n, dir_bytes, path_bytes = LINK.unpack_from(raw, at)
         at += LINK.size
-        packs = tuple(PACK.iter_unpack(raw[at:at + n * PACK.size]))
+        packs = ((PACK.unpack_from(raw, at),) if n == 1 else
+                 tuple(PACK.iter_unpack(raw[at:at + n * PACK.size])))
         at += n * PACK.size
         directory = raw[at:at + dir_bytes].decode("ascii")
         path = raw[at + dir_bytes:at + dir_bytes + path_bytes].decode()
     except (struct.error, ValueError) as e:  # UnicodeDecodeError included
-        raise CheckpointError(f"{where}: unreadable link in its head ({e})") from None
+        raise CheckpointError(f"{where()}: unreadable link in its head ({e})") from None
     ranks = tuple(p[0] for p in packs) if n != 1 else (packs[0][0],)
     if (LINK.size + n * PACK.size + dir_bytes + path_bytes != size or not path
             or (n and not _manifest.is_save_dir(directory))
             or (n > 1 and list(ranks) != sorted(set(ranks)))):
-        raise CheckpointError(f"{where}: unreadable link in its head (its parent {path!r}, "
+        raise CheckpointError(f"{where()}: unreadable link in its head (its parent {path!r}, "
                               f"directory {directory!r}, ranks {ranks})")
     return path, crc, directory, packs, ranks
 
@@ -170,7 +171,7 @@ class Run:
             rows += self._rows_of[k].unpack_from(raw, at + HEAD.size)
             ends.append(end + text)
             if text:
-                link = _read_link(raw, end, text, f"{directory}/{names[k]}")
+                link = _read_link(raw, end, text, lambda: f"{directory}/{names[0]}")
         self.dirs.append(directory)
         self.names.append(names)
         self.data.append([memoryview(raw) for raw in data])

@@ -698,10 +698,7 @@ class Checkpoint:
         if run is None:
             return parent
         run.below = parent
-        saves = [_PackSave(run, s, self) for s in range(len(run))]
-        for save, below in zip(saves, saves[1:] + [parent]):
-            save.parent = below
-        return saves[0]
+        return _PackSave(run, 0, self.tables, self._specs, self._slots)
 
     def saved(self):
         """``{(table, array)}`` saved anywhere in the chain."""
@@ -730,10 +727,36 @@ class Checkpoint:
         self._reader.changed_rows(table, array, rows, c0, c1, out)
 
     def _parts(self, last):
-        """:func:`_parts` of ``chain(last)``, computed once."""
-        if last not in self._chain_parts:
-            self._chain_parts[last] = _parts(self.chain(last))
-        return self._chain_parts[last]
+        """The saves of ``chain(last)`` in parts (computed once): ``(first, arrays, path,
+        full)`` of each save opened through its manifest and of each run of
+        :class:`_PackSave`: ``first`` is the index in the chain of its first save,
+        ``arrays(table, array)`` gives ``(values, rows of each save)`` (None where the
+        part has no such array), ``path`` is the directory of its oldest save and
+        ``full`` whether that is a full save. (No part refers to a save, so a save
+        holding its parts holds no cycle.)"""
+        if last in self._chain_parts:
+            return self._chain_parts[last]
+        parts, save, k = [], self, 0
+        while True:
+            if isinstance(save, _PackSave):  # the rest of its run (no save of it is last)
+                run = save.run
+                parts.append((k, run.arrays, run.dirs[-1], False))
+                k += len(run) - save.index
+                save = run.below
+                continue
+
+            def arrays(table, array, reader=save._reader):
+                if not reader.has(table, array):
+                    return None
+                values = reader.all_rows(table, array)
+                return values, np.array([values.shape[0]])
+
+            parts.append((k, arrays, save.path, save.parent is None))
+            if last(save):
+                break
+            save, k = save.parent, k + 1
+        self._chain_parts[last] = parts
+        return parts
 
     def chain(self, last=None):
         """This save and its parents, newest first, to the first ``save`` where
@@ -929,15 +952,22 @@ class Checkpoint:
 
 class _PackSave(Checkpoint):
     """Save ``s`` of :class:`_packs.Run` ``run``: an incremental save of format 4 opened
-    through its packs alone, below ``top`` (the save whose manifest was read, whose
-    tables and layout it holds)."""
+    through its packs alone, below the save whose manifest was read, whose ``tables``
+    (``specs``, optimizer ``slots``) and layout it holds. Its parent is made when asked
+    for."""
 
     version = VERSION
 
-    def __init__(self, run, s, top):  # noqa: D107 - no manifest to read (see the class)
+    def __init__(self, run, s, tables, specs, slots):  # noqa: D107 - no manifest to read
         self.run, self.index, self.path = run, s, run.dirs[s]
-        self.tables, self._specs, self._slots = top.tables, top._specs, top._slots
-        self._chain_parts, self.parent = {}, None
+        self.tables, self._specs, self._slots = tables, specs, slots
+        self._chain_parts = {}
+
+    @functools.cached_property
+    def parent(self):
+        s = self.index + 1
+        return (self.run.below if s == len(self.run) else
+                _PackSave(self.run, s, self.tables, self._specs, self._slots))
 
     @functools.cached_property
     def _reader(self):
@@ -951,31 +981,3 @@ class _PackSave(Checkpoint):
 def _is_full(save):
     """``save`` is a full save (its chain starts there)."""
     return save.parent is None
-
-
-def _parts(chain):
-    """The saves of ``chain`` (newest first) in parts: ``(first, arrays, path, full)``
-    of each save opened through its manifest and of each run of :class:`_PackSave`:
-    ``first`` is the index in the chain of its first save, ``arrays(table, array)``
-    gives ``(values, rows of each save)`` (None where the part has no such array),
-    ``path`` is the directory of its oldest save and ``full`` whether that is a full
-    save. (No part refers to a save, so a save holding its parts holds no cycle.)"""
-    parts, k = [], 0
-    while k < len(chain):
-        save = chain[k]
-        if isinstance(save, _PackSave):
-            n = len(save.run) - save.index
-            parts.append((k, save.run.arrays, chain[k + n - 1].path, False))
-            k += n
-            continue
-
-        def arrays(table, array, reader=save._reader):
-            if not reader.has(table, array):
-                return None
-            values = reader.all_rows(table, array)
-            return values, np.array([values.shape[0]])
-
-        parts.append((k, arrays, save.path, save.parent is None))
-        k += 1
-    return parts
-
