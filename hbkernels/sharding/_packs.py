@@ -144,7 +144,8 @@ class Run:
         self._row_bytes = np.array([_row_bytes(e) for e in entries], np.int64)
         self._limit = np.array([e["limit"] for e in entries], np.int64)
         self._groups = _same_rows(entries)
-        self.dirs, self.names, self.data = [], [], []
+        self.dirs, self.names = [], []
+        self.packs = [[] for _ in ranks]  # of each rank, its file of each save (a memoryview)
         self._rows, self._ends = [], []
 
     def __len__(self):
@@ -174,7 +175,8 @@ class Run:
                 link = _read_link(raw, end, text, lambda: f"{directory}/{names[0]}")
         self.dirs.append(directory)
         self.names.append(names)
-        self.data.append([memoryview(raw) for raw in data])
+        for k, raw in enumerate(data):
+            self.packs[k].append(memoryview(raw))
         self._rows.append(rows)
         self._ends.append(ends)
         return link
@@ -187,7 +189,7 @@ class Run:
         bad = ((self.rows < 0) | (self.rows > self._limit)).any(axis=1)
         for group in self._groups:
             bad |= (self.rows[:, group] != self.rows[:, group[:1]]).any(axis=1)
-        lengths = np.array([[len(raw) for raw in data] for data in self.data], np.int64)
+        lengths = np.array([[len(raw) for raw in pack] for pack in self.packs], np.int64).T
         ends = np.array(self._ends, np.int64)
         self.offsets = np.zeros_like(sizes)
         for k, cols in enumerate(self._cols):
@@ -215,10 +217,11 @@ class Run:
         first = self.entries[cols[0]]
         dtype, size = np.dtype(first["dtype"]), _row_bytes(first)
         rows = self.rows[:, cols]
-        packs = [self.entries[j]["pack"] for j in cols]
-        ats, ns = self.offsets[:, cols].tolist(), (rows * size).tolist()
-        values = np.frombuffer(b"".join([data[k][at:at + n] for data, at_s, n_s in zip(self.data, ats, ns)
-                                         for k, at, n in zip(packs, at_s, n_s)]), dtype)
+        ats, ends = self.offsets[:, cols], self.offsets[:, cols] + rows * size
+        files = (self.packs[first["pack"]] if len(cols) == 1 else
+                 [self.packs[self.entries[j]["pack"]][s] for s in range(len(self)) for j in cols])
+        values = np.frombuffer(b"".join([f[a:b] for f, a, b in zip(files, ats.ravel().tolist(),
+                                                                    ends.ravel().tolist())]), dtype)
         shape = (-1,) if len(first["shape"]) == 1 else (-1, size // dtype.itemsize)
         return values.reshape(shape), rows.sum(axis=1)
 
@@ -226,7 +229,7 @@ class Run:
         """``(entries, {file: bytes})`` of save ``s`` of the run: the manifest entries
         its packs hold (their ``crc32`` computed here: the packs were checked whole)
         and the bytes of each pack."""
-        contents = dict(zip(self.names[s], self.data[s]))
+        contents = {name: pack[s] for name, pack in zip(self.names[s], self.packs)}
         entries = []
         for j, e in enumerate(self.entries):
             n, f = int(self.rows[s, j]), self.names[s][e["pack"]]
