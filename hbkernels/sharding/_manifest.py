@@ -7,8 +7,10 @@ generates them from the table's position, never from its name). Every field a
 reader uses is checked here before a file is opened: types, ranges, the table
 and optimizer slot each file belongs to, its rows and columns inside the table,
 its shape from its rows and columns, its dtype, size and crc32 (and in an
-incremental save of format 3, whose arrays share one file per rank, its
-``offset`` in that file). The manifest carries the crc32 of its own canonical
+incremental save of format 3 or later, whose arrays share one file per rank, its
+``offset`` in that file), and the link to a parent (:func:`check_link`: from
+format 4 it names the files of a parent that is an incremental save). The
+manifest carries the crc32 of its own canonical
 JSON (:func:`seal`), written first (:func:`sealed_text`). Any violation is a
 :class:`~hbkernels.CheckpointError` naming the manifest.
 """

@@ -129,7 +129,8 @@ class Run:
     that directory), ``rows`` ([saves, arrays of the layout]) and ``offsets`` (where
     each array is in its pack). ``entries`` is the layout: the newest manifest's
     entries, each with ``pack`` (the index of its file among a save's packs, of ranks
-    ``ranks``) and ``limit`` (the most rows it may hold)."""
+    ``ranks``) and ``limit`` (the most rows it may hold). Its opener sets ``below``, the
+    save its oldest chains to."""
 
     def __init__(self, entries, ranks):
         self.entries, self.ranks = entries, ranks

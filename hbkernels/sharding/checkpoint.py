@@ -958,7 +958,7 @@ class _PackSave(Checkpoint):
 
     version = VERSION
 
-    def __init__(self, run, s, tables, specs, slots):  # noqa: D107 - no manifest to read
+    def __init__(self, run, s, tables, specs, slots):  # no manifest to read: see the class
         self.run, self.index, self.path = run, s, run.dirs[s]
         self.tables, self._specs, self._slots = tables, specs, slots
         self._chain_parts = {}
