@@ -204,6 +204,19 @@ DYNAMIC_ARRAYS = {name: True for name in ("ids", "last", "count", "pending_ids",
 # (one value per row; an incremental save's evicted and pending_removed: ids gone since)
 
 
+def row_kind(array, incremental):
+    """The kind of row ``array`` of a save (``incremental`` or not) holds; the arrays of
+    one kind of one shard hold the same rows: ``"live"`` (a dynamic table's live or
+    used ids and their scores), ``"pending"`` (its pending ids), ``"changed"`` (in an
+    incremental save, the rows it wrote: ``rows``, weights, optimizer state), or, for
+    ``evicted`` and ``pending_removed`` (ids gone), the array's own name."""
+    if array in ("evicted", "pending_removed"):
+        return array
+    if array.startswith("pending_"):
+        return "pending"
+    return "changed" if incremental and array not in DYNAMIC_ARRAYS else "live"
+
+
 def _check_dynamic(where, name, files, incremental, changes, pending):
     """A dynamic table's files: for each rank that wrote some, ``ids``, ``weights``,
     ``last`` and ``count``, and with ``pending`` ids (``admit_count`` > 1) the
@@ -228,16 +241,8 @@ def _check_dynamic(where, name, files, incremental, changes, pending):
         missing = sorted(needed - set(arrays))
         if missing:
             _fail(where, f"table {name!r}: rank {rank}'s files lack {missing}")
-
-        def kind(array):
-            if array in ("evicted", "pending_removed"):
-                return array
-            if array.startswith("pending_"):
-                return "pending"
-            return "changed" if incremental and array not in DYNAMIC_ARRAYS else "live"
-
         for part in ("live", "pending", "changed"):
-            rows = {a: n for a, n in arrays.items() if kind(a) == part}
+            rows = {a: n for a, n in arrays.items() if row_kind(a, incremental) == part}
             if len(set(rows.values())) > 1:
                 _fail(where, f"table {name!r}: rank {rank}'s files hold different numbers of "
                              f"rows {rows}")

@@ -77,14 +77,13 @@ def _read_link(raw, at, size, where):
     try:
         crc, n, dir_bytes, path_bytes = LINK.unpack_from(raw, at)
         at += LINK.size
-        packs = ((PACK.unpack_from(raw, at),) if n == 1 else
-                 tuple(PACK.iter_unpack(raw[at:at + n * PACK.size])))
+        packs = tuple(PACK.iter_unpack(raw[at:at + n * PACK.size]))
         at += n * PACK.size
         directory = raw[at:at + dir_bytes].decode("ascii")
         path = raw[at + dir_bytes:at + dir_bytes + path_bytes].decode()
     except (struct.error, ValueError) as e:  # UnicodeDecodeError included
         raise CheckpointError(f"{where()}: unreadable link in its head ({e})") from None
-    ranks = tuple(p[0] for p in packs) if n != 1 else (packs[0][0],)
+    ranks = tuple(p[0] for p in packs)
     if (LINK.size + n * PACK.size + dir_bytes + path_bytes != size or not path
             or (n and not _manifest.is_save_dir(directory))
             or (n > 1 and list(ranks) != sorted(set(ranks)))):
@@ -277,14 +276,10 @@ def walk(path, link, entries, limits, depth, max_depth):
 
 
 def _same_rows(entries):
-    """Groups of columns of the layout ``entries`` that must hold the same rows: of one
-    table and shard, the live ids and their scores; the pending ones; the changed rows
-    (rows, weights, optimizer state)."""
+    """Groups of columns of the layout ``entries`` (of an incremental save) that must hold
+    the same rows: of one table and shard, those of one :func:`~._manifest.row_kind`."""
     groups = {}
     for j, e in enumerate(entries):
-        if e["array"] in ("evicted", "pending_removed"):
-            continue
-        kind = ("pending" if e["array"].startswith("pending_") else
-                "live" if e["array"] in ("ids", "last", "count") else "changed")
+        kind = _manifest.row_kind(e["array"], True)
         groups.setdefault((e["table"], e["slice"], e["row_start"], kind), []).append(j)
     return [g for g in groups.values() if len(g) > 1]

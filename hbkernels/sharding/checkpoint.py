@@ -771,7 +771,7 @@ class Checkpoint:
         save: each id's from the newest save of the chain that wrote its row (one sort
         over the rows every save of the chain wrote, however long the chain)."""
         parts = self._parts(_is_full)
-        keys, position, sizes = [], [], [0]
+        keys, position, sizes = [], [], []
         for first, part, _, full in parts:
             values, rows = part(table, "ids" if full else "rows")
             keys.append(values)
@@ -783,7 +783,7 @@ class Checkpoint:
             raise CheckpointError(f"{os.path.join(parts[-1][2], MANIFEST)}: no saved "
                                   f"{arrays[0]} for id {int(ids[~here][0])} of table {table!r}")
         at = newest[at]  # into the parts' rows, one after another: the full save's last
-        start = int(np.sum(sizes[:-1]))  # of the full save's rows
+        start = sum(sizes[:-1])  # of the full save's rows
         older = at - start
         newer = np.flatnonzero(older < 0)  # ids whose row an incremental save wrote
         out = {}
