@@ -184,7 +184,8 @@ def test_incremental_saves_chain_and_replay(rng, tmp_path):
 
     def train(steps):
         for _ in range(steps):
-            feats = {"t": batch(rng, pool), "u": rng.integers(0, 20, 6)}  # u: rows < 20 change
+            # t: at most 18 ids a call, within capacity; u: rows < 20 change
+            feats = {"t": batch(rng, pool, max_len=3), "u": rng.integers(0, 20, 6)}
             out = coll.forward(feats)
             coll.backward({f: rng.standard_normal(o.shape).astype(np.float32) for f, o in out.items()})
 
@@ -192,7 +193,7 @@ def test_incremental_saves_chain_and_replay(rng, tmp_path):
     coll.save(tmp_path / "a")
     for name in ("b", "c"):
         train(3)
-        coll.forward({"t": batch(rng, pool), "u": rng.integers(0, 20, 6)})  # admits, no update
+        coll.forward({"t": batch(rng, pool, max_len=3), "u": rng.integers(0, 20, 6)})  # admits, no update
         coll.save(tmp_path / name, incremental=True, chain_limit=np.inf)
         manifest = read_manifest(tmp_path / name)
         assert manifest["parent"]["path"] == ("../a" if name == "b" else "../b")
@@ -209,7 +210,7 @@ def test_incremental_saves_chain_and_replay(rng, tmp_path):
 
 def test_a_broken_link_is_refused_naming_its_file(rng, tmp_path):
     coll = hbk.EmbeddingCollection([dynamic(capacity=20), static("u")], comm=LOCAL)
-    feats = {"t": batch(rng, np.arange(30)), "u": rng.integers(0, 64, 6)}
+    feats = {"t": batch(rng, np.arange(20)), "u": rng.integers(0, 64, 6)}  # within capacity
     coll.forward(feats)
     coll.save(tmp_path / "a")
     coll.forward(feats)
@@ -236,7 +237,7 @@ def test_torch_state_dict_round_trip(rng):
     src = module()
     pool = rng.integers(-2**63, 2**63 - 1, 30, dtype=np.int64)
     for _ in range(4):
-        b = batch(rng, pool)
+        b = batch(rng, pool, max_len=2)  # at most 12 distinct ids a call: within capacity
         out = src({"t": (torch.from_numpy(b.values), torch.from_numpy(b.offsets)),
                    "u": torch.from_numpy(rng.integers(0, 64, 6))})
         sum(o.sum() for o in out.values()).backward()
