@@ -1,4 +1,4 @@
-"""Finding keys in an ascending NumPy array of keys."""
+"""Ascending NumPy arrays of keys: making them, finding keys in them."""
 import numpy as np
 
 
@@ -10,3 +10,13 @@ def find_sorted(sorted_keys, keys):
         return np.zeros(keys.shape[0], np.int64), np.zeros(keys.shape[0], bool)
     at = np.minimum(np.searchsorted(sorted_keys, keys), sorted_keys.shape[0] - 1)
     return at, sorted_keys[at] == keys
+
+
+def distinct(keys):
+    """The distinct values of the 1-D NumPy array ``keys``, ascending: ``np.unique(keys)``
+    by one sort (NumPy's own hashes them without ``return_*``, tens of times slower on
+    distinct ids)."""
+    keys = np.sort(keys)
+    keep = np.ones(keys.shape[0], bool)
+    keep[1:] = keys[1:] != keys[:-1]
+    return keys[keep]

@@ -279,3 +279,23 @@ def test_a_file_missing_from_the_manifest_is_a_gap_not_garbage(saved):
     m["files"] = [f for f in m["files"] if not (f["table"] == "user" and f["array"] == "weights")]
     write_manifest(saved, m)
     refused(saved, "no saved weights for row", "'user'")
+
+
+def test_a_dynamic_tables_id_saved_twice(tmp_path):
+    """A full save whose ids of a dynamic table list one id twice (the file and its
+    manifest entry rewritten to match) is refused, naming the table."""
+    spec = hbk.TableSpec("d", num_rows=None, dim=3, capacity=16)
+    coll = hbk.EmbeddingCollection([spec], comm=local(), optimizer=hbk.optim.Adagrad(lr=0.1))
+    coll.forward({"d": np.array([5, -2**63, 2**63 - 1, 7])})
+    coll.save(tmp_path / "ckpt")
+    load(tmp_path / "ckpt")
+    m = manifest_of(tmp_path / "ckpt")
+    entry = next(f for f in m["files"] if f["table"] == "d" and f["array"] == "ids")
+    target = tmp_path / "ckpt" / entry["file"]
+    ids = np.load(target)
+    ids[-1] = ids[0]
+    np.save(target, ids)
+    raw = target.read_bytes()
+    entry["bytes"], entry["crc32"] = len(raw), zlib.crc32(raw)
+    write_manifest(tmp_path / "ckpt", m)
+    refused(tmp_path / "ckpt", "table 'd' has an id saved twice")

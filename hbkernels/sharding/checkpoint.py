@@ -72,7 +72,7 @@ import numpy as np
 from .. import optim as _optim
 from .._dispatch import classify, host
 from .._files import fsync_dir, open_regular, read_upto, write_atomic
-from .._sorted import find_sorted
+from .._sorted import distinct, find_sorted
 from .._version import __version__
 from ..errors import CheckpointError
 from ..quantize import QuantizedRows
@@ -849,7 +849,7 @@ class Checkpoint:
         rows = [np.asarray(self._reader.all_rows(table, "rows"))] if self._reader.has(table, "rows") else []
         if self.parent is not None:
             rows.append(self.parent.saved_rows(table))
-        return np.unique(np.concatenate(rows)) if rows else np.zeros(0, np.int64)
+        return distinct(np.concatenate(rows)) if rows else np.zeros(0, np.int64)
 
     def restore_state(self, coll):
         """Write the saved optimizer state of every shard ``coll``'s rank holds into its
@@ -940,7 +940,7 @@ class Checkpoint:
                 position.append(np.repeat(2 * np.arange(first, first + dropped[1].shape[0]) + 1,
                                           dropped[1]))
         every = ids[-1] if listed[0] is not None else np.zeros(0, np.int64)
-        if every.shape[0] != np.unique(every).shape[0]:  # the save listing every id
+        if distinct(every).shape[0] != every.shape[0]:  # the save listing every id
             raise CheckpointError(f"{os.path.join(path, MANIFEST)}: table {name!r} has an "
                                   f"id saved twice")
         if not ids:

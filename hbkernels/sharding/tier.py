@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .._dispatch import device_family, host
-from .._sorted import find_sorted
+from .._sorted import distinct, find_sorted
 from ..hash_table import HashTable
 
 EVICT_SHARE = 32  # an eviction frees at least capacity / EVICT_SHARE slots
@@ -255,12 +255,12 @@ class Tier:
         valid = keys[keys >= 0] if bool((keys < 0).any()) else keys
         if self.cache is None:
             if self.store.touched is not None:
-                self.store.ensure(np.unique(host(valid)))
+                self.store.ensure(distinct(host(valid)))
             return self._family.from_compute(keys)
         found = self._family.compute(self.index.slots(self._family.from_compute(valid), insert=False))
-        distinct, first = np.unique(host(valid), return_index=True)
+        wanted, first = np.unique(host(valid), return_index=True)
         cached = host(found)[first] >= 0  # distinct rows have distinct slots
-        missing = distinct[~cached]
+        missing = wanted[~cached]
         used = int(cached.sum())
         self.stats["lookups"] += used + int(missing.shape[0])
         self.stats["misses"] += int(missing.shape[0])
@@ -377,7 +377,7 @@ class Tier:
         instead of the store."""
         if self.cache is None:
             return
-        rows = np.unique(host(keys))
+        rows = distinct(host(keys))
         rows = rows[rows >= 0]
         found = host(self.index.slots(self._family.put(rows), insert=False))
         rows = rows[found < 0]
