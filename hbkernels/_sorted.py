@@ -14,7 +14,7 @@ def find_sorted(sorted_keys, keys):
 
 def distinct(keys):
     """The distinct values of the 1-D NumPy array ``keys``, ascending: ``np.unique(keys)``
-    by one sort (NumPy's own hashes them without ``return_*``, tens of times slower on
+    by one sort (NumPy's own, without ``return_*``, hashes them: many times slower on
     distinct ids)."""
     keys = np.sort(keys)
     keep = np.ones(keys.shape[0], bool)
