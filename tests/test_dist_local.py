@@ -37,8 +37,12 @@ def data(rng, shape, dtype):
 
 
 # -- import safety and backend selection ------------------------------------------------
+LAUNCHERS_VARS = (hbk.dist.MPI_LAUNCHER_ENV_VARS + hbk.dist.MPI_SIZE_ENV_VARS +
+                  hbk.dist.SLURM_ENV_VARS + hbk.dist.TORCH_LAUNCHER_ENV_VARS)
+
+
 def _clean_env():
-    env = {k: v for k, v in os.environ.items() if k not in hbk.dist.LAUNCHER_ENV_VARS}
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHERS_VARS}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     return env
 
@@ -68,16 +72,99 @@ def test_dist_is_public():
     assert hbk.dist.CommError.__module__ == "hbkernels.dist"
 
 
-def test_under_launcher_reads_the_environment(monkeypatch):
-    for var in hbk.dist.LAUNCHER_ENV_VARS:
+def test_launcher_reads_the_environment(monkeypatch):
+    for var in LAUNCHERS_VARS:
         monkeypatch.delenv(var, raising=False)
-    assert not hbk.dist._under_launcher()
+    assert hbk.dist.launcher() is None
     for var in hbk.dist.LAUNCHER_ENV_VARS:
         monkeypatch.setenv(var, "0")
-        assert hbk.dist._under_launcher(), var
+        assert hbk.dist.launcher() == ("torch" if var == "RANK" else "mpi"), var
         monkeypatch.delenv(var)
     monkeypatch.setenv("PMI_RANK", "")  # set but empty: not a launcher
-    assert not hbk.dist._under_launcher()
+    assert hbk.dist.launcher() is None
+    # variables saying one rank: a plain single process
+    for one in ({"WORLD_SIZE": "1"}, {"SLURM_STEP_NUM_TASKS": "1", "SLURM_PROCID": "0"}, {"PMI_SIZE": "1"},
+                {"WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0"},
+                {"SLURM_NTASKS": "4", "SLURM_PROCID": "0"}):  # an sbatch script's own process
+        with monkeypatch.context() as m:
+            for k, v in one.items():
+                m.setenv(k, v)
+            assert hbk.dist.launcher() is None, one
+            assert hbk.dist.init().backend == "local", one
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "2")  # torch's variables win over srun's
+    monkeypatch.setenv("RANK", "0")
+    assert hbk.dist.launcher() == "torch"
+
+
+@pytest.mark.parametrize("env, expect", [
+    ({"WORLD_SIZE": "4", "LOCAL_RANK": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29700"},
+     "torch"),
+    ({"LOCAL_WORLD_SIZE": "2"}, "torch"),
+    ({"LOCAL_RANK": "1"}, "torch"),
+    ({"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2"}, "mpi"),      # srun without an MPI plugin
+    ({"SLURM_STEP_NUM_TASKS": "3"}, "mpi"),
+    ({"PMI_SIZE": "2"}, "mpi"),
+    ({"OMPI_COMM_WORLD_SIZE": "4"}, "mpi"),
+    ({"MPI_LOCALNRANKS": "2", "WORLD_SIZE": "2"}, "mpi"),      # MPI's variables win
+])
+def test_variables_saying_several_ranks_name_a_launcher(monkeypatch, env, expect):
+    """Any launcher's variables saying there are several ranks name that launcher
+    (so ``init()`` connects them, or raises): never ``None``, a one-rank job."""
+    for var in LAUNCHERS_VARS:
+        monkeypatch.delenv(var, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert hbk.dist.launcher() == expect
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"WORLD_SIZE": "4", "LOCAL_RANK": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29700"},
+     "RANK is unset (RANK=<unset>, WORLD_SIZE=4, MASTER_ADDR=127.0.0.1, MASTER_PORT=29700, "
+     "LOCAL_RANK=2); launch with torchrun, or set RANK"),
+    ({"LOCAL_WORLD_SIZE": "2"}, "RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT are unset"),
+    ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+      "MASTER_PORT": "29700"}, "LOCAL_WORLD_SIZE=2 does not fit in WORLD_SIZE=1 ranks"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "2", "MASTER_ADDR": "127.0.0.1",
+      "MASTER_PORT": "29700"}, "LOCAL_RANK=2 does not fit in WORLD_SIZE=2 ranks"),
+])
+def test_torchs_variables_that_cannot_connect_are_an_error_before_any_import(monkeypatch, env,
+                                                                            message):
+    """Checked from the environment alone: no torch import, no rendezvous."""
+    for var in LAUNCHERS_VARS:
+        monkeypatch.delenv(var, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setitem(sys.modules, "torch", None)  # an import would fail differently
+    monkeypatch.setitem(sys.modules, "torch.distributed", None)
+    for backend in ("auto", "torch"):
+        with pytest.raises(RuntimeError, match="torchrun launch: ") as e:
+            hbk.dist.init(backend)
+        assert message in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("env", [
+    {"PMI_RANK": "1", "PMI_SIZE": "2"},                                   # mpiexec -n 2
+    {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "4"},                           # srun -n 4
+    {"PMI_RANK": "1", "PMI_SIZE": "2", "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+     "MASTER_PORT": "29700"},
+])
+def test_backend_torch_under_an_mpi_launcher_without_torchs_ranks_is_an_error(monkeypatch, env):
+    """torch.distributed is made from torch's variables only: under mpiexec or srun
+    with them unset (or saying one rank), ``init("torch")`` raises, from the
+    environment alone (no torch import), instead of N one-rank torch jobs."""
+    for var in LAUNCHERS_VARS:
+        monkeypatch.delenv(var, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setitem(sys.modules, "torch", None)
+    monkeypatch.setitem(sys.modules, "torch.distributed", None)
+    launched = max(int(v) + k.endswith(("RANK", "PROCID")) for k, v in env.items()
+                   if k.startswith(("PMI", "SLURM")))
+    with pytest.raises(RuntimeError, match=f"backend 'torch': the launcher started {launched} "
+                       "ranks .* but torch.distributed's environment says this process is alone"
+                       r".* use backend 'auto' or 'mpi' under mpiexec or srun, launch with "
+                       "torchrun, or set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT"):
+        hbk.dist.init("torch")
 
 
 def test_init_arguments(monkeypatch):

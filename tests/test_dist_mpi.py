@@ -55,6 +55,37 @@ def test_dead_peer_raises_comm_error_within_the_timeout(n, mode):
     assert seconds < 60, seconds
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_backend_torch_under_mpiexec_is_an_error_not_n_one_rank_jobs(n):
+    """``init("torch")`` under ``mpiexec -n N`` with torch.distributed's variables
+    unset (or saying one rank) raises on every rank, naming the N ranks."""
+    rc, out, _ = mpirun(n, "torch_under_mpiexec.py")
+    assert_ok(rc, out, range(n))
+
+
+@pytest.mark.parametrize("backend, env", [
+    ("auto", {"SLURM_PROCID": 1, "SLURM_STEP_NUM_TASKS": 2}),                 # srun without MPI
+    ("mpi", {"OMPI_COMM_WORLD_RANK": 1, "OMPI_COMM_WORLD_SIZE": 2}),  # another MPI's mpiexec
+    ("nccl", {"PMI_RANK": 0, "PMI_SIZE": 3}),
+])
+def test_a_launcher_whose_ranks_mpi_cannot_see_is_an_error(backend, env):
+    """The launcher's variables say several ranks, but MPI's COMM_WORLD holds this
+    process alone: RuntimeError naming them and the fix, never a world of one."""
+    code = ("import hbkernels as hbk\n"
+            f"try:\n    c = hbk.dist.init({backend!r})\n"
+            "except RuntimeError as e:\n    print('RAISED', e)\n"
+            "else:\n    print('CONNECTED', c)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=_env(**env), cwd=ROOT, timeout=120)
+    out = res.stdout + res.stderr
+    shown = ", ".join(f"{k}={v}" for k, v in env.items())
+    ranks = max(v + k.endswith(("RANK", "PROCID")) for k, v in env.items())
+    assert f"RAISED backend {backend!r}: the launcher started {ranks} ranks ({shown}) but MPI " \
+           "(mpi4py over " in out, out
+    assert "sees this process alone" in out and "launch with the mpiexec of the MPI library " \
+           "mpi4py was built with" in out and "hbk.dist.init('local')" in out, out
+
+
 def test_mpi_backend_without_a_launcher_is_a_world_of_one():
     probe = ("import numpy as np, hbkernels as hbk\n"
              "c = hbk.dist.init('mpi')\n"

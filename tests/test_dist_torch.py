@@ -103,6 +103,8 @@ def probe(env, backend="auto", hide=(), timeout=120):
     ({"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": 2, "MASTER_ADDR": "127.0.0.1",
       "MASTER_PORT": 29500}, "RANK is unset"),
     ({"RANK": 1}, "WORLD_SIZE, MASTER_ADDR, MASTER_PORT are unset"),
+    ({"WORLD_SIZE": 4, "LOCAL_RANK": 2, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": 29700},
+     "RANK is unset"),
 ])
 def test_torchrun_variables_that_cannot_connect_are_an_error(env, missing):
     out = probe(env)
@@ -152,7 +154,9 @@ print("LAUNCHER", hbk.dist.launcher(), "torch" in sys.modules, "mpi4py" in sys.m
 
 @pytest.mark.parametrize("env, expect", [
     ({}, "None"),
-    ({"WORLD_SIZE": 2, "MASTER_PORT": 29500}, "None"),   # no rank: no launcher
+    ({"WORLD_SIZE": 1}, "None"),
+    ({"WORLD_SIZE": 2, "MASTER_PORT": 29500}, "torch"),  # several ranks, RANK unset: init raises
+    ({"SLURM_PROCID": 1, "SLURM_STEP_NUM_TASKS": 2}, "mpi"),     # srun
     ({"RANK": 1, "WORLD_SIZE": 2}, "torch"),
     ({"RANK": 0}, "torch"),
     ({"TORCHELASTIC_RUN_ID": "job"}, "torch"),

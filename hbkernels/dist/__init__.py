@@ -31,7 +31,8 @@ from ._common import CommError
 from ._communicator import Communicator
 
 __all__ = ["CommError", "Communicator", "init", "launcher", "DEFAULT_TIMEOUT",
-           "LAUNCHER_ENV_VARS", "MPI_LAUNCHER_ENV_VARS", "TORCH_LAUNCHER_ENV_VARS"]
+           "LAUNCHER_ENV_VARS", "MPI_LAUNCHER_ENV_VARS", "MPI_SIZE_ENV_VARS", "SLURM_ENV_VARS",
+           "TORCH_LAUNCHER_ENV_VARS"]
 
 DEFAULT_TIMEOUT = 300.0
 TIMEOUT_ENV = "HBK_COMM_TIMEOUT"
@@ -39,21 +40,49 @@ BACKENDS = ("auto", "nccl", "mpi", "torch", "local")
 #: environment variables that MPI launchers (mpiexec, mpirun, srun) set in the processes
 #: they start, each holding the process's rank
 MPI_LAUNCHER_ENV_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MPI_LOCALRANKID")
+#: environment variables in which MPI launchers state how many ranks they started
+#: (``MPI_LOCALNRANKS``: on this node)
+MPI_SIZE_ENV_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS")
+#: srun's rank and its step's task count, set with or without an MPI plugin (not
+#: ``SLURM_NTASKS``: a batch script, one process, has it too)
+SLURM_ENV_VARS = ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS")
 #: torch.distributed's ``env://`` variables, as torchrun sets them
-TORCH_LAUNCHER_ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-                           "TORCHELASTIC_RUN_ID")
+TORCH_LAUNCHER_ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                           "MASTER_PORT", "TORCHELASTIC_RUN_ID")
 #: environment variables holding this process's rank under a launcher, MPI's first
 LAUNCHER_ENV_VARS = MPI_LAUNCHER_ENV_VARS + ("RANK",)
+
+# the variables that say how many ranks a launch has: MPI's (srun's among them), torch's
+_MPI_WORLD_VARS = MPI_LAUNCHER_ENV_VARS + MPI_SIZE_ENV_VARS + SLURM_ENV_VARS
+_TORCH_WORLD_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+_RANK_VARS = MPI_LAUNCHER_ENV_VARS + ("SLURM_PROCID", "RANK", "LOCAL_RANK")
+_SINGLE_PROCESS_HINT = "for one process alone, use hbk.dist.init('local')"
+
 
 def _env(name):
     return os.environ.get(name, "").strip()
 
 
+def _claimed(names):
+    """``(ranks, shown)``: how many ranks the variables ``names`` say this launch has
+    at least (a rank r says r + 1, a size itself; 1 when none says more), and those
+    that are set, as ``"NAME=value, ..."``."""
+    ranks, shown = 1, []
+    for name in names:
+        value = _env(name)
+        if value:
+            shown.append(f"{name}={value}")
+            if value.isdigit():
+                ranks = max(ranks, int(value) + (name in _RANK_VARS))
+    return ranks, ", ".join(shown)
+
+
 def _under_mpi():
-    """True when this process was started by an MPI launcher (or already runs MPI
-    with more than one rank). Checks environment variables first, so that no
-    mpi4py import happens outside ``mpiexec``."""
-    if any(_env(v) for v in MPI_LAUNCHER_ENV_VARS):
+    """True when this process was started by an MPI launcher (a rank variable of
+    :data:`MPI_LAUNCHER_ENV_VARS` set, or one of :data:`MPI_SIZE_ENV_VARS` above 1)
+    or already runs MPI with more than one rank. Checks environment variables
+    first, so that no mpi4py import happens outside ``mpiexec``."""
+    if any(_env(v) for v in MPI_LAUNCHER_ENV_VARS) or _claimed(MPI_SIZE_ENV_VARS)[0] > 1:
         return True
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None:
@@ -65,10 +94,12 @@ def _under_mpi():
 
 
 def _under_torch():
-    """True when torchrun (or another launcher setting torch.distributed's
-    ``RANK``) started this process, or torch.distributed is already
-    initialised; no torch import."""
-    return bool(_env("TORCHELASTIC_RUN_ID") or _env("RANK")) or _torch_initialized()
+    """True when torchrun (or another launcher of torch.distributed's ``env://``
+    kind) started this process: ``RANK`` or ``TORCHELASTIC_RUN_ID`` set, or
+    ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE`` or ``LOCAL_RANK`` saying there are
+    several ranks; or torch.distributed is already initialised. No torch import."""
+    return bool(_env("TORCHELASTIC_RUN_ID") or _env("RANK")) or \
+        _claimed(_TORCH_WORLD_VARS)[0] > 1 or _torch_initialized()
 
 
 def _torch_initialized():
@@ -81,13 +112,18 @@ def _torch_initialized():
 
 
 def launcher():
-    """Who started this process: ``"mpi"`` (an MPI launcher: ``PMI_RANK``,
-    ``OMPI_COMM_WORLD_RANK``, ``PMIX_RANK`` or ``MPI_LOCALRANKID`` set, or MPI
-    already running with more than one rank), ``"torch"`` (torchrun or another
-    launcher of torch.distributed's ``env://`` kind: ``RANK`` or
-    ``TORCHELASTIC_RUN_ID`` set; or torch.distributed already initialised), or
-    ``None``. MPI's variables win when both kinds are set. Imports neither
-    mpi4py nor torch.
+    """Who started this process, from its environment: ``"mpi"`` (an MPI launcher:
+    ``PMI_RANK``, ``OMPI_COMM_WORLD_RANK``, ``PMIX_RANK`` or ``MPI_LOCALRANKID``
+    set, ``PMI_SIZE``, ``OMPI_COMM_WORLD_SIZE`` or ``MPI_LOCALNRANKS`` above 1,
+    or MPI already running with more than one rank), ``"torch"`` (torchrun or
+    another launcher of torch.distributed's ``env://`` kind: ``RANK`` or
+    ``TORCHELASTIC_RUN_ID`` set, or ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE`` or
+    ``LOCAL_RANK`` saying there are several ranks; or torch.distributed already
+    initialised), ``"mpi"`` again for srun without either (``SLURM_STEP_NUM_TASKS`` above
+    1 or ``SLURM_PROCID`` above 0), or ``None`` (one process, alone: none of
+    these, or ``WORLD_SIZE=1``). MPI's variables win over torch's, and torch's
+    over srun's. :func:`init` follows this answer, and raises where the ranks it
+    names cannot be connected. Imports neither mpi4py nor torch.
 
     >>> import hbkernels as hbk
     >>> hbk.dist.launcher() is None   # a plain python process
@@ -97,32 +133,44 @@ def launcher():
         return "mpi"
     if _under_torch():
         return "torch"
+    if _claimed(SLURM_ENV_VARS)[0] > 1:
+        return "mpi"
     return None
-
-
-def _under_launcher():
-    """True when a launcher started this process (:func:`launcher` is not None)."""
-    return launcher() is not None
 
 
 def _torch_env_world():
     """``WORLD_SIZE`` of torch.distributed's environment (1 when unset), after
-    checking that ranks it says exist can be connected."""
+    checking that every rank this process's environment says exists (torch's,
+    an MPI launcher's or srun's variables) can be connected through it."""
     names = {v: _env(v) for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    shown = ", ".join(f"{k}={v or '<unset>'}" for k, v in names.items())
-    for key in ("RANK", "WORLD_SIZE", "MASTER_PORT"):
-        if names[key] and not names[key].isdigit():
-            raise RuntimeError(f"torchrun launch: {key}={names[key]!r} is not a number ({shown})")
+    shown = ", ".join([f"{k}={v or '<unset>'}" for k, v in names.items()] +
+                      [f"{k}={_env(k)}" for k in ("LOCAL_RANK", "LOCAL_WORLD_SIZE") if _env(k)])
+    for key in _TORCH_WORLD_VARS + ("MASTER_PORT",):
+        if _env(key) and not _env(key).isdigit():
+            raise RuntimeError(f"torchrun launch: {key}={_env(key)!r} is not a number ({shown})")
     world = int(names["WORLD_SIZE"] or 1)
+    claimed = _claimed(_TORCH_WORLD_VARS)[0]
     missing = [k for k, v in names.items() if not v]
-    if missing and (world > 1 or int(names["RANK"] or 0) > 0):
+    if missing and claimed > 1:
         raise RuntimeError(
             f"torchrun launch: the ranks cannot be connected: {', '.join(missing)} "
             f"{'is' if len(missing) == 1 else 'are'} unset ({shown}); launch with torchrun, "
             "or set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT")
-    if names["RANK"] and int(names["RANK"]) >= world:
-        raise RuntimeError(f"torchrun launch: RANK={names['RANK']} is not below "
-                           f"WORLD_SIZE={world} ({shown})")
+    if claimed > world:
+        beyond = [f"{k}={_env(k)}" for k in ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+                  if _claimed((k,))[0] > world]
+        raise RuntimeError(
+            f"torchrun launch: {', '.join(beyond)} {'does' if len(beyond) == 1 else 'do'} not "
+            f"fit in WORLD_SIZE={world} ranks ({shown}): RANK and LOCAL_RANK must be below "
+            "WORLD_SIZE, LOCAL_WORLD_SIZE at most WORLD_SIZE")
+    mpi_world, mpi_shown = _claimed(_MPI_WORLD_VARS)
+    if world == 1 and mpi_world > 1:
+        raise RuntimeError(
+            f"backend 'torch': the launcher started {mpi_world} ranks ({mpi_shown}) but "
+            f"torch.distributed's environment says this process is alone ({shown}), so the "
+            "ranks cannot be connected: use backend 'auto' or 'mpi' under mpiexec or srun, "
+            "launch with torchrun, or set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT on "
+            f"every rank; {_SINGLE_PROCESS_HINT}")
     return world
 
 
@@ -189,9 +237,27 @@ def _join(backend, group, timeout):
     return _open_mpi(backend, timeout, group)
 
 
+def _check_mpi_world(backend):
+    """RuntimeError when MPI's ``COMM_WORLD`` holds this process alone while the
+    launcher's variables (MPI's, srun's) say it started several ranks."""
+    from mpi4py import MPI
+
+    launched, shown = _claimed(_MPI_WORLD_VARS)
+    if launched > 1 and MPI.COMM_WORLD.Get_size() == 1:
+        library = " ".join(MPI.Get_library_version().strip().splitlines()[0].split())
+        raise RuntimeError(
+            f"backend {backend!r}: the launcher started {launched} ranks ({shown}) but MPI "
+            f"(mpi4py over {library}) sees this process alone, so the ranks cannot be "
+            "connected: launch with the mpiexec of the MPI library mpi4py was built with (or "
+            "srun with that library's PMI plugin, --mpi=pmix or pmi2), or with torchrun; "
+            f"{_SINGLE_PROCESS_HINT}")
+
+
 def _open_mpi(backend, timeout, group=None):
     from ._mpi import MpiCommunicator
 
+    if group is None:
+        _check_mpi_world(backend)
     ctl = MpiCommunicator(timeout, group)
     alone = group is None and ctl.world_size == 1
     torch_world = _torch_env_world() if alone and _under_torch() else 1
@@ -224,20 +290,31 @@ def init(backend="auto", *, timeout=None, group=None):
     makes it from torchrun's ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
     ``MASTER_PORT``; a world of one with no launcher) or ``"auto"``:
 
-    - under an MPI launcher (``PMI_RANK``, ``OMPI_COMM_WORLD_RANK``,
-      ``PMIX_RANK`` or ``MPI_LOCALRANKID`` set): ``"nccl"`` when CuPy works
-      and every rank has a GPU of its own, else ``"mpi"`` (agreed by all ranks);
-    - under torchrun (``RANK`` or ``TORCHELASTIC_RUN_ID`` set) or with
-      torch.distributed initialised: ``"torch"``;
-    - else ``"local"``.
+    - under an MPI launcher or srun (:func:`launcher` says ``"mpi"``):
+      ``"nccl"`` when CuPy works and every rank has a GPU of its own, else
+      ``"mpi"`` (agreed by all ranks);
+    - under torchrun (:func:`launcher` says ``"torch"``: ``RANK`` or
+      ``TORCHELASTIC_RUN_ID`` set, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE`` or
+      ``LOCAL_RANK`` saying there are several ranks) or with torch.distributed
+      initialised: ``"torch"``;
+    - else (:func:`launcher` says ``None``: no launcher's variables, or
+      ``WORLD_SIZE=1``) ``"local"``.
 
     A launch whose ranks cannot be connected is an error, never N copies of a
-    one-rank job: ``WORLD_SIZE`` > 1 (or ``RANK`` > 0) with ``RANK``,
-    ``WORLD_SIZE``, ``MASTER_ADDR`` or ``MASTER_PORT`` unset raises
-    ``RuntimeError`` naming them; a rendezvous that fails or does not complete
-    within the timeout raises :class:`CommError`; ``"mpi"`` and ``"nccl"``
-    under torchrun without ``mpiexec``, and any backend but ``"local"`` under
-    torchrun without PyTorch, raise ``RuntimeError``.
+    one-rank job. ``RuntimeError``, naming the variables and what to change:
+    torch's variables saying several ranks (``WORLD_SIZE`` or
+    ``LOCAL_WORLD_SIZE`` > 1, ``RANK`` or ``LOCAL_RANK`` > 0) with ``RANK``,
+    ``WORLD_SIZE``, ``MASTER_ADDR`` or ``MASTER_PORT`` unset, or more ranks
+    than ``WORLD_SIZE``; an MPI launcher's or srun's variables
+    (``PMI_SIZE``, ``OMPI_COMM_WORLD_SIZE``, ``SLURM_STEP_NUM_TASKS``, a rank > 0, ...)
+    saying several ranks while MPI's ``COMM_WORLD`` holds this process alone
+    (an ``mpiexec`` of another MPI library than mpi4py's, srun without an MPI
+    plugin), or while torch's variables say one rank (``"torch"`` under
+    ``mpiexec``: torch.distributed is made from torch's variables only);
+    ``"mpi"`` and ``"nccl"`` under torchrun without ``mpiexec``; any backend
+    but ``"local"`` under torchrun without PyTorch. A rendezvous that fails or
+    does not complete within the timeout raises :class:`CommError`.
+    ``"local"`` ignores the launchers' variables.
 
     ``group``: an existing ``mpi4py.MPI.Comm`` (intracommunicator; backends
     ``"auto"``, ``"mpi"``, ``"nccl"``: used instead of ``COMM_WORLD``, and only
@@ -261,11 +338,12 @@ def init(backend="auto", *, timeout=None, group=None):
         if backend == "local":
             raise ValueError("backend 'local' takes no group (it is this process alone)")
         return _join(backend, group, timeout)
-    if backend == "local" or (backend == "auto" and not _under_launcher()):
+    started_by = launcher() if backend == "auto" else None
+    if backend == "local" or (backend == "auto" and started_by is None):
         from ._local import LocalCommunicator
 
         return LocalCommunicator(timeout)
-    if backend == "torch" or (backend == "auto" and not _under_mpi()):
+    if backend == "torch" or started_by == "torch":
         if not _torch_initialized():  # the group will be made from the environment
             _torch_env_world()
         _import_torch(f"backend {backend!r} under torchrun" if backend == "auto"
@@ -276,7 +354,8 @@ def init(backend="auto", *, timeout=None, group=None):
     try:
         import mpi4py  # noqa: F401
     except ImportError as e:
+        shown = _claimed(_MPI_WORLD_VARS)[1]
         raise RuntimeError(
-            f"backend {backend!r} under an MPI launcher needs mpi4py: "
-            "pip install 'hbkernels[mpi]'") from e
+            f"backend {backend!r} {f'under an MPI launcher ({shown}) ' if shown else ''}"
+            "needs mpi4py: pip install 'hbkernels[mpi]'") from e
     return _open_mpi(backend, timeout)
