@@ -38,6 +38,35 @@ def parquet_clicks(args, path, rank, world_size, shuffle_buffer):
                          seed=args.seed)
 
 
+def check_clicks(args, clicks, path, purpose):
+    """CLIError unless ``clicks`` (a :class:`hbkernels.data.ParquetClicks` of ``path``) has
+    rows to ``purpose`` ("train on", "evaluate on") and features enough for the DLRM."""
+    if len(clicks) == 0:
+        raise CLIError(f"no rows to {purpose} in {path}")
+    check_interaction(clicks.features, len(clicks.dense), f"{path} (label {args.label!r})")
+
+
+def check_interaction(features, num_dense, what):
+    """CLIError unless the DLRM has two vectors to interact (``what``: the data, as the
+    message names it)."""
+    if len(features) + (1 if num_dense else 0) < 2:
+        dense = f"{num_dense} dense" if num_dense else "no dense"
+        raise CLIError(f"the DLRM needs two categorical features, or one and dense features, "
+                       f"to interact; {what} has categorical {features or 'none'} and {dense} "
+                       f"features")
+
+
+def check_labels(label, column, path):
+    """CLIError unless every value of ``label`` (a batch's labels, float) is in [0, 1]:
+    0 or 1 for a click, or a probability in between (a soft label); NaN is refused."""
+    bad = ~((label >= 0) & (label <= 1))   # NaN fails both comparisons
+    if bad.any():
+        values = np.unique(label[bad])
+        shown = ", ".join(f"{v:g}" for v in values[:5]) + (", ..." if len(values) > 5 else "")
+        raise CLIError(f"labels must be in [0, 1] (0 or 1, or a probability in between), but "
+                       f"column {column!r} of {path} holds {shown}")
+
+
 # -- the training loop --------------------------------------------------------------------------
 class Trainer:
     def __init__(self, args, comm, device):
@@ -68,7 +97,11 @@ class Trainer:
             self.features = [t.name for t in args.tables]
             self.num_dense = args.dense_features
             self.steps = args.steps
+            check_interaction(self.features, self.num_dense, "the synthetic data (--table, "
+                              "--dense-features)")
         else:
+            check_clicks(args, self.train_data, args.data, "train on")
+            check_clicks(args, self.eval_data, args.eval_data or args.data, "evaluate on")
             self.features = self.train_data.features
             self.num_dense = len(self.train_data.dense)
             self.steps = args.epochs * len(self.train_data) if args.epochs else args.steps
@@ -195,8 +228,6 @@ class Trainer:
                 yield step, self.raw_ids(self.train_data.batch(step, a.batch_size).rows(lo, hi)), a.batch_size
             return
         per_epoch = len(self.train_data)
-        if per_epoch == 0 and self.step < self.steps:
-            raise CLIError(f"no rows to train on in {a.data}")
         step = self.step
         while step < self.steps:
             epoch, skip = divmod(step, per_epoch)
@@ -206,6 +237,7 @@ class Trainer:
                     continue
                 if step >= self.steps:
                     break
+                check_labels(batch.label, a.label, a.data)
                 n = len(batch)
                 if self.world > 1:
                     n = int(self.comm.allreduce(np.array([n], np.int64))[0])
@@ -216,7 +248,9 @@ class Trainer:
         a = self.args
         if not self.synthetic:
             self.eval_data.set_epoch(0)
-            yield from self.eval_data
+            for batch in self.eval_data:
+                check_labels(batch.label, a.label, a.eval_data or a.data)
+                yield batch
             return
         from .data.ctr import EVAL
 

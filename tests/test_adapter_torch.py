@@ -199,6 +199,37 @@ def test_argument_errors():
         hbt.embedding_bag(w, v.to(torch.int16), o)
 
 
+@pytest.mark.parametrize("grad", [False, True])
+def test_arguments_that_are_not_tensors_are_type_errors(grad):
+    """A NumPy array or a list where a tensor goes: a TypeError naming the argument, a
+    torch tensor and what came (the API's rule for mixing array families)."""
+    w = torch.randn(5, 2, requires_grad=grad)
+    v, o = torch.tensor([1]), torch.tensor([0, 1])
+    table = np.ones((5, 2), np.float32)
+    with raises(TypeError, match=r"^weight must be a torch.Tensor or an hbk.QuantizedTable, "
+                                 r"got numpy.ndarray$"):
+        hbt.embedding_bag(table, v, o)
+    with raises(TypeError, match="^weight must be .*, got list$"):
+        hbt.embedding_bag(table.tolist(), v, o)
+    with raises(TypeError, match=r"^values must be a torch.Tensor, got numpy.ndarray$"):
+        hbt.embedding_bag(w, v.numpy(), o)
+    with raises(TypeError, match=r"^offsets must be a torch.Tensor, got list$"):
+        hbt.embedding_bag(w, v, [0, 1])
+    with raises(TypeError, match=r"^per_sample_weights must be a torch.Tensor or None, got list$"):
+        hbt.embedding_bag(w, v, o, per_sample_weights=[1.0])
+    with raises(TypeError, match=r"^values must be a torch.Tensor, got numpy.ndarray$"):
+        hbt.embedding_bag(hbk.quantize_rows(table, bits=8), v.numpy(), o)
+    bag = hbt.EmbeddingBag(5, 2, mode="sum")
+    with raises(TypeError, match=r"^offsets must be a torch.Tensor or None, got numpy.ndarray$"):
+        bag(v, np.array([0]))
+    with raises(TypeError, match=r"^per_sample_weights must be a torch.Tensor or None, got list$"):
+        bag(v, torch.tensor([0]), per_sample_weights=[1.0])
+    with raises(TypeError, match=r"^embeddings must be a torch.Tensor, got numpy.ndarray$"):
+        hbt.EmbeddingBag.from_pretrained(table)
+    with raises(TypeError, match=r"^expected a NumPy or CuPy array .*, got list$"):
+        hbt.from_kernel_array([1.0, 2.0])
+
+
 def test_no_grad_and_frozen_table_skip_autograd(rng):
     weight, values, offsets = make_case(rng)
     out = hbt.embedding_bag(weight, values, offsets)
@@ -469,6 +500,22 @@ def test_module_rejects_bad_input(rng):
         module({"user": (features["user"][0],)})
     with raises(TypeError, match="EmbeddingCollection"):
         hbt.EmbeddingCollectionModule(object())
+
+
+def test_module_rejects_arrays_that_are_not_tensors(rng):
+    coll, features, _, _ = dlrm_setup(rng, hbk.optim.SGD(lr=0.1))
+    module = hbt.EmbeddingCollectionModule(coll)
+    values, offsets = features["user"]
+    with raises(TypeError, match=r"^feature 'geo' ids must be a torch.Tensor, got numpy.ndarray$"):
+        module({**features, "geo": features["geo"].numpy()})
+    with raises(TypeError, match=r"^feature 'user' offsets must be a torch.Tensor, got list$"):
+        module({**features, "user": (values, offsets.tolist())})
+    with raises(TypeError, match=r"^per_sample_weights\['geo'\] must be a torch.Tensor, got "
+                                 r"numpy.ndarray$"):
+        module(features, per_sample_weights={"geo": np.ones(len(features["geo"]), np.float32)})
+    with raises(TypeError, match=r"^per_sample_weights must be a dict name -> weights or None, "
+                                 r"got torch.Tensor$"):
+        module(features, per_sample_weights=torch.ones(3))
 
 
 # -- CUDA (real GPU only) --------------------------------------------------------------------------

@@ -91,6 +91,9 @@ def test_run_all_smoke(tmp_path):
                                        "quantized_bag", "checkpoint_save", "checkpoint_load",
                                        *SCRIPTS} | anchored
     assert sum(r["op"] == "copy" for r in rows) == 1
+    # --providers is checked against run_all.PROVIDERS: it names every provider timed
+    assert {(r["op"], r["provider"]) for r in rows if r["op"] in run_all.PROVIDERS} <= {
+        (op, name) for op in run_all.PROVIDERS for name in run_all.provider_names([op], "cpu")}
 
 
 def test_tiered_bench_smoke(tmp_path):

@@ -117,6 +117,21 @@ def test_unknown_op_is_a_clear_error(tmp_path):
                                   + ", ".join(run_all.BENCHMARKS))
 
 
+@pytest.mark.parametrize("providers, ops, expected", [
+    ("bogus", "embedding_bag", "unknown provider bogus; choose from "
+     "hbkernels, hbkernels-unchecked, numpy, torch, fbgemm-tbe (what the ops chosen time on cpu)"),
+    ("torch,cupy,nope", "lookup,unique", "unknown providers cupy, nope; choose from hbkernels, "
+     "hbkernels-unchecked, numpy, torch, hbkernels-sorted (what the ops chosen time on cpu)"),
+    ("torch", "hash_table", "--providers does not apply to hash_table: it times every provider"),
+], ids=["one unknown", "two unknown", "no choice"])
+def test_unknown_provider_is_a_clear_error(tmp_path, capsys, providers, ops, expected):
+    out = tmp_path / "out"
+    assert cli.main(["bench", "--smoke", "--out", str(out), "--ops", ops,
+                     "--providers", providers]) == 1
+    assert capsys.readouterr().err.strip() == f"hbkernels bench: error: {expected}"
+    assert not out.exists()  # refused before anything ran
+
+
 # -- in process: a fake op module beside a failing one --------------------------
 def _fine(ctx):
     x = np.arange(1000.0)
@@ -151,6 +166,20 @@ def test_a_failing_op_is_one_line_and_the_others_still_run(tmp_path, monkeypatch
     assert doc["failed"] == []
     assert [r["speedup"] is not None for r in doc["rows"]] == [False, True, False]
     assert only(tmp_path, "bench-*.png").read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_a_provider_that_does_not_run_here_is_a_note(tmp_path, monkeypatch, capsys):
+    """A provider an op can time but that does not run here (a peer not installed):
+    the op is verified, nothing is timed, a note says why; the run succeeds."""
+    monkeypatch.setattr(run_all, "BENCHMARKS", {"fine": types.SimpleNamespace(run=_fine)})
+    monkeypatch.setitem(run_all.PROVIDERS, "fine", (common.HBK, "numpy", "no-such-peer"))
+    assert cli.main(["bench", "--smoke", "--out", str(tmp_path), "--reps", "1", "--ops", "fine",
+                     "--providers", "no-such-peer"]) == 0
+    out = capsys.readouterr().out
+    assert ("note: fine: none of --providers no-such-peer runs here (it has hbkernels, numpy): "
+            "nothing timed") in out
+    assert [r["op"] for r in read_csv(only(tmp_path, "bench-*.csv"))] == ["copy"]
+    assert "verified hbkernels against numpy" in only(tmp_path, "bench-*.log").read_text()
 
 
 def test_no_matplotlib_is_a_note_not_an_error(tmp_path, monkeypatch):

@@ -232,6 +232,80 @@ def test_resume_with_another_configuration_is_refused(tmp_path):
     assert "another configuration" in res.stderr and "seed: 3 -> 4" in res.stderr
 
 
+def clicks_parquet(path, label, n=64, **columns):
+    """A small Parquet file: ``label`` (None: none) as float column ``y``, a float column
+    ``x`` and an id column ``id``; ``columns`` adds columns, or drops one given None.
+    Returns ``path``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = {"y": None if label is None else pa.array(label, pa.float32()),
+             "x": np.arange(n, dtype=np.float32), "id": np.arange(n) % 7, **columns}
+    pq.write_table(pa.table({k: v for k, v in table.items() if v is not None}), path)
+    return path
+
+
+PARQUET_TINY = ["--label", "y", "--batch-size", "16", "--num-rows", "10", "--threads", "1",
+                "--dim", "4", "--bottom", "4", "--top", "4"]
+
+
+def train_error(tmp_path, capsys, monkeypatch, *args):
+    """``hbkernels train ARGS`` in this process (no progress bar): exit status 1 and one
+    error line (returned); no metrics are written."""
+    monkeypatch.setenv("HBK_PROGRESS", "0")
+    metrics = tmp_path / "m.json"
+    assert main(["train", *PARQUET_TINY, *map(str, args), "--metrics", str(metrics)]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hbkernels train: error: "), lines
+    assert not metrics.exists()
+    return lines[0]
+
+
+@pytest.mark.parametrize("case", ["ratings", "nan", "eval data"])
+def test_labels_outside_0_1_are_refused(tmp_path, capsys, monkeypatch, case):
+    """Labels are clicks (0 or 1) or probabilities (soft labels): a value outside [0, 1]
+    or NaN, in the training or the evaluation data, is one line naming the column, the
+    file and the values; soft labels train."""
+    good = clicks_parquet(tmp_path / "good.parquet", [0.0, 0.25, 1.0, 0.5] * 16)
+    args, path, shown = {
+        "ratings": (["--steps", 2],
+                    clicks_parquet(tmp_path / "r.parquet", [1, 2, 3, 4, 5] * 12 + [1] * 4),
+                    "holds 2, 3, 4, 5"),
+        "nan": (["--steps", 2], clicks_parquet(tmp_path / "n.parquet", [0, 1, np.nan, 1] * 16),
+                "holds nan"),
+        "eval data": (["--steps", 3, "--data", good],
+                      clicks_parquet(tmp_path / "e.parquet", [0.0, 1.0, 2.0, -1.0] * 16),
+                      "holds -1, 2"),
+    }[case]
+    flag = "--eval-data" if case == "eval data" else "--data"
+    line = train_error(tmp_path, capsys, monkeypatch, flag, path, *args)
+    assert line.endswith(f"labels must be in [0, 1] (0 or 1, or a probability in between), "
+                         f"but column 'y' of {path} {shown}"), line
+
+
+def test_no_rows_or_too_few_features_are_one_line(tmp_path, capsys, monkeypatch):
+    """An empty training or evaluation file (--epochs too), and data with one categorical
+    column and no dense one: the command's one error line, not a traceback."""
+    empty = clicks_parquet(tmp_path / "empty.parquet", [], n=0)
+    good = clicks_parquet(tmp_path / "good.parquet", [0.0, 1.0] * 32)
+
+    def error(*args):
+        return train_error(tmp_path, capsys, monkeypatch, *args)
+
+    assert error("--data", empty, "--epochs", 1).endswith(f"no rows to train on in {empty}")
+    assert error("--data", good, "--eval-data", empty, "--steps", 2).endswith(
+        f"no rows to evaluate on in {empty}")
+    sparse_only = clicks_parquet(tmp_path / "sparse.parquet", None, x=None,
+                                 a=np.arange(64) % 2)
+    assert error("--data", sparse_only, "--label", "a", "--steps", 2).endswith(
+        f"the DLRM needs two categorical features, or one and dense features, to interact; "
+        f"{sparse_only} (label 'a') has categorical ['id'] and no dense features")
+    assert error("--data", "synthetic", "--table", "t:50:1", "--dense-features", 0,
+                 "--steps", 2).endswith(
+        "the synthetic data (--table, --dense-features) has categorical ['t'] and no dense "
+        "features")
+
+
 @needs_mpi
 def test_an_error_on_one_rank_ends_every_rank(tmp_path):
     """A null label in rank 1's rows only: rank 1 fails mid-epoch, says so in one

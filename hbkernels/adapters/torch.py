@@ -70,6 +70,20 @@ _TORCH_DTYPES = {torch.float16: np.float16, torch.float32: np.float32, torch.flo
                  torch.complex64: np.complex64, torch.complex128: np.complex128}
 
 
+# -- argument checks --------------------------------------------------------------------------------
+def _type_name(x):
+    """``x``'s type as a message names it: ``numpy.ndarray``, ``list``."""
+    cls = type(x)
+    return cls.__name__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__name__}"
+
+
+def _require_tensor(name, t, *, optional=False):
+    """TypeError unless argument ``name`` is a torch.Tensor (or None, when ``optional``)."""
+    if not isinstance(t, torch.Tensor) and not (optional and t is None):
+        raise TypeError(f"{name} must be a torch.Tensor{' or None' if optional else ''}, "
+                        f"got {_type_name(t)}")
+
+
 # -- zero-copy crossings ----------------------------------------------------------------------------
 def kernel_array(t):
     """The array the kernels take for tensor ``t``, sharing its memory: a NumPy view
@@ -78,7 +92,7 @@ def kernel_array(t):
     if t is None:
         return None
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"expected a torch.Tensor, got {type(t).__module__}.{type(t).__name__}")
+        raise TypeError(f"expected a torch.Tensor, got {_type_name(t)}")
     bf16 = t.dtype == torch.bfloat16
     if t.dtype not in _TORCH_DTYPES and not bf16:
         raise ValueError(f"hbkernels takes float16/bfloat16/float32/float64 tables and "
@@ -111,6 +125,8 @@ def _simulated_array(t):
 
 def from_kernel_array(a):
     """A tensor sharing the memory of a kernel result (NumPy or CuPy)."""
+    if not (isinstance(a, np.ndarray) or hasattr(a, "__dlpack__")):
+        raise TypeError(f"expected a NumPy or CuPy array (a kernel's result), got {_type_name(a)}")
     if is_bfloat16(a.dtype):  # the bits cross (NumPy has no bf16 DLPack, old CuPy none)
         return from_kernel_array(a.view(np.int16)).view(torch.bfloat16)
     if isinstance(a, np.ndarray):
@@ -370,12 +386,19 @@ def embedding_bag(weight, values, offsets, *, combiner="sum", per_sample_weights
     CuPy rows for CUDA ones): float32 out, no gradient (inference).
 
     Errors are those of :func:`hbkernels.embedding_bag` (``hbk.BoundsError``,
-    ``ValueError``); mixing CPU and CUDA tensors is a ``TypeError``.
+    ``ValueError``); an argument that is not a torch tensor (a NumPy array, a list) and
+    mixing CPU and CUDA tensors are a ``TypeError``.
     """
     if combiner not in COMBINERS:
         raise ValueError(f"combiner must be one of {sorted(COMBINERS)}, got {combiner!r}")
     if bounds not in BOUNDS:
         raise ValueError(f"bounds must be one of {sorted(BOUNDS)}, got {bounds!r}")
+    if not isinstance(weight, (torch.Tensor, QuantizedTable)):
+        raise TypeError(f"weight must be a torch.Tensor or an hbk.QuantizedTable, got "
+                        f"{_type_name(weight)}")
+    _require_tensor("values", values)
+    _require_tensor("offsets", offsets)
+    _require_tensor("per_sample_weights", per_sample_weights, optional=True)
     if isinstance(weight, QuantizedTable):
         return _on_stream(values, _forward_kernel, weight, values, offsets, combiner,
                           per_sample_weights, bounds)
@@ -474,7 +497,9 @@ class EmbeddingBag(torch.nn.Module):
 
     def forward(self, input, offsets=None, per_sample_weights=None):  # noqa: A002 - torch's name
         if not isinstance(input, torch.Tensor):
-            raise TypeError(f"input must be a tensor of ids, got {type(input).__name__}")
+            raise TypeError(f"input must be a tensor of ids, got {_type_name(input)}")
+        _require_tensor("offsets", offsets, optional=True)
+        _require_tensor("per_sample_weights", per_sample_weights, optional=True)
         if per_sample_weights is not None and self.mode != "sum":
             raise NotImplementedError(
                 f"per_sample_weights are only supported with mode='sum' (as torch), got "
@@ -550,7 +575,8 @@ class EmbeddingBag(torch.nn.Module):
                         include_last_offset=False, padding_idx=None):
         """An ``EmbeddingBag`` whose ``weight`` is ``embeddings`` (2-D, its memory
         shared), frozen (``requires_grad=False``) unless ``freeze=False``."""
-        if not isinstance(embeddings, torch.Tensor) or embeddings.dim() != 2:
+        _require_tensor("embeddings", embeddings)
+        if embeddings.dim() != 2:
             raise ValueError(f"embeddings must be a 2-D tensor [num_embeddings, embedding_dim], got "
                              f"{getattr(embeddings, 'shape', type(embeddings).__name__)}")
         rows, cols = embeddings.shape
@@ -733,6 +759,9 @@ class EmbeddingCollectionModule(torch.nn.Module):
         if not isinstance(features, dict):
             raise TypeError(f"features must be a dict name -> (values, offsets) or ids, or a "
                             f"torchrec KeyedJaggedTensor, got {type(features).__name__}")
+        if per_sample_weights is not None and not isinstance(per_sample_weights, dict):
+            raise TypeError(f"per_sample_weights must be a dict name -> weights or None, got "
+                            f"{_type_name(per_sample_weights)}")
         names = list(features)
         arrays, tensors = {}, []
         for f in names:
@@ -740,13 +769,18 @@ class EmbeddingCollectionModule(torch.nn.Module):
             if isinstance(x, (tuple, list, Ragged)):
                 if len(x) != 2:
                     raise ValueError(f"feature {f!r}: expected (values, offsets), got {len(x)} items")
+                _require_tensor(f"feature {f!r} values", x[0])
+                _require_tensor(f"feature {f!r} offsets", x[1])
                 arrays[f] = Ragged(self._array(x[0]), self._array(x[1]))
                 tensors += list(x)
             else:
+                _require_tensor(f"feature {f!r} ids", x)
                 arrays[f] = self._array(x)
                 tensors.append(x)
         psws = None
         if per_sample_weights:
+            for f, w in per_sample_weights.items():
+                _require_tensor(f"per_sample_weights[{f!r}]", w)
             psws = {f: self._array(w) for f, w in per_sample_weights.items()}
             tensors += list(per_sample_weights.values())
         with cuda_stream_of(*tensors):

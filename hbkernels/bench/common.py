@@ -406,6 +406,8 @@ class Context:
         runs them in a fresh (seeded) order, so that the cache a slow peer
         leaves cold does not always greet the same provider."""
         calls = [self._caller(*case) for case in cases]
+        if not calls:
+            return []
         reps = []
         for call in calls:
             warm = []
@@ -495,6 +497,9 @@ class Context:
         others = ", ".join(n for n in runs if n != ref.name)
         print(f"verified {others} against {ref.name}: {what}")
 
+        if not timed:
+            self.note(f"{op}: none of --providers {', '.join(sorted(self.only))} runs here "
+                      f"(it has {', '.join(p.name for p in providers)}): nothing timed")
         moved = nbytes(hbk_result) if callable(nbytes) else nbytes
         timings = self.measure_together([(p.run, prepared[p.name], p.block) for p in timed])
         for p, timing in zip(timed, timings):

@@ -28,7 +28,7 @@ from . import (
     bench_train,
     bench_unique,
 )
-from .common import Context, parser
+from .common import HBK, Context, parser
 
 BENCHMARKS = {
     "embedding_bag": bench_embedding_bag,
@@ -47,6 +47,50 @@ BENCHMARKS = {
     "quantized_bag": bench_quantized_bag,
     "checkpoint": bench_checkpoint,
 }
+
+
+ARRAYS = "<arrays>"
+"""Stands in :data:`PROVIDERS` for the device's array library: numpy on the CPU, cupy on a GPU."""
+
+#: the providers each op that honours ``--providers`` can time (hash_table, host_per_call
+#: and checkpoint time all theirs)
+PROVIDERS = {
+    "embedding_bag": (HBK, HBK + "-unchecked", ARRAYS, "torch", "fbgemm-tbe"),
+    "embedding_bag_backward": (HBK, HBK + "-fused", ARRAYS, "torch"),
+    "fused_step": (HBK, "fbgemm-tbe"),
+    "lookup": (HBK, HBK + "-unchecked", ARRAYS, "torch"),
+    "unique": (HBK, HBK + "-sorted", ARRAYS, "torch"),
+    "segment_sum": (HBK, HBK + "-unchecked", ARRAYS, "torch", "jax"),
+    "segment_reduce": (HBK, ARRAYS, "torch"),
+    "partition": (HBK, ARRAYS, "torch"),
+    "per_sample_weights_backward": (HBK, ARRAYS, "torch"),
+    "train": (HBK, "torchrec", bench_train.DYNAMIC),
+    "tiered": tuple(name for name, _ in bench_tiered.providers(rows=100, fits=True)),
+    "quantized_bag": (HBK, bench_quantized_bag.FP32, ARRAYS, bench_quantized_bag.TBE),
+}
+
+
+def provider_names(ops, device):
+    """The providers ``ops`` can time on ``device`` (:data:`PROVIDERS`), each once, in order."""
+    arrays = {"cpu": "numpy", "cuda": "cupy"}[device]
+    names = [arrays if n == ARRAYS else n for op in ops for n in PROVIDERS.get(op, ())]
+    return list(dict.fromkeys(names))
+
+
+def check_providers(spec, ops, device):
+    """ValueError unless every provider named in ``spec`` ("a,b", None: all) is one that
+    ``ops`` can time on ``device``."""
+    wanted = [s.strip() for s in spec.split(",") if s.strip()] if spec else []
+    if not wanted:
+        return
+    names = provider_names(ops, device)
+    if not names:
+        raise ValueError(f"--providers does not apply to {', '.join(ops)}: "
+                         f"{'it times' if len(ops) == 1 else 'they time'} every provider")
+    unknown = [w for w in wanted if w not in names]
+    if unknown:
+        raise ValueError(f"unknown provider{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
+                         f"choose from {', '.join(names)} (what the ops chosen time on {device})")
 
 
 def select_ops(spec=None):
@@ -94,6 +138,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     try:
         ops = select_ops(args.ops)
+        check_providers(args.providers, ops, args.device)
     except ValueError as exc:
         p.error(str(exc))
     ctx = Context.from_args(args)

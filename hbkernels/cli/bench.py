@@ -22,7 +22,10 @@ CPU or GPU name:
 * ``bench-<device>.log``: the benchmarks' output and the tracebacks of failed ops.
 
 An op that fails is reported in one line and the others still run; the exit
-status is then 1.
+status is then 1. ``--providers a,b`` times only those: each must be one that the ops
+chosen time (``hbkernels.bench.run_all.PROVIDERS``; hash_table, host_per_call and
+checkpoint time all theirs), else the command stops with an error naming them; a case
+where none of them runs here (a peer not installed) is verified, not timed, with a note.
 """
 import contextlib
 import datetime
@@ -59,6 +62,7 @@ def run(args):
 
     try:
         ops = run_all.select_ops(args.ops)
+        run_all.check_providers(args.providers, ops, args.device)
     except ValueError as exc:
         raise CLIError(str(exc)) from None
     if args.device == "cuda":

@@ -40,7 +40,7 @@ import time
 
 from ..quantize import BITS
 from ..types import PLACEMENTS
-from ..train import Trainer, parquet_clicks
+from ..train import Trainer, check_clicks, parquet_clicks
 from ._errors import USER_ERRORS, CLIError, error_line, writable_dir, writable_file
 from ._help import HelpFormatter, plain
 
@@ -91,7 +91,8 @@ def add_command(subparsers):
     data.add_argument("--dense-features", type=at_least(0), default=13, help="synthetic: dense features")
     data.add_argument("--alpha", type=at_least(0.0, float), default=1.05, help="synthetic: Zipf exponent of the ids")
     data.add_argument("--eval-samples", type=at_least(1), default=16384, help="synthetic: held-out samples")
-    data.add_argument("--label", default="label", help="Parquet: label column")
+    data.add_argument("--label", default="label",
+                      help="Parquet: label column, values in [0, 1] (0 or 1, or a probability)")
     data.add_argument("--dense-columns", type=name_list, default=None,
                       help="Parquet: dense columns (default: every float column)")
     data.add_argument("--sparse-columns", type=name_list, default=None,
@@ -227,9 +228,11 @@ def run(args):
     except ImportError:
         raise CLIError("hbkernels train needs PyTorch: pip install 'hbkernels[train]'") from None
     device = resolve_device(args.device)
-    if args.data != "synthetic":  # bad paths and columns: one line (rank 0's) before MPI starts
-        for path in filter(None, (args.data, args.eval_data)):
-            parquet_clicks(args, path, 0, 1, 0)
+    if args.data != "synthetic":  # bad paths, columns, no rows: one line (rank 0's) before MPI starts
+        check_clicks(args, parquet_clicks(args, args.data, 0, 1, 0), args.data, "train on")
+        if args.eval_data:
+            check_clicks(args, parquet_clicks(args, args.eval_data, 0, 1, 0), args.eval_data,
+                         "evaluate on")
     comm = open_communicator(device)
     try:
         return Trainer(args, comm, device).fit()
