@@ -8,6 +8,7 @@ the same way. Inputs are NumPy arrays; under ``bounds="zero"`` an id outside
 Slow by design: use them on test-sized data.
 """
 import math
+import zlib
 
 import numpy as np
 
@@ -230,6 +231,51 @@ _FORMATS = {"fp16": (-14, 10, 65504.0), "bf16": (-126, 7, (2 - 2.0**-7) * 2.0**1
 
 def _mix(v):
     return int(_bits.fmix32(np.uint64(v)))
+
+
+_M64 = (1 << 64) - 1
+
+
+def _splitmix64(x):
+    """splitmix64 of the int ``x`` (< 2**64) in Python ints: add the golden-ratio
+    increment, then the two multiply-xorshift rounds and a final xorshift (mod 2**64)."""
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def initial_weights(spec, seed, rows=None, c0=0, c1=None):
+    """Initial values (float64, before the table's dtype rounds them) of rows ``rows``
+    (ids of any sign; default ``range(num_rows)``) and columns ``[c0, c1)`` of table
+    ``spec`` under the integer ``seed`` in ``[-2**63, 2**64)``: with
+    ``k = splitmix64((seed mod 2**32) << 32 | crc32(name))``, then, for a seed outside
+    ``[0, 2**32)``, ``k = splitmix64(k ^ (seed >> 32 mod 2**64))``, row ``r`` has the
+    state ``s = splitmix64((r mod 2**64) ^ k)`` and element ``c`` is
+    ``(2·(top 24 bits of splitmix64(s + c·0x9E3779B97F4A7C15 mod 2**64)) / 2^24 - 1)·scale``.
+
+    >>> import numpy as np, hbkernels as hbk
+    >>> spec = hbk.TableSpec("t", num_rows=3, dim=2)
+    >>> np.array_equal(hbk.reference.initial_weights(spec, 7).astype(np.float32),
+    ...                hbk.sharding.initial_weights(spec, 7))
+    True
+    """
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) \
+            or not -2**63 <= int(seed) < 2**64:
+        raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {seed!r}")
+    seed = int(seed)
+    key = _splitmix64(((seed % 2**32) << 32) | zlib.crc32(spec.name.encode()))
+    if not 0 <= seed < 2**32:
+        key = _splitmix64(key ^ ((seed >> 32) % 2**64))
+    rows = range(spec.num_rows) if rows is None else [int(r) for r in np.ravel(rows)]
+    c1 = spec.dim if c1 is None else c1
+    out = np.empty((len(rows), c1 - c0))
+    for i, r in enumerate(rows):
+        state = _splitmix64((r % 2**64) ^ key)
+        for c in range(c0, c1):
+            u = (_splitmix64((state + c * 0x9E3779B97F4A7C15) % 2**64) >> 40) / 2.0**24
+            out[i, c - c0] = (2.0 * u - 1.0) * spec.scale
+    return out
 
 
 class DictTable:

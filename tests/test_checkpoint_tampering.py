@@ -229,7 +229,7 @@ def test_every_file_field_edited(saved, key, value):
 
 
 TOP_EDITS = [
-    ("save", "../elsewhere"), ("save", None), ("world_size", 0), ("seed", "3"),
+    ("save", "../elsewhere"), ("save", None), ("world_size", 0), ("seed", "3"), ("seed", 2**64),
     ("dedup", "yes"), ("batch_size_hint", "big"), ("optimizer", None), ("tables", {}),
     ("files", None), ("wire_dtype", 5), ("plan_request", 7),
 ]

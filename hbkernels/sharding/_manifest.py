@@ -23,6 +23,7 @@ import numpy as np
 
 from ..errors import CheckpointError
 from ..quantize import BITS
+from .layout import SEED_RANGE
 
 SAVE_DIR = re.compile(r"save-[0-9]{1,20}-[0-9a-f]{8}")
 FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,240}\.npy")
@@ -118,7 +119,7 @@ def check(manifest, where, slots, sealed=False):
     if not is_save_dir(save):
         _fail(where, f"save directory {save!r} is not one hbkernels names")
     _int(where, manifest, "world_size", 1)
-    _int(where, manifest, "seed")
+    _int(where, manifest, "seed", SEED_RANGE[0], SEED_RANGE[1] - 1)
     _field(where, manifest, "dedup", bool)
     _field(where, manifest, "wire_dtype", (str, type(None)))
     _field(where, manifest, "batch_size_hint", (int, type(None)))
