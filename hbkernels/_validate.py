@@ -116,19 +116,21 @@ def _read(family, a, start, stop):
     return family.to_numpy(a[start:stop]).astype(np.int64).tolist()
 
 
-def raise_bad_offsets(family, offsets_arr, n_values, k):
-    """Explain why ``offsets`` breaks CSR at its first bad position ``k``."""
+def raise_bad_offsets(family, offsets_arr, n_values, k, length="len(values)"):
+    """Explain why ``offsets`` breaks CSR at its first bad position ``k``; ``length``
+    names the ``n_values`` that the last offset must equal (``"data.shape[0]"`` for
+    :func:`hbkernels.segment_reduce`, whose rows are ``data``'s)."""
     b = offsets_arr.shape[0] - 1
     if k == 0:
         (v,) = _read(family, offsets_arr, 0, 1)
-        expected = "0" if v != 0 else f"len(values) = {n_values}"  # B == 0: offsets[0] is the last
+        expected = "0" if v != 0 else f"{length} = {n_values}"  # B == 0: offsets[0] is the last
         problem = f"offsets[0] = {v}, expected {expected}"
     else:
         prev, v = _read(family, offsets_arr, k - 1, k + 1)
         if v < prev:
             problem = f"offsets[{k}] = {v} < offsets[{k - 1}] = {prev} (offsets must not decrease)"
         else:
-            problem = f"offsets[{b}] = {v}, expected len(values) = {n_values}"
+            problem = f"offsets[{b}] = {v}, expected {length} = {n_values}"
     raise ValueError(f"malformed offsets: {problem}")
 
 
@@ -150,5 +152,7 @@ def raise_nonfinite(name, row):
 
 
 def raise_bad_id(family, what, arr, pos, limit):
+    """Raise the :class:`BoundsError` of the id at flat (C-order) position ``pos`` of the
+    ids ``arr`` (any shape: an N-D one is named by its index, ``ids[1, 0]``)."""
     (v,) = _read(family, arr.reshape(-1), pos, pos + 1)
-    raise BoundsError(what, pos, v, limit)
+    raise BoundsError(what, pos, v, limit, tuple(arr.shape))

@@ -24,7 +24,7 @@ pick the same victims.
 import numpy as np
 
 from . import _validate as check
-from ._dispatch import classify, device_family, host, kernels
+from ._dispatch import classify, device_family, host, kernel_ready, kernels
 from ._modes import Eviction, codes
 from .errors import CapacityError
 
@@ -313,6 +313,7 @@ class HashTable:
             raise TypeError(f"{self.name} lives on {self.device!r}: pass "
                             f"{'CUDA' if self._family.is_cuda else 'NumPy'} ids, got a "
                             f"{family.name} array")
+        ids = kernel_ready(ids)  # C-contiguous, native byte order: as every op takes them
         check.ids("ids", ids)
         shape = tuple(ids.shape)
         return family, self._k.as_xp(family, ids).reshape(-1), shape
@@ -322,16 +323,22 @@ class HashTable:
                                     False, False, False)[0]
         return self._k.as_xp(self._family, ukeys).astype(np.int64, copy=False)
 
-    def _admit(self, family, flat, out):
-        """Admit the call's missing ids (step 2-4 of the module's list), filling ``out``;
-        returns ``(the admitted ids, their slots)``."""
-        xp = self._xp
-        step = self.step + 1
+    def check_fits(self, ids):
+        """Raise the :class:`~hbkernels.CapacityError` that ``slots(ids)`` (``insert=True``)
+        would raise, changing nothing (not even the ids' uses): for a caller that must
+        know that several tables' calls all fit before making any of them."""
+        family, flat, _ = self._flat(ids)
+        if flat.shape[0]:
+            self._plan(flat, self._k.find(family, self._index, self._reserved, flat))
+
+    def _plan(self, flat, out):
+        """What admitting the call's ids ``flat`` (found at ``out``, -1: missing) takes
+        (step 2-3 of the module's list): ``(miss, the missing ids, the ids to admit,
+        those left waiting, the slots to evict or None)``, or None where every id is
+        live; :class:`CapacityError` where they do not fit. Changes nothing."""
         miss = out < 0
-        if not bool(miss.any()):  # every id is live: a use of each, nothing to admit
-            self.step = step
-            self._k.touch(family, out, self._uses, step)
-            return xp.empty(0, np.int64), xp.empty(0, np.int64)
+        if not bool(miss.any()):
+            return None
         misses = flat[miss]
         new = self._distinct(misses)
         admitted, waiting = new, new[:0]
@@ -341,6 +348,20 @@ class HashTable:
             admitted, waiting = new[ready], new[~ready]
         m = int(admitted.shape[0])
         victims = self._victims(m - self._num_free, out) if m > self._num_free else None
+        return miss, misses, admitted, waiting, victims
+
+    def _admit(self, family, flat, out):
+        """Admit the call's missing ids (step 2-4 of the module's list), filling ``out``;
+        returns ``(the admitted ids, their slots)``."""
+        xp = self._xp
+        step = self.step + 1
+        plan = self._plan(flat, out)
+        if plan is None:  # every id is live: a use of each, nothing to admit
+            self.step = step
+            self._k.touch(family, out, self._uses, step)
+            return xp.empty(0, np.int64), xp.empty(0, np.int64)
+        miss, misses, admitted, waiting, victims = plan
+        m = int(admitted.shape[0])
         # nothing has changed up to here; from here on nothing raises
         self.step = step
         self._k.touch(family, out, self._uses, step)

@@ -78,10 +78,9 @@ def lookup(weights, ids, *, bounds="raise", output_dtype=None):
     check.table("weights", weights)
     check.ids("ids", ids)
     mode = check.choice("bounds", bounds, check.BOUNDS)
-    flat = family.reshape(ids, (-1,))
-    out, bad = kernels(family, "lookup").lookup(family, weights, flat, mode)
+    out, bad = kernels(family, "lookup").lookup(family, weights, ids, mode)
     if bad != _NO_ERROR:
-        check.raise_bad_id(family, "ids", flat, bad, weights.shape[0])
+        check.raise_bad_id(family, "ids", ids, bad, weights.shape[0])
     return family.reshape(out, tuple(ids.shape) + (weights.shape[1],))
 
 
@@ -119,7 +118,7 @@ def lookup_backward(grad_out, ids, *, num_rows, bounds="raise", deterministic=Tr
         mode, bool(deterministic), False,
     )
     if bad_id != _NO_ERROR:
-        check.raise_bad_id(family, "ids", flat, bad_id, num_rows)
+        check.raise_bad_id(family, "ids", ids, bad_id, num_rows)
     return SparseGrad(rows_of, rows)
 
 
@@ -235,9 +234,9 @@ def _quantized_lookup(q, ids, bounds, output_dtype):
     flat = family.reshape(ids, (-1,))
     one_each = family.from_compute(family.xp.arange(flat.shape[0] + 1, dtype=np.int64))
     out, _, bad = kernels(family, "quantized_bag").embedding_bag(
-        family, q, flat, one_each, None, check.COMBINERS["sum"], mode, "ids")
+        family, q, flat, one_each, None, check.COMBINERS["sum"], mode, ids)
     if bad != _NO_ERROR:
-        check.raise_bad_id(family, "ids", flat, bad, q.num_rows)
+        check.raise_bad_id(family, "ids", ids, bad, q.num_rows)
     return _in_dtype(family, family.reshape(out, tuple(ids.shape) + (q.dim,)), dtype)
 
 
@@ -280,7 +279,7 @@ def segment_reduce(data, offsets, *, combiner="sum"):
     rows = family.reshape(data, (data.shape[0], width))
     out, bad_offset = kernels(family, "segment_reduce").segment_reduce(family, rows, offsets, comb)
     if bad_offset != _NO_ERROR:
-        check.raise_bad_offsets(family, offsets, data.shape[0], bad_offset)
+        check.raise_bad_offsets(family, offsets, data.shape[0], bad_offset, "data.shape[0]")
     return family.reshape(out, (offsets.shape[0] - 1,) + rest)
 
 

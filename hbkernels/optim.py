@@ -78,6 +78,25 @@ def _number(name, value, *, positive=False):
     return x
 
 
+def _betas(betas):
+    """``betas`` as a pair of floats in ``[0, 1)``; else a ValueError saying what was
+    expected and what came."""
+    try:
+        b1, b2 = (float(b) for b in betas)
+    except (TypeError, ValueError):  # not a pair, or not numbers
+        b1 = b2 = math.nan
+    if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+        raise ValueError(f"betas must be a pair of floats in [0, 1), got {betas!r}")
+    return b1, b2
+
+
+def _seed(seed):
+    """``seed`` as an int: a Python or NumPy integer (not a bool); else a ValueError."""
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
+    return int(seed)
+
+
 class SparseOptimizer:
     """Base of the sparse optimizers: state handling, checks, dispatch."""
 
@@ -90,7 +109,7 @@ class SparseOptimizer:
         check.choice("rounding", rounding, ROUNDING)
         check.choice("nonfinite", nonfinite, NONFINITE)
         self.rounding = rounding
-        self.seed = int(seed)
+        self.seed = _seed(seed)
         self.nonfinite = nonfinite
 
     def __repr__(self):
@@ -274,10 +293,7 @@ class Adam(SparseOptimizer):
 
     def __init__(self, lr, betas=(0.9, 0.999), eps=1e-8, **options):
         super().__init__(lr, **options)
-        b1, b2 = (float(b) for b in betas)
-        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
-            raise ValueError(f"betas must be in [0, 1), got {betas!r}")
-        self.betas = (b1, b2)
+        self.betas = _betas(betas)
         self.eps = _number("eps", eps)
 
     def hyper(self, step):

@@ -27,6 +27,16 @@ CHUNK_ROWS = 1 << 16  # rows quantized at a time: a table larger than memory goe
 FLOAT16_MAX = float(np.finfo(np.float16).max)
 
 
+def check_bits(bits):
+    """``bits`` as an ``int``: a Python or NumPy integer 8, 4 or 2 (not a bool, not a
+    float), else a ``ValueError`` naming what came."""
+    if (isinstance(bits, (bool, np.bool_)) or not isinstance(bits, (int, np.integer))
+            or int(bits) not in BITS):
+        raise ValueError(f"bits must be one of {BITS} (an integer), got {bits!r} "
+                         f"({type(bits).__name__})")
+    return int(bits)
+
+
 def row_bytes(dim, bits):
     """Bytes of one row's codes: ``ceil(dim * bits / 8)``."""
     return -(-int(dim) * int(bits) // 8)
@@ -52,8 +62,7 @@ class QuantizedTable:
     """
 
     def __init__(self, codes, scale, bias, bits, dim):
-        if isinstance(bits, bool) or bits not in BITS:
-            raise ValueError(f"bits must be one of {BITS}, got {bits!r}")
+        bits = check_bits(bits)
         dim = check.count("dim", dim, minimum=1)
         family, a = resolve(codes=codes, scale=scale, bias=bias)
         codes, scale, bias = a["codes"], a["scale"], a["bias"]
@@ -198,9 +207,10 @@ class QuantizedRows(NamedTuple):
 
 
 def row_range(xp, x, first_row=0, row_step=1):
-    """``(lo, hi)``: each float32 row's minimum and maximum; ValueError naming the
-    first row (row ``k`` of ``x`` is table row ``first_row + row_step * k``) that holds
-    NaN or Inf or passes float16's range."""
+    """``(lo, hi)`` (float32): each row's minimum and maximum of the float32 or float64
+    rows ``x`` (float64 ones as they are: their values may pass float32's range);
+    ValueError naming the first row (row ``k`` of ``x`` is table row
+    ``first_row + row_step * k``) that holds NaN or Inf or passes float16's range."""
     finite = xp.isfinite(x).all(axis=1)
     lo, hi = x.min(axis=1), x.max(axis=1)
     fits = finite & (lo >= -FLOAT16_MAX) & (hi <= FLOAT16_MAX)
@@ -210,7 +220,7 @@ def row_range(xp, x, first_row=0, row_step=1):
                 f"spans [{float(lo[r])}, {float(hi[r])}], beyond float16's range")
         raise ValueError(f"row {first_row + row_step * r} of the table {what}: its scale and bias "
                          f"are float16")
-    return lo, hi
+    return lo.astype(np.float32, copy=False), hi.astype(np.float32, copy=False)
 
 
 def quantize_values(xp, x, bits, lo, hi):
@@ -241,8 +251,7 @@ def quantize_rows(table, bits=8, *, chunk_rows=CHUNK_ROWS):
     >>> bool(np.all(np.abs(q.dequantize() - w) <= q.scale.astype(np.float32)[:, None] / 2 + 1e-5))
     True
     """
-    if isinstance(bits, bool) or bits not in BITS:
-        raise ValueError(f"bits must be one of {BITS}, got {bits!r}")
+    bits = check_bits(bits)
     chunk_rows = check.count("chunk_rows", chunk_rows, minimum=1)
     family, a = resolve(row_tables=("table",), table=table)
     table = a["table"]
@@ -253,8 +262,11 @@ def quantize_rows(table, bits=8, *, chunk_rows=CHUNK_ROWS):
     rows = xp.empty((num_rows, width + 4), np.uint8)
     for r0 in range(0, num_rows, chunk_rows):
         r1 = min(num_rows, r0 + chunk_rows)
-        x = family.compute(table[r0:r1]).astype(np.float32)
-        q = quantize_values(xp, x, bits, *row_range(xp, x, r0))
+        x = family.compute(table[r0:r1])
+        if np.dtype(x.dtype) != np.float64:  # float64 is checked as it is, then made float32
+            x = x.astype(np.float32)
+        lo, hi = row_range(xp, x, r0)
+        q = quantize_values(xp, x.astype(np.float32, copy=False), bits, lo, hi)
         rows[r0:r1, :width] = pack(xp, q.codes, bits)
         rows[r0:r1, width:] = xp.stack([q.scale, q.bias], axis=1).view(np.uint8)
     return QuantizedTable.from_rows(family.from_compute(rows), bits, dim)

@@ -1,4 +1,5 @@
 """Small containers of the public contract."""
+import math
 import os
 from typing import Any, NamedTuple
 
@@ -154,28 +155,31 @@ def table_spec(spec):
         raise ValueError(f"a table needs a non-empty name, got {spec.name!r}")
     if spec.num_rows is None:
         _dynamic(spec)
-    elif int(spec.num_rows) != spec.num_rows or spec.num_rows < 1:
+    elif _count(spec.num_rows) is None:
         raise ValueError(f"table {spec.name!r}: num_rows must be an integer >= 1 (or None: a dynamic "
                          f"table), got {spec.num_rows!r}")
     elif spec.capacity is not None:
         raise ValueError(f"table {spec.name!r}: capacity is for dynamic tables (num_rows=None); "
                          f"this one has num_rows={spec.num_rows}")
-    if spec.init_scale is not None and not float(spec.init_scale) > 0:
-        raise ValueError(f"table {spec.name!r}: init_scale must be > 0, got {spec.init_scale!r}")
-    if int(spec.dim) != spec.dim or spec.dim < 1:
+    if spec.init_scale is not None:
+        _positive(spec, "init_scale", spec.init_scale)
+    if _count(spec.dim) is None:
         raise ValueError(f"table {spec.name!r}: dim must be an integer >= 1, got {spec.dim!r}")
     if spec.combiner not in ("sum", "mean", "sqrtn", None):
         raise ValueError(f"table {spec.name!r}: combiner must be sum, mean, sqrtn or None (a "
                          f"sequence table), got {spec.combiner!r}")
-    dtype = np.dtype(spec.dtype)
+    try:
+        dtype = np.dtype(spec.dtype)
+    except TypeError:  # not a dtype at all
+        dtype = None
     if dtype not in (np.dtype(np.float32), np.dtype(np.float16)):
-        raise ValueError(f"table {spec.name!r}: dtype must be float32 or float16, got {dtype.name}")
+        raise ValueError(f"table {spec.name!r}: dtype must be float32 or float16, got "
+                         f"{repr(spec.dtype) if dtype is None else dtype.name}")
     features = (spec.name,) if spec.features is None else spec.features
     features = (features,) if isinstance(features, str) else tuple(features)
     if not features or not all(isinstance(f, str) and f for f in features):
         raise ValueError(f"table {spec.name!r}: features must be non-empty names, got {spec.features!r}")
-    if not float(spec.hotness) > 0:
-        raise ValueError(f"table {spec.name!r}: hotness must be > 0, got {spec.hotness!r}")
+    _positive(spec, "hotness", spec.hotness)
     if spec.device not in (None, "cpu", "cuda"):
         raise ValueError(f"table {spec.name!r}: device must be None, 'cpu' or 'cuda', got {spec.device!r}")
     _storage(spec)
@@ -186,6 +190,28 @@ def table_spec(spec):
                          init_scale=None if spec.init_scale is None else float(spec.init_scale),
                          path=None if spec.path is None else os.fspath(spec.path),
                          cache_rows=None if spec.cache_rows is None else int(spec.cache_rows))
+
+
+def _count(value):
+    """``value`` as an int when it is an integer >= 1 (a Python or NumPy integer, not a
+    bool or a float: :func:`hbkernels._validate.count`), else None."""
+    from . import _validate
+
+    try:
+        return _validate.count("value", value, minimum=1)
+    except ValueError:
+        return None
+
+
+def _positive(spec, field, value):
+    """A ``ValueError`` naming the table, the field and what came unless ``value`` (of
+    ``spec``'s ``field``) is a finite number > 0."""
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        x = math.nan
+    if not (math.isfinite(x) and x > 0):
+        raise ValueError(f"table {spec.name!r}: {field} must be a finite number > 0, got {value!r}")
 
 
 def _storage(spec):
@@ -203,7 +229,7 @@ def _storage(spec):
         if not spec.tiered:
             raise ValueError(f"table {spec.name!r}: cache_rows is for storage='host' or 'mmap' "
                              f"(a cache in front of the slow tier)")
-        if int(spec.cache_rows) != spec.cache_rows or spec.cache_rows < 1:
+        if _count(spec.cache_rows) is None:
             raise ValueError(f"table {spec.name!r}: cache_rows must be an integer >= 1 (or None: "
                              f"no cache), got {spec.cache_rows!r}")
     if spec.cache_policy not in set(codes(Eviction)) - {"none"}:
@@ -217,12 +243,12 @@ def _storage(spec):
 def _dynamic(spec):
     from ._modes import Eviction, codes
 
-    if spec.capacity is None or int(spec.capacity) != spec.capacity or spec.capacity < 1:
+    if _count(spec.capacity) is None:
         raise ValueError(f"table {spec.name!r}: a dynamic table (num_rows=None) needs a capacity, "
                          f"an integer >= 1, got {spec.capacity!r}")
     if spec.evict not in codes(Eviction):
         raise ValueError(f"table {spec.name!r}: evict must be one of {sorted(codes(Eviction))}, "
                          f"got {spec.evict!r}")
-    if int(spec.admit_count) != spec.admit_count or spec.admit_count < 1:
+    if _count(spec.admit_count) is None:
         raise ValueError(f"table {spec.name!r}: admit_count must be an integer >= 1, "
                          f"got {spec.admit_count!r}")

@@ -208,6 +208,19 @@ def test_bad_input(backend):
             hbk.HashTable(**kw)
 
 
+@pytest.mark.parametrize("dtype", [">i8", ">i4"])
+def test_ids_of_either_byte_order_are_taken_as_every_op_takes_them(dtype):
+    """Big-endian ids are converted (a copy), as the kernel ops convert them: the same
+    slots, scores and erasures as of native ids."""
+    ids = np.array([[5, -3], [2**31 - 1, 5]])
+    native, swapped = hbk.HashTable(8), hbk.HashTable(8)
+    want = native.slots(ids)
+    got = swapped.slots(ids.astype(dtype))
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(swapped.scores(ids.astype(dtype)), native.scores(ids))
+    assert swapped.erase(np.array([5], dtype)) == 1
+
+
 def test_smallest_is_a_lexicographic_selection(rng):
     n = 500
     keys = [rng.integers(0, 3, n), rng.integers(0, 4, n), rng.permutation(n)]
@@ -302,3 +315,39 @@ def test_live_at_names_the_live_ids_of_slots(backend, rng):
     want = sorted((i, s) for i, (s, _, _) in _by_id(t.state()).items() if s in set(asked.tolist()))
     assert list(zip(got_ids.tolist(), got_slots.tolist())) == want
     assert t.live_at(np.zeros(0, np.int64))[0].shape == (0,)
+
+
+def _snapshot(t):
+    state = t.state()
+    flat = {k: np.asarray(v) for k, v in state.items() if k != "pending"}
+    pending = state.get("pending") or {}
+    flat.update({f"pending_{k}": np.asarray(v) for k, v in pending.items()})
+    return flat, t.size, t.step, t.admitted, t.evicted
+
+
+def _same(a, b):
+    assert a[1:] == b[1:]
+    assert a[0].keys() == b[0].keys()
+    for k in a[0]:
+        np.testing.assert_array_equal(a[0][k], b[0][k], err_msg=k)
+
+
+@pytest.mark.parametrize("evict", ["none", "lru"])
+def test_check_fits_raises_what_slots_would_and_changes_nothing(backend, evict):
+    t = make(backend, 4, evict=evict, admit_count=2)
+    for ids in ([1, 2, 3], [1, 2, 3], [4]):  # 1, 2, 3 live; 4 waiting
+        t.slots(backend.put(np.array(ids)))
+    before = _snapshot(t)
+    t.check_fits(backend.put(np.array([4, 5, 6, 1])))  # only 4 is due: 1 free slot takes it
+    t.check_fits(backend.put(np.array([], np.int64)))
+    _same(before, _snapshot(t))
+    too_many = backend.put(np.array([4, 4, 5, 5, 6, 6, 1, 2, 3]))
+    t.slots(backend.put(np.array([5, 6])))  # 5 and 6 now wait too
+    before = _snapshot(t)
+    with raises(hbk.CapacityError) as checked:
+        t.check_fits(too_many)  # 3 due, 1 free, and the call uses every live id
+    _same(before, _snapshot(t))
+    with raises(hbk.CapacityError) as called:
+        t.slots(too_many)
+    assert str(checked.value) == str(called.value)
+    _same(before, _snapshot(t))

@@ -76,7 +76,7 @@ def test_empty_ids(backend):
 def test_bounds_modes(backend):
     weights = np.arange(8, dtype=np.float32).reshape(4, 2)
     ids = np.array([[3, -1], [4, 0]], np.int64)
-    with raises(hbk.BoundsError, match=r"ids\[1\] = -1"):
+    with raises(hbk.BoundsError, match=r"ids\[0, 1\] = -1"):
         hbk.lookup(backend.put(weights), backend.put(ids))
     out = backend.get(hbk.lookup(backend.put(weights), backend.put(ids), bounds="zero"))
     np.testing.assert_array_equal(out, [[[6, 7], [0, 0]], [[0, 0], [0, 1]]])
@@ -106,6 +106,20 @@ def test_bad_ids_in_every_bounds_mode(backend, rng, bounds, dim, dtype):
     expected = np.where(((ids >= 0) & (ids < 12))[:, None], weights[np.clip(ids, 0, 11)], 0)
     out = backend.get(hbk.lookup(*args, bounds=bounds))
     np.testing.assert_array_equal(bits(out), bits(expected.astype(dtype)))
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_a_bad_id_of_nd_ids_is_named_by_its_index(backend, quantized):
+    """The message names an id of N-D ids by its index (``ids[1, 0]``), on the CPU and in
+    the GPU's pending check; ``position`` stays the flat position; 1-D ids keep ``ids[k]``."""
+    weights = np.ones((4, 2), np.float32)
+    table = hbk.quantize_rows(backend.put(weights)) if quantized else backend.put(weights)
+    for ids, where, position in [([[1, 2], [9, 0]], "1, 0", 2), ([[[0], [3]], [[2], [-1]]], "1, 1, 0", 3),
+                                 ([1, 2, 9, 0], "2", 2)]:
+        with raises(hbk.BoundsError, match=rf"ids\[{where}\] = {np.ravel(ids)[position]} is out of "
+                                           rf"range \[0, 4\)") as info:
+            hbk.lookup(table, backend.put(np.array(ids)))
+        assert info.value.position == position
 
 
 def test_bad_ids_give_zero_rows_whatever_row_0_holds(backend):

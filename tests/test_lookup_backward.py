@@ -76,6 +76,14 @@ def test_bounds_modes(backend):
     np.testing.assert_array_equal(backend.get(got.rows), [[4.0, 6.0]])
 
 
+def test_a_bad_id_of_nd_ids_is_named_by_its_index(backend):
+    grad_out = np.ones((2, 2, 3), np.float32)
+    ids = np.array([[1, 2], [9, 0]])
+    with raises(hbk.BoundsError, match=r"ids\[1, 0\] = 9 is out of range \[0, 4\)") as info:
+        hbk.lookup_backward(backend.put(grad_out), backend.put(ids), num_rows=4)
+    assert info.value.position == 2
+
+
 def test_bad_input_is_a_clear_error():
     ids = np.array([[0, 1], [2, 3]])
     with raises(ValueError, match=r"ids.shape \+ \(D,\)"):

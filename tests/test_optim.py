@@ -1,4 +1,5 @@
 import math
+import re
 
 import numpy as np
 import pytest
@@ -578,6 +579,21 @@ def test_constructor_checks():
     with raises(ValueError, match="initial_accumulator_value must be a finite number > 0"):
         optim.Ftrl(lr=0.1, initial_accumulator_value=0.0)
     optim.Ftrl(lr=0.1, lr_power=0.0, initial_accumulator_value=0.0)  # fixed rate: 0 allowed
+
+
+@pytest.mark.parametrize("betas", [(0.9, 0.9, 0.9), 0.9, (0.9,), ("a", 0.9), None, (1.0, 0.9),
+                                   (0.9, float("nan"))])
+def test_betas_must_be_a_pair_of_floats_in_0_1(betas):
+    with raises(ValueError, match=re.escape(f"betas must be a pair of floats in [0, 1), "
+                                            f"got {betas!r}")):
+        optim.Adam(lr=0.1, betas=betas)
+
+
+@pytest.mark.parametrize("seed", [1.5, "7", None, True])
+def test_seed_must_be_an_integer(seed):
+    with raises(ValueError, match=re.escape(f"seed must be an integer, got {seed!r}")):
+        optim.SGD(lr=0.1, rounding="stochastic", seed=seed)
+    assert optim.SGD(lr=0.1, seed=np.int64(7)).seed == 7
 
 
 @pytest.mark.parametrize("dtype, state_dtype", [(np.float16, np.float32), (np.float32, np.float32),

@@ -2,6 +2,8 @@
 out here (codes unpacked bit by bit, scale and bias by float16 rounding in float64),
 on both backends: the layout (low bits first, a last byte's unused bits zero), the size,
 half-a-step accuracy, rows of one value, D = 1 and odd D, chunks, and the errors."""
+import re
+
 import numpy as np
 import pytest
 from helpers import raises
@@ -111,6 +113,37 @@ def test_errors(backend, rng):
         hbk.quantize_rows(backend.put(w[0]), bits=8)
     with raises(ValueError, match="chunk_rows must be >= 1"):
         hbk.quantize_rows(backend.put(w), chunk_rows=0)
+
+
+@pytest.mark.parametrize("bits", [8.0, 4.0, np.float64(8), np.float32(2)])
+def test_bits_that_are_not_integers_are_refused(backend, rng, bits):
+    """8.0 == 8, but bits is an integer: a float is a ValueError naming it, in
+    quantize_rows and in the QuantizedTable constructor; NumPy integers pass."""
+    w = rng.standard_normal((3, 4)).astype(np.float32)
+    message = rf"bits must be one of \(8, 4, 2\) \(an integer\), got {re.escape(repr(bits))}"
+    with raises(ValueError, match=message):
+        hbk.quantize_rows(backend.put(w), bits=bits)
+    codes, half = np.zeros((3, 2), np.uint8), np.zeros(3, np.float16)
+    with pytest.raises(ValueError, match=message):
+        hbk.QuantizedTable(codes, half, half, bits, 4)
+    q = hbk.quantize_rows(backend.put(w), bits=np.int64(4))
+    assert type(q.bits) is int and q.bits == 4
+
+
+def test_a_float64_value_beyond_float32s_range_is_named_as_it_is(backend, rng):
+    """A finite float64 value that float32 cannot hold (1e300) is beyond float16's range,
+    not NaN or Inf: the message says so, naming the row and its range."""
+    wide = rng.standard_normal((5, 4))
+    wide[2, 1] = 1e300
+    with raises(ValueError, match=r"row 2 of the table spans \[.*, 1e\+300\], beyond float16's "
+                                  r"range"):
+        hbk.quantize_rows(backend.put(wide), bits=8, chunk_rows=2)
+    wide[2, 1] = -1e300
+    with raises(ValueError, match=r"row 2 of the table spans \[-1e\+300, .*\], beyond"):
+        hbk.quantize_rows(backend.put(wide), bits=4)
+    wide[2, 1] = np.inf
+    with raises(ValueError, match="row 2 of the table holds NaN or Inf"):
+        hbk.quantize_rows(backend.put(wide), bits=4)
 
 
 def test_a_quantized_table_is_for_inference(backend, rng):

@@ -182,6 +182,15 @@ def test_bad_requests():
         hbk.EmbeddingCollection(TABLES, comm=local(), quantize={"user": 5})
 
 
+@pytest.mark.parametrize("bits", [8.0, np.float64(4), True])
+def test_bits_that_are_not_integers_are_refused(bits):
+    """coll.quantized checks bits as hbk.quantize_rows does: 8.0 is not 8."""
+    coll = hbk.EmbeddingCollection([hbk.TableSpec("t", num_rows=10, dim=4)], comm=local())
+    with pytest.raises(ValueError, match=r"bits must be one of \(8, 4, 2\) \(an integer\), got"):
+        coll.quantized(bits=bits)
+    assert coll.quantized(bits=np.int32(2)).quantize == {"t": 2}
+
+
 def test_an_incremental_save_of_a_quantized_collection_is_refused(tmp_path):
     q = trained("table_wise").quantized(bits=8)
     q.save(tmp_path / "a")

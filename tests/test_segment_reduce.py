@@ -37,5 +37,17 @@ def test_empty(backend):
 
 
 def test_malformed_offsets(backend):
-    with raises(ValueError, match=r"expected len\(values\) = 3"):
+    with raises(ValueError, match=r"expected data.shape\[0\] = 3"):
         hbk.segment_reduce(backend.put(np.ones(3, np.float32)), backend.put(np.array([0, 2])))
+
+
+@pytest.mark.parametrize("offsets, message", [
+    ([0, 2, 5], r"malformed offsets: offsets\[2\] = 5, expected data.shape\[0\] = 6"),
+    ([0], r"malformed offsets: offsets\[0\] = 0, expected data.shape\[0\] = 6"),
+])
+def test_malformed_offsets_name_the_rows_of_data(backend, offsets, message):
+    """segment_reduce has no ``values``: the last offset must be data.shape[0], and the
+    message says so (embedding_bag's says len(values))."""
+    data = backend.put(np.ones((6, 2), np.float32))
+    with raises(ValueError, match=message):
+        hbk.segment_reduce(data, backend.put(np.array(offsets)))

@@ -18,6 +18,9 @@ def gather_rows(table, ids, zero_bad, out):
 
 
 def lookup(family, weights, ids, bounds):
+    """``(out [ids.size, D], -1)`` of the ids (any shape, gathered in C order), or
+    ``(None, the first bad flat position)`` under ``bounds="raise"``."""
+    ids = ids.reshape(-1)
     if bounds == Bounds.RAISE:
         bad = first_out_of_range(ids, weights.shape[0])
         if bad != -1:

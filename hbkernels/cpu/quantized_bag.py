@@ -135,10 +135,10 @@ def quantized_pool_kernel(dim, bits, check_ids):
 
 
 def embedding_bag(family, q, values, offsets, per_sample_weights, combiner, bounds,
-                  ids_name="values"):
+                  lookup_ids=None):
     """``(out float32 [B, D] or None, first bad offset, first bad id)`` (-1: none) of
-    the bags of ``values``/``offsets`` over the quantized table ``q`` (the caller raises,
-    naming the ids ``ids_name``)."""
+    the bags of ``values``/``offsets`` over the quantized table ``q`` (the caller raises;
+    ``lookup_ids``: the ids of a lookup that ``values`` flattens, as the GPU takes them)."""
     check = bounds != Bounds.UNCHECKED
     n = values.shape[0]
     if check and (offsets[0] != 0 or offsets[-1] != n):

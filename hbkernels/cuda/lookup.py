@@ -112,8 +112,11 @@ def as_bits(a):
 
 
 def lookup(family, weights, ids, bounds):
+    """``(out [ids.size, D], -1)`` of the ids (any shape, gathered in C order); the
+    check is left pending, its error naming the id by its index in ``ids``."""
     dim = weights.shape[1]
-    n = ids.shape[0]
+    flat = family.reshape(ids, (-1,))
+    n = flat.shape[0]
     record = bounds == Bounds.RAISE
     if weights.shape[0] == 0:  # every id is bad: zero rows, the first bad position is 0
         return family.zeros((n, dim), weights.dtype), (0 if record and n else -1)
@@ -131,6 +134,6 @@ def lookup(family, weights, ids, bounds):
     kernel = gather_kernel(np.dtype(table.dtype), width, group, chunks_per_lane)
     steps = -(-n // IDS_IN_FLIGHT)
     with _pending.checks(1, "lookup", report, (ids,), when=record) as slots:
-        launch(kernel, blocks_for(steps, tpb // group), tpb, table, family.kernel_array(ids),
+        launch(kernel, blocks_for(steps, tpb // group), tpb, table, family.kernel_array(flat),
                record, k_out, no_error_slots() if slots is None else slots)
     return out, -1

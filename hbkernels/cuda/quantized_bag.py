@@ -203,10 +203,13 @@ def word_rows(q):
 
 
 def embedding_bag(family, q, values, offsets, per_sample_weights, combiner, bounds,
-                  ids_name="values"):
+                  lookup_ids=None):
     """``(out float32 [B, D], -1, -1)``: one launch; the checks (offsets unless
-    ``bounds="unchecked"``, ids under ``"raise"``, reported as ``ids_name``) are left
-    pending. An empty batch's one offset is read back at once."""
+    ``bounds="unchecked"``, ids under ``"raise"``) are left pending. An empty batch's
+    one offset is read back at once. ``lookup_ids``: the ids of a lookup (any shape),
+    which ``values`` flattens, one per bag: a bad id is reported as theirs (``ids``),
+    else as ``values``'."""
+    ids_name, named = ("values", values) if lookup_ids is None else ("ids", lookup_ids)
     n = values.shape[0]
     check = bounds != Bounds.UNCHECKED
     raise_ids = bounds == Bounds.RAISE
@@ -230,7 +233,7 @@ def embedding_bag(family, q, values, offsets, per_sample_weights, combiner, boun
         if ids_name == "values":
             raise_ragged(family, values, offsets, bad[0], bad[1] if raise_ids else -1,
                          q.num_rows)
-        raise_bad_id(family, ids_name, values, bad[1], q.num_rows)
+        raise_bad_id(family, ids_name, named, bad[1], q.num_rows)
 
     k_values = family.kernel_array(values)
     op = "lookup" if ids_name == "ids" else "embedding_bag"

@@ -16,7 +16,7 @@ def segment_reduce(family, data, offsets, combiner):
         return family.empty((0, data.shape[1]), data.dtype), bad_offset
 
     def report(bad):
-        raise_bad_offsets(family, offsets, n_rows, bad[0])
+        raise_bad_offsets(family, offsets, n_rows, bad[0], "data.shape[0]")
 
     with _pending.checks(2, "segment_reduce", report, (offsets,)) as slots:
         out = pool(family, data, None, offsets, n_rows, None, combiner, True, True, False, slots)

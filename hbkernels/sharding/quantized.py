@@ -13,7 +13,7 @@ import numpy as np
 
 from .._dispatch import host
 from ..quantize import (
-    BITS, CHUNK_ROWS, QuantizedRows, QuantizedTable, quantize_values, row_bytes, row_range,
+    CHUNK_ROWS, QuantizedRows, QuantizedTable, check_bits, quantize_values, row_bytes, row_range,
 )
 from .layout import initial_weights, shard_rows
 from .tier import FusedArrays
@@ -23,8 +23,7 @@ def request(coll, bits, tables):
     """``{table: bits}`` of ``coll.quantized(bits, tables)``, checked: ``tables`` None
     (all) or names of static tables; every table left out must be static and in
     the collection's memory (it is copied as it is)."""
-    if isinstance(bits, bool) or bits not in BITS:
-        raise ValueError(f"bits must be one of {BITS}, got {bits!r}")
+    bits = check_bits(bits)
     names = list(coll.tables) if tables is None else (
         [tables] if isinstance(tables, str) else list(tables))
     unknown = sorted(set(names) - set(coll.tables))
@@ -39,7 +38,7 @@ def request(coll, bits, tables):
         if spec.tiered and name not in names:
             raise ValueError(f"table {name!r} is in a slow tier ({spec.storage!r}): quantize it "
                              f"too (it is then held quantized in memory)")
-    return {name: int(bits) for name in names}
+    return {name: bits for name in names}
 
 
 def quantized_spec(spec):
