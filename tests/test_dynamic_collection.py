@@ -1,5 +1,7 @@
 """Dynamic tables (TableSpec(num_rows=None)) in an EmbeddingCollection: one rank here,
 2 and 3 ranks under mpiexec (tests/mpi/dynamic.py)."""
+import zlib
+
 import numpy as np
 import pytest
 from helpers import raises, same_collections
@@ -75,6 +77,84 @@ def test_raw_hashes_start_from_their_id(rng):
     np.testing.assert_array_equal(rows, initial_weights(spec, 9, ids))
 
 
+SEEDS = [0, 1, 2**32 - 1, 2**32, 2**32 + 1, -2**32, -1, 2**40, 2**63, -2**63, 2**64 - 1]
+
+
+def test_every_bit_of_the_seed_counts():
+    """Seeds that differ only above bit 32, or only in sign, make different tables; the
+    accepted seeds are the integers in [-2**63, 2**64), anything else a ValueError."""
+    spec = static(num_rows=8, dim=4)
+    tables = [initial_weights(spec, s) for s in SEEDS]
+    for i, a in enumerate(tables):
+        for j in range(i):
+            assert not np.array_equal(a, tables[j]), (SEEDS[i], SEEDS[j])
+    assert np.array_equal(initial_weights(spec, np.uint64(2**64 - 1)), tables[-1])
+    assert np.array_equal(initial_weights(spec, np.int64(-1)), tables[SEEDS.index(-1)])
+    for seed in (0, 2**32, -2**32):  # the collection's tables and a dynamic table's rows too
+        coll = hbk.EmbeddingCollection([spec, dynamic("d", dim=4)], comm=LOCAL, seed=seed)
+        np.testing.assert_array_equal(coll.full_weights("t"), tables[SEEDS.index(seed)])
+        out = coll.forward({"d": hbk.Ragged(np.array([3], np.int64), np.array([0, 1]))})
+        np.testing.assert_array_equal(out["d"], initial_weights(static("d", dim=4), seed, [3]))
+    for bad in (2**64, -2**63 - 1, 1.5, 2.0, "3", None, True, np.float32(1)):
+        with raises(ValueError, match=r"seed must be an integer in \[-2\*\*63, 2\*\*64\)"):
+            initial_weights(spec, bad)
+
+
+@pytest.mark.parametrize("dim", [1, 2, 6, 64])
+def test_distinct_ids_get_distinct_rows(dim):
+    """Ids that agree in their low 58 bits, or are 2**63 apart, start from different rows
+    (at an even dim, or 64, the element hash of row·dim + column made them equal), in a
+    static table's initial weights and in a dynamic table's admitted rows alike."""
+    ids = np.array([7, 7 + 2**58, 7 - 2**63, -3, 2**63 - 3, 0, -2**63, 2**63 - 1, -1, 2**62],
+                   np.int64)
+    rows = initial_weights(static(dim=dim), 5, ids)
+    for i in range(len(ids)):
+        for j in range(i):
+            assert not np.array_equal(rows[i], rows[j]), (ids[i], ids[j])
+    coll = hbk.EmbeddingCollection([dynamic(dim=dim)], comm=LOCAL, seed=5)
+    out = coll.forward({"t": hbk.Ragged(ids, np.arange(len(ids) + 1))})
+    np.testing.assert_array_equal(out["t"], rows)
+
+
+def _plain_initial_rows(seed, name, rows, dim, scale):
+    """The initial-weights formula once more, vectorised in NumPy uint64 over the rows."""
+    def mix(x):  # splitmix64, wrapping
+        x = x + np.uint64(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+    with np.errstate(over="ignore"):
+        crc = zlib.crc32(name.encode())
+        key = mix(np.uint64(((seed % 2**32) << 32) | crc))
+        if not 0 <= seed < 2**32:
+            key = mix(key ^ np.uint64((seed >> 32) % 2**64))
+        state = mix(np.asarray(rows, np.int64).view(np.uint64) ^ key)[:, None]
+        cols = np.arange(dim, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        u = (mix(state + cols) >> np.uint64(40)).astype(np.float64) / 2.0**24
+    return ((2.0 * u - 1.0) * scale).astype(np.float32)
+
+
+@pytest.mark.parametrize("dim", [1, 5, 64])
+@pytest.mark.parametrize("seed", [0, 3, -1, 2**32 + 3, -2**63, 2**64 - 1])
+def test_initial_weights_follow_the_formula(dim, seed):
+    """Rows (negative ids, the int64 edges) and column slices equal the formula written
+    plainly: hbk.reference.initial_weights (Python ints) and a NumPy uint64 version."""
+    spec = static("user", dim=dim)
+    ids = np.array([0, 1, 7, -1, -7, 2**63 - 1, -2**63, 7 + 2**58, 123456789012345], np.int64)
+    rows = initial_weights(spec, seed, ids)
+    np.testing.assert_array_equal(rows, _plain_initial_rows(seed, "user", ids, dim, SCALE))
+    np.testing.assert_array_equal(
+        rows, hbk.reference.initial_weights(spec, seed, ids).astype(np.float32))
+    np.testing.assert_array_equal(initial_weights(spec, seed, ids, dim // 2, dim),
+                                  rows[:, dim // 2:])
+    np.testing.assert_array_equal(  # a whole static table, default scale 1/sqrt(num_rows)
+        initial_weights(hbk.TableSpec("v", num_rows=9, dim=dim), seed),
+        hbk.reference.initial_weights(hbk.TableSpec("v", num_rows=9, dim=dim), seed)
+        .astype(np.float32))
+    assert np.abs(rows).max() <= SCALE
+
+
 def test_admission_and_eviction_reset_rows_and_state():
     """admit_count=2: an id adds nothing and gets no update until its second call; an
     evicted id that comes back starts again from its initial row and fresh state."""
@@ -111,6 +191,19 @@ def test_a_full_table_raises_capacity_error():
     coll.forward({"t": np.array([1, 2, 3])})
     with raises(hbk.CapacityError, match="t is full: capacity 3"):
         coll.forward({"t": np.array([4])})
+
+
+@pytest.mark.parametrize("width", [5, 3])  # b beside a in one fused array, and in its own
+def test_a_forward_that_one_full_table_refuses_changes_no_table(width):
+    a = dynamic(name="a", capacity=100)
+    b = dynamic(name="b", capacity=2, dim=width, evict="none")
+    coll = hbk.EmbeddingCollection([a, b], comm=LOCAL)
+    with raises(hbk.CapacityError, match="b is full: capacity 2"):
+        coll.forward({"a": np.array([1, 2, 3]), "b": np.array([7, 8, 9])})
+    assert coll.dynamic_counts("a") == {"size": 0, "admitted": 0, "evicted": 0}
+    assert coll.dynamic_counts("b") == {"size": 0, "admitted": 0, "evicted": 0}
+    coll.forward({"a": np.array([1, 2, 3]), "b": np.array([7, 8])})  # fits: both admit
+    assert coll.dynamic_counts("a")["size"] == 3 and coll.dynamic_counts("b")["size"] == 2
 
 
 def test_bad_specs():

@@ -301,8 +301,10 @@ def test_forward_and_backward_errors():
     v = v.copy()
     v[1] = 300
     bad["user"] = hbk.Ragged(v, o)
-    with raises(hbk.BoundsError, match="300"):
+    with raises(hbk.BoundsError, match=r"feature 'user': values\[1\] = 300"):
         coll.forward(bad, per_sample_weights=psw)
+    with raises(ValueError, match="feature 'user': malformed offsets"):
+        coll.forward({**feats, "user": hbk.Ragged(v, o[::-1].copy())}, per_sample_weights=psw)
     with raises(hbk.BoundsError, match="-1"):
         coll.forward({**feats, "cat": np.concatenate([[-1], feats["cat"][1:]])}, per_sample_weights=psw)
     for t in TABLES:
@@ -320,6 +322,11 @@ def test_forward_and_backward_errors():
         coll.backward({**grads, "item": np.zeros((9, 5), np.float32)})
     with raises(ValueError, match="nope"):
         coll.backward({**grads, "nope": np.zeros((8, 2), np.float32)})
+    for f in grads:  # a NaN or Inf in any feature's gradient: no table is updated
+        bad = {**grads, f: grads[f].copy()}
+        bad[f][-1, -1] = np.inf if f == "user" else np.nan
+        with raises(ValueError, match=f"grad of {f!r} has NaN or Inf in row {len(bad[f]) - 1}"):
+            coll.backward(bad)
     for t in TABLES:  # rejected calls change nothing
         np.testing.assert_array_equal(coll.full_weights(t.name), w_before[t.name])
         assert int(np.asarray(coll.full_state(t.name)["step"]).reshape(-1)[0]) == 0

@@ -41,9 +41,12 @@ seed and the table (:func:`initial_weights`), never on the plan or world size.
 (10, 4)
 """
 import contextlib
+import json
 import math
 import os
 import time
+import warnings
+import zlib
 from collections import defaultdict
 from typing import Any, NamedTuple
 
@@ -52,23 +55,23 @@ import numpy as np
 from .. import _validate as check
 from .. import dist as _dist
 from .. import optim as _optim
-from .._dispatch import device_family, host, resolve
+from .._dispatch import device_family, host, kernels, resolve
 from .._machine import cupy, simulator_enabled
 from ..dist import _wire
-from ..errors import CapacityError
+from ..errors import BoundsError, CapacityError
 from ..hash_table import HashTable
 from ..ops import (
     check_ragged, embedding_bag, embedding_bag_backward, lookup, partition, synchronize, unique,
 )
 from ..types import JaggedRows, Ragged, SparseGrad, table_spec
 from ..memory import aligned_empty
-from ..quantize import BITS
+from ..quantize import BITS, check_bits
 from . import checkpoint
 from . import quantized as quantized_tables
 from .kjt import features_from_kjt, is_keyed_jagged_tensor
 from .kinds import SHARDINGS
 from .kinds.row_wise import dynamic_owner
-from .layout import initial_rows, initial_weights, make_layout, shard_rows
+from .layout import check_seed, initial_rows, initial_weights, make_layout, shard_rows
 from .plan import Plan, make_plan
 from .tier import FusedArrays, Store, Tier
 
@@ -200,16 +203,18 @@ class EmbeddingCollection:
         #: ``{table: bits}`` of the tables held quantized (forward only when not empty)
         self.quantize = {}
         for name, bits in ({} if quantize is None else dict(quantize)).items():
-            if name not in self.tables or self.tables[name].dynamic or type(bits) is bool \
-                    or not isinstance(bits, (int, np.integer)) or bits not in BITS:
+            if name not in self.tables or self.tables[name].dynamic:
                 raise ValueError(f"quantize must map static tables to bits in "
                                  f"{BITS}, got {name!r}: {bits!r}")
-            self.quantize[name] = int(bits)
+            try:
+                self.quantize[name] = check_bits(bits)
+            except ValueError as e:
+                raise ValueError(f"quantize must map static tables to bits: table {name!r}: {e}") from None
             self.tables[name] = quantized_tables.quantized_spec(self.tables[name])
         self.optimizer = _optim.Adagrad(lr=0.05) if optimizer is None else optimizer
         if not isinstance(self.optimizer, _optim.SparseOptimizer):
             raise TypeError(f"optimizer must be a hbk.optim optimizer, got {type(optimizer).__name__}")
-        self.seed = int(seed)
+        self.seed = check_seed(seed)
         self.wire_dtype = _wire.normalize(wire_dtype)  # None, "float16" or "bfloat16"
         self.dedup = bool(dedup)
         self.profile = bool(profile)
@@ -228,6 +233,7 @@ class EmbeddingCollection:
             wire_itemsize=self._wire_itemsize(np.float32),
             element_bytes={name: bits / 8 for name, bits in self.quantize.items()},
         )
+        self._agree_across_ranks()
         for name, place in self.plan.items():
             if place.kind == "column_wise" and per_row and len(place.ranks) > 1:
                 raise ValueError(
@@ -247,7 +253,8 @@ class EmbeddingCollection:
         #: a dynamic table's id -> row map on this rank (its slots are the rows of its fused array)
         self.hash_tables = {
             s.table: HashTable(s.num_rows, evict=self.tables[s.table].evict, device=s.group.device,
-                               admit_count=self.tables[s.table].admit_count, name=s.table)
+                               admit_count=self.tables[s.table].admit_count,
+                               name=self._hash_table_name(s.table))
             for s in self.local_shards() if s.group.dynamic}
         self._saved = None
         self._changed = None  # group -> bool per fused row: changed since the last save
@@ -306,6 +313,40 @@ class EmbeddingCollection:
             weights = self._family(group.device).put(weights)
             arrays[group] = FusedArrays(weights, self.optimizer.init_state(weights))
         return arrays
+
+    def _agree_across_ranks(self):
+        """:class:`~hbkernels.dist.CommError` on every rank, naming what differs, unless
+        every rank made this collection with the same tables (their ``path`` aside: a
+        rank's own disk), plan, optimizer and options. Collective at world size > 1."""
+        n = self.comm.world_size
+        if n == 1:
+            return
+        parts = {
+            "tables": [{k: v for k, v in spec._asdict().items() if k != "path"}
+                       for spec in self.tables.values()],
+            "plan": self.plan.to_json(),
+            "optimizer": [type(self.optimizer).__name__, sorted(vars(self.optimizer).items())],
+            "seed": self.seed,
+            "dedup, wire_dtype, quantize": [self.dedup, self.wire_dtype, sorted(self.quantize.items())],
+        }
+        mine = np.array([zlib.crc32(json.dumps(v, sort_keys=True, default=repr).encode())
+                         for v in parts.values()], np.int64)
+        everyone = host(self.comm.allgather(mine))
+        differ = everyone != everyone[0]
+        if differ.any():
+            rank, what = (int(i) for i in np.argwhere(differ)[0])
+            raise _dist.CommError(f"ranks made EmbeddingCollection differently: rank {rank} and "
+                                  f"rank 0 disagree on its {list(parts)[what]} (every rank must pass "
+                                  f"the same tables, plan, optimizer and options)")
+
+    def _hash_table_name(self, table):
+        """How errors name dynamic ``table``'s hash table on this rank: at world size > 1
+        a share of the table's capacity (ids go to ranks by a hash of the id)."""
+        n = self.comm.world_size
+        if n == 1:
+            return table
+        return (f"{table} on rank {self.comm.rank} (its share of capacity "
+                f"{self.tables[table].capacity} over {n} ranks, which take ids by a hash of the id)")
 
     def _tier(self, group, initializer, weights=None):
         """The store of tiered ``group`` (``weights``: its rows in host memory; else
@@ -430,12 +471,17 @@ class EmbeddingCollection:
                                 f"{self.device} ({space.name} arrays)")
             values, offsets, psw = a["values"], a["offsets"], a["psw"]
             check.ids(f"{f}.values", values, ndim=1)
-            check.offsets(offsets)
-            check.per_sample_weights(psw, values)
-            if spec.dynamic:  # any int64 id: only the offsets are checked
-                check_ragged(values, offsets, spec.capacity, bounds="zero")
-            else:
-                check_ragged(values, offsets, spec.num_rows)
+            try:  # the errors name the feature
+                check.offsets(offsets)
+                check.per_sample_weights(psw, values)
+                if spec.dynamic:  # any int64 id: only the offsets are checked
+                    check_ragged(values, offsets, spec.capacity, bounds="zero")
+                else:
+                    check_ragged(values, offsets, spec.num_rows)
+            except BoundsError as e:
+                raise BoundsError(f"feature {f!r}: values", e.position, e.value, e.limit) from None
+            except ValueError as e:
+                raise ValueError(f"feature {f!r}: {e}") from None
             values = values.astype(np.int64, copy=False)
             sequence_offsets = None
             if spec.combiner is None:  # a sequence table: each id is a bag of its own
@@ -479,12 +525,17 @@ class EmbeddingCollection:
         space = self._family(self.device)
         outputs = {}
         if self.comm.world_size == 1:  # nothing leaves the rank: every group pools its own rows
+            self._check_capacity(self._local_ids(inputs))
             exchanges = []
             local = [self._forward_local(group, inputs, outputs, replicated=False)
                      for group in self.layout.exchange_groups]
         else:
-            exchanges = [self._forward_exchange(group, inputs, outputs)
-                         for group in self.layout.exchange_groups]
+            sent = [self._send_ids(group, inputs) for group in self.layout.exchange_groups]
+            self._check_capacity({group.table: ids for group, ids in
+                                  zip(self.layout.exchange_groups, (s[6] for s in sent))
+                                  if group.dynamic}, collective=True)
+            exchanges = [self._forward_exchange(group, inputs, outputs, s)
+                         for group, s in zip(self.layout.exchange_groups, sent)]
             local = []
         local += [self._forward_local(group, inputs, outputs, replicated=True)
                   for group in self.layout.replica_groups]
@@ -622,11 +673,52 @@ class EmbeddingCollection:
                 keys = keys[parted.order]
         return requests, starts, total, keys, host(parted.counts), parted.order
 
-    def _forward_exchange(self, group, inputs, outputs):
+    def _send_ids(self, group, inputs):
+        """:meth:`_send_keys` of ``group`` plus the keys and counts this rank receives
+        in their exchange."""
+        sent = self._send_keys(group, inputs)
+        return sent + self._exchange(sent[3], sent[4])
+
+    def _local_ids(self, inputs):
+        """``{dynamic table: its ids in this forward}`` at world size 1 where this
+        forward asks several dynamic tables for ids (else ``{}``: see
+        :meth:`_check_capacity`)."""
+        by_table = defaultdict(list)
+        for group in self.layout.exchange_groups:
+            if group.dynamic:
+                for f, route in self._requests(group, inputs, replicated=False):
+                    by_table[route.table].append(inputs[f].values)
+        if len(by_table) < 2:
+            return {}
+        xp = self._family(self.device).xp
+        return {t: v[0] if len(v) == 1 else xp.concatenate(v) for t, v in by_table.items()}
+
+    def _check_capacity(self, ids, collective=False):
+        """Raise :class:`~hbkernels.CapacityError` before any dynamic table admits an id
+        when the ids of some table (``{table: ids}``: those it would be asked for) do not
+        fit, so that a forward that fails changes nothing; ``collective``: the ranks
+        agree (the failing one raises, the others :class:`~hbkernels.dist.CommError`).
+        One table's own call is already all or nothing: alone, it needs no check."""
+        if not self._insert or len(ids) + collective < 2:
+            return
+        if collective and self.comm.world_size > 1:
+            try:
+                for table, keys in ids.items():
+                    self.hash_tables[table].check_fits(keys)
+            except CapacityError as error:
+                self.comm.fail_collectively("allreduce", error)
+                raise
+            self.comm.allreduce(np.zeros(1, np.int64))  # every rank's ids fit: admit them
+            return
+        for table, keys in ids.items():
+            self.hash_tables[table].check_fits(keys)
+
+    def _forward_exchange(self, group, inputs, outputs, sent):
+        """Pool ``group``'s sharded requests from the rows their owners send back;
+        ``sent``: what :meth:`_send_ids` gave for ``group``."""
         space = self._family(group.device)
         xp, me = space.xp, self.comm.rank
-        requests, starts, total, keys, send_counts, order = self._send_keys(group, inputs)
-        recv_keys, recv_counts = self._exchange(keys, send_counts)
+        requests, starts, total, keys, send_counts, order, recv_keys, recv_counts = sent
         with self._phase("kernels"):
             bounds = "unchecked"
             if group.dynamic:  # the owner turns ids into rows (-1: not admitted)
@@ -752,7 +844,12 @@ class EmbeddingCollection:
         per feature of the last :meth:`forward`; [N, dim] for a sequence table's
         rows) to the rows this rank owns.
         Collective; gradients of all ranks are summed. A quantized collection
-        (:meth:`quantized`) refuses it with a ``TypeError``."""
+        (:meth:`quantized`) refuses it with a ``TypeError``. On the CPU, under the
+        optimizer's ``nonfinite="raise"``, a NaN or Inf in ``grads`` raises ``ValueError``
+        (naming the feature and row) before any table changes, and
+        :class:`hbkernels.dist.CommError` on the other ranks; on a GPU the optimizer
+        checks each fused array's gradient as it updates it (the error is raised at the
+        next wait, :func:`hbkernels.synchronize`)."""
         if self.quantize:
             raise TypeError(f"tables {sorted(self.quantize)} are quantized: this collection is "
                             f"for inference (forward only), it takes no backward")
@@ -862,6 +959,9 @@ class EmbeddingCollection:
                 raise ValueError(f"grad of {f!r} must be [{rows}, dim] = [{feature.batch}, {dim}], "
                                  f"got {tuple(g.shape)}")
             check.floating(f"grad of {f!r}", g)
+            if self.optimizer.nonfinite == "raise" and not space.is_cuda:  # before any update
+                check.raise_nonfinite(f"grad of {f!r}",
+                                      kernels(family, "sparse_update").first_nonfinite_row(family, g))
             out[f] = g
         return out
 
@@ -968,8 +1068,8 @@ class EmbeddingCollection:
         rows}`` aligned with ``ids``, ``pending`` ``(ids, last, count)`` of ids waiting
         for admission. The table's call counter becomes the largest ``last`` of the ids,
         live and pending, it takes. A shard given more ids than its slots leaves out
-        those its policy evicts first (:meth:`hbkernels.HashTable.restore`). Not
-        collective."""
+        those its policy evicts first (:meth:`hbkernels.HashTable.restore`), with a
+        ``RuntimeWarning``. Not collective."""
         shard = self._dynamic_shard(name)
         n, me = self.comm.world_size, self.comm.rank
         table = self.hash_tables[name]
@@ -986,6 +1086,11 @@ class EmbeddingCollection:
             waiting += (step,)
         slots = table.restore(ids[mine], last[mine], count[mine], step, waiting)
         kept = slots >= 0
+        if not kept.all():
+            warnings.warn(f"{table.name}: {int((~kept).sum())} of the {kept.shape[0]} ids restored "
+                          f"here do not fit its capacity; those its policy "
+                          f"(evict={table.evict!r}) evicts first were left out", RuntimeWarning,
+                          stacklevel=2)
         fused = self.arrays[shard.group]
         space = self._family(shard.group.device)
         if shard.group in self.tiers:  # into the store, the cache emptied
@@ -1132,7 +1237,14 @@ class EmbeddingCollection:
                   for t in saved.tables]
         coll = cls(tables, comm=comm, initializer=saved.initial_weights,
                    **saved.constructor_args(**overrides))
-        saved.restore_state(coll)
+        try:  # every rank restores its shards, or every rank raises
+            saved.restore_state(coll)
+        except Exception as error:
+            if coll.comm.world_size > 1:
+                coll.comm.fail_collectively("allreduce", error)
+            raise
+        if coll.comm.world_size > 1:
+            coll.comm.allreduce(np.zeros(1, np.int64))
         return coll
 
     def __repr__(self):

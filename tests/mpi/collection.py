@@ -12,8 +12,11 @@ model every step, full weights and state after.
 
 ``collection.py errors`` (run with a small HBK_COMM_TIMEOUT): an unknown
 feature, a backward without a feature or with a wrong gradient shape raise
-ValueError on every rank and change nothing; an out-of-range id on rank 1 only
-raises BoundsError there and CommError on the others within the timeout.
+ValueError on every rank and change nothing; ranks passing different tables or seeds
+to the constructor get the same CommError; a NaN gradient on rank 0 only raises
+ValueError there and CommError on the others, and changes nothing; an out-of-range
+id on rank 1 only raises BoundsError there and CommError on the others within the
+timeout.
 
 Every rank builds the same global batch from the seed and takes its slice.
 Prints ``OK rank r`` at the end."""
@@ -123,6 +126,17 @@ def errors():
         expect(ValueError, lambda: coll.backward(
             {**grads, "item": np.zeros((hi - lo + 1, 5), np.float32)}),
             "backward with a gradient of the wrong batch size", ["item"])
+        expect(hbk.dist.CommError, lambda: hbk.EmbeddingCollection(
+            [hbk.TableSpec("x", num_rows=10 + (R == 1), dim=4)], comm=comm),
+            "ranks passing different tables", ["rank 1 and rank 0 disagree on its tables"])
+        expect(hbk.dist.CommError, lambda: hbk.EmbeddingCollection(
+            [hbk.TableSpec("x", num_rows=10, dim=4)], comm=comm, seed=R),
+            "ranks passing different seeds", ["disagree on its seed"])
+        nan = {**grads, "item": grads["item"].copy()}
+        if R == 0:
+            nan["item"][0, 1] = np.nan
+        expect(ValueError if R == 0 else hbk.dist.CommError, lambda: coll.backward(nan),
+               "backward with a NaN gradient on rank 0", ["'item'", "row 0"] if R == 0 else [])
     assert t.s < timeout / 2, f"the rejected calls took {t.s:.1f} s"
     expect_out = ref.forward(gb)
     for f, o in out.items():

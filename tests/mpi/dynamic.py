@@ -9,7 +9,8 @@
    every rank) fed the whole batch: outputs and rows equal up to summation order,
    and the same live ids and counts.
 3. Rank 0's shard given more new ids than it has slots: CapacityError there, CommError
-   on the other ranks, without waiting for the communicator's timeout.
+   on the other ranks, without waiting for the communicator's timeout, and no rank
+   admits any id of the call (rank 1's share could take its one).
 Prints ``OK rank r`` at the end."""
 import time
 
@@ -94,13 +95,17 @@ assert dyn.dynamic_counts("t") == one.dynamic_counts("t"), (dyn.dynamic_counts("
 #    at once (not after the communicator's timeout)
 candidates = np.arange(1000, dtype=np.int64)
 theirs = candidates[dynamic_owner(np, candidates, W) == 0][:5]
+fits = candidates[dynamic_owner(np, candidates, W) == 1][:1]  # rank 1's one slot takes it
 tiny = hbk.EmbeddingCollection([hbk.TableSpec("t", num_rows=None, capacity=W, dim=2, evict="none")],
                                comm=comm)
 start = time.monotonic()
 try:
-    tiny.forward({"t": theirs if R == 1 else theirs[:0]})
+    tiny.forward({"t": np.concatenate([theirs, fits]) if R == 1 else theirs[:0]})
     raise AssertionError("a shard took 5 ids in 1 slot")
 except (hbk.CapacityError, hbk.dist.CommError) as error:
     assert isinstance(error, hbk.CapacityError) == (R == 0), (R, error)
+    assert R != 0 or "t on rank 0 (its share of capacity" in str(error), error
 assert time.monotonic() - start < 60
+counts = tiny.dynamic_counts("t")
+assert counts == {"size": 0, "admitted": 0, "evicted": 0}, counts  # no rank admitted an id
 finish(comm)

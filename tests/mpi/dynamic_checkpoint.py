@@ -11,7 +11,9 @@ chained to WORK/ckpt), and WORK/expected_incr.npz.
 manifests of incr1 and incr2 moved away: those saves are read through their packs);
 ``load(WORK/ckpt)``: the ids re-hashed to
 their new owners, a shard given more ids than its 4 slots leaving out those its
-policy evicts first, the others with the same rows and state bit for bit;
+policy evicts first (a RuntimeWarning on that rank), the others with the same rows
+and state bit for bit; a full save of an ``evict="none"`` table whose ids overflow
+rank 0's share: CapacityError there, CommError on the others;
 trains a step on live ids, saves to WORK/again and writes
 WORK/expected_again.npz.
 
@@ -19,6 +21,7 @@ WORK/expected_again.npz.
 expected_again.npz. Prints ``OK rank r`` at the end."""
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -109,9 +112,25 @@ elif MODE == "load":
     comm.barrier()
     incr = hbk.EmbeddingCollection.load(WORK / "incr", comm=comm)
     compare(incr, WORK / "expected_incr.npz", incr.dynamic_counts("t")["evicted"])
-    coll = hbk.EmbeddingCollection.load(WORK / "ckpt", comm=comm)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        coll = hbk.EmbeddingCollection.load(WORK / "ckpt", comm=comm)
     dropped = coll.dynamic_counts("t")["evicted"]  # 12 slots as 4 + 4 + 4: rank 0's overflows
     assert dropped > 0, "no shard overflowed: the test checks nothing of it"
+    mine = coll.hash_tables["t"].evicted
+    said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert bool(mine) == any("left out" in m for m in said), (R, mine, said)
+    if R == 0:  # evict="none": a shard that cannot take its ids fails the load on every rank
+        full = hbk.EmbeddingCollection([hbk.TableSpec("t", num_rows=None, capacity=3 * 4, dim=3,
+                                                      evict="none")], comm=hbk.dist.init("local"))
+        full.forward({"t": pool()[:12]})  # all owned by rank 0 at 3 ranks: 12 ids, 4 slots
+        full.save(WORK / "none")
+    comm.barrier()
+    try:
+        hbk.EmbeddingCollection.load(WORK / "none", comm=comm)
+        raise AssertionError("12 ids loaded into 4 slots")
+    except (hbk.CapacityError, hbk.dist.CommError) as error:
+        assert isinstance(error, hbk.CapacityError) == (R == 0), (R, error)
     compare(coll, WORK / "expected.npz", dropped)
     pending = sum(comm.allgatherv(np.array([coll.hash_tables["t"].state()["pending"]["ids"].size]))[0])
     assert pending > 0, "no id was waiting for admission: the test checks nothing of them"
