@@ -1,4 +1,6 @@
 """Input checks shared by every op: done once, in the dispatch layer, so kernels stay lean."""
+import operator
+
 import numpy as np
 
 from ._modes import Bounds, Combiner, codes
@@ -110,6 +112,24 @@ def count(name, value, minimum=0):
     if value > INT64_MAX:
         raise ValueError(f"{name} must be <= 2**63 - 1, got {value}")
     return int(value)
+
+
+SEED_RANGE = (-(1 << 63), 1 << 64)  # the seeds hbkernels takes, [lo, hi): int64 or uint64
+
+
+def seed(value):
+    """``value`` as a Python int: an integer (``int`` or a NumPy integer, not a ``bool``)
+    in :data:`SEED_RANGE`, else a ``ValueError`` saying so."""
+    try:
+        v = operator.index(value)
+    except TypeError:
+        v = None
+    if v is None or isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {value!r} "
+                         f"({type(value).__name__})")
+    if not SEED_RANGE[0] <= v < SEED_RANGE[1]:
+        raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {v}")
+    return int(v)
 
 
 def _read(family, a, start, stop):

@@ -90,13 +90,6 @@ def _betas(betas):
     return b1, b2
 
 
-def _seed(seed):
-    """``seed`` as an int: a Python or NumPy integer (not a bool); else a ValueError."""
-    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)):
-        raise ValueError(f"seed must be an integer, got {seed!r}")
-    return int(seed)
-
-
 class SparseOptimizer:
     """Base of the sparse optimizers: state handling, checks, dispatch."""
 
@@ -109,7 +102,7 @@ class SparseOptimizer:
         check.choice("rounding", rounding, ROUNDING)
         check.choice("nonfinite", nonfinite, NONFINITE)
         self.rounding = rounding
-        self.seed = _seed(seed)
+        self.seed = check.seed(seed)
         self.nonfinite = nonfinite
 
     def __repr__(self):
@@ -169,7 +162,11 @@ class SparseOptimizer:
 
     def _step_constants(self, step):
         """``(hyper-parameters, stochastic-rounding key)`` of step number ``step``."""
-        key = _mix64((self.seed << 32) ^ step) if self.rounding == "stochastic" else 0
+        key = 0
+        if self.rounding == "stochastic":
+            key = _mix64(((self.seed & 0xFFFFFFFF) << 32) ^ step)
+            if self.seed >> 32:  # the seed's other bits, its sign included
+                key = _mix64(key ^ ((self.seed >> 32) & _MASK64))
         return self.hyper(step), key
 
     # -- updates ------------------------------------------------------------

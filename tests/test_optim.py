@@ -289,7 +289,7 @@ def test_stochastic_rounding_is_seeded_and_picks_a_neighbour(backend, rng, fused
     w16, g, x = exact_sgd_case(rng, num_rows, dim)
     ids = np.arange(num_rows)
     results = {}
-    for seed in (7, 7, 8):
+    for seed in (7, 7, 8, 7 + 2**32):  # every bit of the seed counts
         table = Table(backend, optim.SGD(lr=0.5, rounding="stochastic", seed=seed), w16)
         if fused:  # one bag per row, sum: the bag's gradient is the row's
             table.bag_step(g, ids, np.arange(num_rows + 1), True)
@@ -298,6 +298,7 @@ def test_stochastic_rounding_is_seeded_and_picks_a_neighbour(backend, rng, fused
         results.setdefault(seed, []).append(table.weights())
     np.testing.assert_array_equal(results[7][0].view(np.uint16), results[7][1].view(np.uint16))
     assert not np.array_equal(results[7][0], results[8][0])
+    assert not np.array_equal(results[7][0], results[7 + 2**32][0])
     near = x.astype(np.float16)
     below = np.where(near > x, np.nextafter(near, np.float16(-np.inf)), near)
     above = np.where(near < x, np.nextafter(near, np.float16(np.inf)), near)
@@ -589,9 +590,9 @@ def test_betas_must_be_a_pair_of_floats_in_0_1(betas):
         optim.Adam(lr=0.1, betas=betas)
 
 
-@pytest.mark.parametrize("seed", [1.5, "7", None, True])
+@pytest.mark.parametrize("seed", [1.5, "7", None, True, 2**64, -2**63 - 1])
 def test_seed_must_be_an_integer(seed):
-    with raises(ValueError, match=re.escape(f"seed must be an integer, got {seed!r}")):
+    with raises(ValueError, match=re.escape(f"seed must be an integer in [-2**63, 2**64), got {seed!r}")):
         optim.SGD(lr=0.1, rounding="stochastic", seed=seed)
     assert optim.SGD(lr=0.1, seed=np.int64(7)).seed == 7
 

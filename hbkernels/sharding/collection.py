@@ -71,7 +71,7 @@ from . import quantized as quantized_tables
 from .kjt import features_from_kjt, is_keyed_jagged_tensor
 from .kinds import SHARDINGS
 from .kinds.row_wise import dynamic_owner
-from .layout import check_seed, initial_rows, initial_weights, make_layout, shard_rows
+from .layout import initial_rows, initial_weights, make_layout, shard_rows
 from .plan import Plan, make_plan
 from .tier import FusedArrays, Store, Tier
 
@@ -214,7 +214,7 @@ class EmbeddingCollection:
         self.optimizer = _optim.Adagrad(lr=0.05) if optimizer is None else optimizer
         if not isinstance(self.optimizer, _optim.SparseOptimizer):
             raise TypeError(f"optimizer must be a hbk.optim optimizer, got {type(optimizer).__name__}")
-        self.seed = check_seed(seed)
+        self.seed = check.seed(seed)
         self.wire_dtype = _wire.normalize(wire_dtype)  # None, "float16" or "bfloat16"
         self.dedup = bool(dedup)
         self.profile = bool(profile)

@@ -12,13 +12,13 @@ holds which rows is the placement's business (:mod:`hbkernels.sharding.kinds`);
 this module only stacks what they hand out.
 """
 import dataclasses
-import operator
 import zlib
 from collections import defaultdict
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from .. import _validate as check
 from .._bits import splitmix64
 from ..cpu.initializer import uniform_rows
 from ..types import table_spec
@@ -150,24 +150,7 @@ def shard_rows(shard):
     return shard.row_start + shard.row_step * np.arange(shard.num_rows, dtype=np.int64)
 
 
-SEED_RANGE = (-(1 << 63), 1 << 64)  # the seeds initial_weights takes: [lo, hi)
 _M64 = (1 << 64) - 1
-
-
-def check_seed(seed):
-    """``seed`` as a Python int: an integer (``int`` or a NumPy integer, not a ``bool``)
-    in ``[-2**63, 2**64)`` (int64 or uint64), else a ``ValueError`` saying so."""
-    try:
-        value = operator.index(seed)
-    except TypeError:
-        value = None
-    if value is None or isinstance(seed, (bool, np.bool_)):
-        raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {seed!r} "
-                         f"({type(seed).__name__})")
-    if not SEED_RANGE[0] <= value < SEED_RANGE[1]:
-        raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {value}")
-    return int(value)
-
 
 def _splitmix(x):
     """:func:`hbkernels._bits.splitmix64` of the Python int ``x`` (< 2**64), as an int."""
@@ -177,7 +160,7 @@ def _splitmix(x):
 
 def table_key(seed, name):
     """The 64-bit key (a Python int) of table ``name``'s initial rows under ``seed``
-    (:func:`check_seed`): ``k = splitmix64((seed mod 2**32) << 32 | crc32(name))``,
+    (:func:`hbkernels._validate.seed`): ``k = splitmix64((seed mod 2**32) << 32 | crc32(name))``,
     and where the seed lies outside ``[0, 2**32)`` also ``k = splitmix64(k ^ (seed >> 32
     mod 2**64))`` (an arithmetic shift: ``seed >> 32`` is in ``[-2**31, 2**32)``, so
     every bit of the seed, its sign included, counts).
@@ -185,7 +168,7 @@ def table_key(seed, name):
     >>> len({table_key(s, "t") for s in (0, 2**32, -2**32, -1, 2**64 - 1)})
     5
     """
-    seed = check_seed(seed)
+    seed = check.seed(seed)
     key = _splitmix(((seed & 0xFFFFFFFF) << 32) | zlib.crc32(name.encode()))
     if seed >> 32:
         key = _splitmix(key ^ ((seed >> 32) & _M64))
@@ -196,7 +179,7 @@ def initial_weights(spec, seed, rows=None, c0=0, c1=None):
     """Initial values of rows ``rows`` (default all) and columns ``[c0, c1)`` of
     table ``spec``: uniform in ``±spec.scale`` (by default ``1/sqrt(num_rows)``,
     TorchRec's). ``seed``: any integer in ``[-2**63, 2**64)``, every bit of it
-    counts (:func:`check_seed`; else a ``ValueError``). Each row is a SplitMix64
+    counts (:func:`hbkernels._validate.seed`; else a ``ValueError``). Each row is a SplitMix64
     stream started from the row and :func:`table_key` ``(seed, name)``
     (:mod:`hbkernels.cpu.initializer` gives the formula), computed in float64 and
     rounded to the table's dtype: distinct rows never share the 64-bit draw of a column.
