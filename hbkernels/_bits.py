@@ -8,6 +8,7 @@ them with ``numba.njit``, :mod:`hbkernels.cuda._launch` with
 arrays (an array in gives an array out). Every constant is unsigned, so Numba
 and NumPy keep the arithmetic unsigned; only the 64-bit hashes wrap (the bf16
 rounding never overflows 32 bits, so NumPy scalars raise no overflow warning).
+:func:`seed_key` alone is for the host, on Python ints.
 """
 import numpy as np
 
@@ -40,6 +41,20 @@ def splitmix64(x):
     x = (x ^ (x >> _S30)) * np.uint64(0xBF58476D1CE4E5B9)
     x = (x ^ (x >> _S27)) * np.uint64(0x94D049BB133111EB)
     return x ^ (x >> _S31)
+
+
+def seed_key(seed, x):
+    """A 64-bit key (a Python int) of the integer ``seed`` (``[-2**63, 2**64)``) and the
+    non-negative int ``x`` (a table's crc32, a step): ``k = splitmix64((seed mod 2**32)
+    << 32 ^ x)`` (mod 2**64), and where ``seed >> 32`` is not 0 (an arithmetic shift: in
+    ``[-2**31, 2**32)``) also ``k = splitmix64(k ^ (seed >> 32 mod 2**64))``, so every bit
+    of the seed, its sign included, counts."""
+    mask = (1 << 64) - 1
+    with np.errstate(over="ignore"):
+        key = int(splitmix64(np.uint64((((seed & 0xFFFFFFFF) << 32) ^ x) & mask)))
+        if seed >> 32:
+            key = int(splitmix64(np.uint64(key ^ ((seed >> 32) & mask))))
+    return key
 
 
 def bfloat16_bits(bits):

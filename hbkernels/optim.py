@@ -56,13 +56,6 @@ from .types import SparseGrad
 
 ROUNDING = {"nearest": 0, "stochastic": 1}
 NONFINITE = {"raise": 0, "skip": 1}
-_MASK64 = (1 << 64) - 1
-
-
-def _mix64(x):
-    """:func:`hbkernels._bits.splitmix64` of the Python int ``x`` (its low 64 bits)."""
-    with np.errstate(over="ignore"):
-        return int(_bits.splitmix64(np.uint64(x & _MASK64)))
 
 
 def _number(name, value, *, positive=False):
@@ -162,11 +155,7 @@ class SparseOptimizer:
 
     def _step_constants(self, step):
         """``(hyper-parameters, stochastic-rounding key)`` of step number ``step``."""
-        key = 0
-        if self.rounding == "stochastic":
-            key = _mix64(((self.seed & 0xFFFFFFFF) << 32) ^ step)
-            if self.seed >> 32:  # the seed's other bits, its sign included
-                key = _mix64(key ^ ((self.seed >> 32) & _MASK64))
+        key = _bits.seed_key(self.seed, step) if self.rounding == "stochastic" else 0
         return self.hyper(step), key
 
     # -- updates ------------------------------------------------------------

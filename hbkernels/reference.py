@@ -12,7 +12,7 @@ import zlib
 
 import numpy as np
 
-from . import _bits
+from . import _bits, _validate
 from .types import Partitioned, SparseGrad
 
 _SCALE = {"sum": lambda w: 1.0, "mean": lambda w: sum(w),
@@ -260,10 +260,7 @@ def initial_weights(spec, seed, rows=None, c0=0, c1=None):
     ...                hbk.sharding.initial_weights(spec, 7))
     True
     """
-    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) \
-            or not -2**63 <= int(seed) < 2**64:
-        raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {seed!r}")
-    seed = int(seed)
+    seed = _validate.seed(seed)
     key = _splitmix64(((seed % 2**32) << 32) | zlib.crc32(spec.name.encode()))
     if not 0 <= seed < 2**32:
         key = _splitmix64(key ^ ((seed >> 32) % 2**64))

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .. import _validate as check
-from .._bits import splitmix64
+from .._bits import seed_key
 from ..cpu.initializer import uniform_rows
 from ..types import table_spec
 from .kinds import SHARDINGS
@@ -150,29 +150,15 @@ def shard_rows(shard):
     return shard.row_start + shard.row_step * np.arange(shard.num_rows, dtype=np.int64)
 
 
-_M64 = (1 << 64) - 1
-
-def _splitmix(x):
-    """:func:`hbkernels._bits.splitmix64` of the Python int ``x`` (< 2**64), as an int."""
-    with np.errstate(over="ignore"):
-        return int(splitmix64(np.uint64(x)))
-
-
 def table_key(seed, name):
     """The 64-bit key (a Python int) of table ``name``'s initial rows under ``seed``
-    (:func:`hbkernels._validate.seed`): ``k = splitmix64((seed mod 2**32) << 32 | crc32(name))``,
-    and where the seed lies outside ``[0, 2**32)`` also ``k = splitmix64(k ^ (seed >> 32
-    mod 2**64))`` (an arithmetic shift: ``seed >> 32`` is in ``[-2**31, 2**32)``, so
-    every bit of the seed, its sign included, counts).
+    (:func:`hbkernels._validate.seed`): :func:`hbkernels._bits.seed_key` of the seed and
+    ``crc32(name)``.
 
     >>> len({table_key(s, "t") for s in (0, 2**32, -2**32, -1, 2**64 - 1)})
     5
     """
-    seed = check.seed(seed)
-    key = _splitmix(((seed & 0xFFFFFFFF) << 32) | zlib.crc32(name.encode()))
-    if seed >> 32:
-        key = _splitmix(key ^ ((seed >> 32) & _M64))
-    return key
+    return seed_key(check.seed(seed), zlib.crc32(name.encode()))
 
 
 def initial_weights(spec, seed, rows=None, c0=0, c1=None):
