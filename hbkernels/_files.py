@@ -1,8 +1,10 @@
 """Atomic file writes (a file is written under a temporary name, flushed to disk and
 renamed over its final name, so a reader (or a crash) sees the old file or the
-new one, never a part), and reads of regular files only."""
+new one, never a part), appends that leave a file's first bytes as they were
+(:func:`append_linked`), and reads of regular files only."""
 import errno
 import json
+import mmap
 import os
 import stat
 import uuid
@@ -41,6 +43,64 @@ def write_atomic(path, write):
     return out
 
 
+def append_linked(source, path, end, align, write):
+    """Append to regular file ``source`` under a second name ``path`` (a hard link), where
+    ``source`` holds ``end`` bytes: ``write(fileobj)`` from the first multiple of ``align``
+    at or after ``end`` (zeros before it), flushed to disk, then the new name renamed into
+    place. Returns ``(what write returned, where it began)``, or None, with nothing
+    changed, where it cannot append: ``source`` is not a writable regular file of
+    ``end`` bytes, or the file system makes no hard links. The first ``end`` bytes never
+    change; on an error the file is cut back to them and ``path`` is not made."""
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        if not stat.S_ISREG(os.lstat(source).st_mode):
+            return None
+        os.link(source, tmp)
+    except OSError:
+        return None
+    fd, appending = -1, False
+    try:
+        try:
+            fd = os.open(tmp, os.O_WRONLY)
+        except OSError:  # not writable: a file of its own instead
+            return None
+        if os.fstat(fd).st_size != end:
+            return None
+        appending = True
+        start = -(-end // align) * align
+        with os.fdopen(fd, "wb", closefd=False) as f:
+            f.seek(end)
+            f.write(bytes(start - end))
+            out = write(f)
+            f.flush()
+            os.fsync(fd)
+        os.replace(tmp, path)
+        tmp = None
+        return out, start
+    except BaseException:
+        if appending:
+            try:
+                os.ftruncate(fd, end)
+            except OSError:
+                pass
+        raise
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        if tmp is not None and os.path.lexists(tmp):
+            os.remove(tmp)
+
+
+def truncate_to(path, end, tail):
+    """Cut regular file ``path`` back to ``end`` bytes where it holds ``end + tail``
+    (what one :func:`append_linked` of ``tail`` bytes left); otherwise leave it."""
+    try:
+        if os.stat(path).st_size == end + tail:
+            os.truncate(path, end)
+    except OSError:
+        pass
+
+
 def write_json_atomic(path, obj):
     """``obj`` as indented JSON (non-JSON numbers such as NumPy floats as float) in
     ``path``, atomically (:func:`write_atomic`)."""
@@ -67,6 +127,22 @@ def open_regular(name):
         raise CheckpointError(f"{name}: not a regular file; a checkpoint reads only its own "
                               f"regular files")
     return fd, st.st_size
+
+
+READ_WHOLE = 1 << 24  # a file up to this size is read once into memory; a larger one is mapped
+
+
+def read_regular(name):
+    """The bytes of regular file ``name`` (:func:`open_regular`) as a read-only
+    memoryview: read once where it holds up to :data:`READ_WHOLE` bytes, memory-mapped
+    where it holds more. Raises what opening or reading it raises (``OSError``,
+    :class:`~hbkernels.CheckpointError`)."""
+    fd, size = open_regular(name)
+    try:
+        return memoryview(read_upto(fd, size) if size <= READ_WHOLE
+                          else mmap.mmap(fd, 0, access=mmap.ACCESS_READ))
+    finally:
+        os.close(fd)
 
 
 def read_upto(fd, n):

@@ -19,6 +19,7 @@
 """
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -38,9 +39,15 @@ LOCAL = hbk.dist.init("local")
 
 
 def files_bytes(path):
-    """Bytes of the files the save at ``path`` names (its manifest left out)."""
-    named = {f["file"] for f in json.loads((path / "manifest.json").read_text())["files"]}
-    return sum((path / name).stat().st_size for name in named)
+    """Bytes the save at ``path`` added to the files it names (its manifest left out): a
+    file that is its parent's file with its pack appended (the same inode) counts from
+    where the parent's pack ended."""
+    manifest = json.loads((path / "manifest.json").read_text())
+    parent, ends = manifest.get("parent") or {}, {}
+    for name, size, _, *offset in parent.get("packs") or []:
+        ends[(path / parent["path"] / name).stat().st_ino] = offset[0] + size
+    sizes = [(path / name).stat() for name in {f["file"] for f in manifest["files"]}]
+    return sum(st.st_size - ends.get(st.st_ino, 0) for st in sizes)
 
 
 def save_bytes(path):
@@ -138,8 +145,11 @@ def test_a_crash_during_an_incremental_save_leaves_the_chain(tmp_path, monkeypat
     before = hbk.EmbeddingCollection.load(tmp_path / "b", comm=LOCAL)
     same_collections(coll, before)
     step(coll, {"d": rng.choice(pool, 6), "s": np.arange(3, 9)})
+    pack = tmp_path / "b" / json.loads((tmp_path / "b" / "manifest.json").read_text())["files"][0]["file"]
+    size = pack.stat().st_size
     writes = []
-    real = {"write_atomic": checkpoint.write_atomic}  # each file: the pack, then the manifest
+    real = {"write_atomic": checkpoint.write_atomic,  # the manifest
+            "append_linked": checkpoint.append_linked}  # the pack, appended to b's file
 
     def crashing(name, k):
         def write(*args, **kwargs):
@@ -159,11 +169,13 @@ def test_a_crash_during_an_incremental_save_leaves_the_chain(tmp_path, monkeypat
             coll.save(target, incremental=True, chain_limit=np.inf)
         except hbk.CheckpointError:
             assert not (target / "manifest.json").exists()
+            assert pack.stat().st_size == size  # b's file as it was
             same_collections(before, hbk.EmbeddingCollection.load(tmp_path / "b", comm=LOCAL))
             k += 1
             continue
         break
-    assert k == 3, f"the save wrote {writes}"
+    assert k == 3 and writes == ["append_linked", "write_atomic"], f"the save wrote {writes}"
+    assert pack.stat().st_size > size
     monkeypatch.undo()
     same_collections(coll, hbk.EmbeddingCollection.load(target, comm=LOCAL))
 
@@ -188,8 +200,9 @@ KILLED = textwrap.dedent("""
     coll.save(os.path.join(where, "a"))
     step()
     coll.save(os.path.join(where, "b"), incremental=True, chain_limit=np.inf)
-    coll.save(os.path.join(where, "same-as-b"))
-    real, calls = checkpoint.write_atomic, []
+    hbk.EmbeddingCollection.load(os.path.join(where, "b"), comm=hbk.dist.init("local")).save(
+        os.path.join(where, "same-as-b"))  # (coll's next save chains to b)
+    real, real_append, calls = checkpoint.write_atomic, checkpoint.append_linked, []
 
     class Dying:  # half of what the fatal write writes reaches the file, then SIGKILL
         def __init__(self, f):
@@ -204,7 +217,12 @@ KILLED = textwrap.dedent("""
         calls.append(path)
         return real(path, (lambda f: write(Dying(f))) if len(calls) == fatal else write)
 
-    checkpoint.write_atomic = dying
+    def dying_append(source, path, end, align, write):  # c's pack, appended to b's file
+        calls.append(path)
+        return real_append(source, path, end, align,
+                           (lambda f: write(Dying(f))) if len(calls) == fatal else write)
+
+    checkpoint.write_atomic, checkpoint.append_linked = dying, dying_append
     step()
     coll.save(os.path.join(where, "c"), incremental=True, chain_limit=np.inf)
     print("not killed")
@@ -213,8 +231,9 @@ KILLED = textwrap.dedent("""
 
 @pytest.mark.parametrize("fatal", [1, 2], ids=["in-its-file", "in-its-manifest"])
 def test_a_kill_during_an_incremental_save_leaves_the_chain(tmp_path, fatal):
-    """SIGKILL half way through writing an incremental save's file (or its manifest):
-    the chain before it loads as saved, and a save into the same directory goes on."""
+    """SIGKILL half way through appending an incremental save's pack to its parent's
+    file (or through writing its manifest): the chain before it loads as saved, and a
+    save into the same directory goes on."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     done = subprocess.run([sys.executable, "-c", KILLED, str(tmp_path), str(fatal)], env=env,
                           capture_output=True, text=True, timeout=300)
@@ -222,6 +241,9 @@ def test_a_kill_during_an_incremental_save_leaves_the_chain(tmp_path, fatal):
     assert list((tmp_path / "c").glob("save-*/*.tmp-*")) or list((tmp_path / "c").glob("*.tmp-*"))
     with pytest.raises(hbk.CheckpointError, match="no checkpoint manifest"):
         hbk.EmbeddingCollection.load(tmp_path / "c", comm=LOCAL)
+    files = json.loads((tmp_path / "b" / "manifest.json").read_text())["files"]
+    grown = (tmp_path / "b" / files[0]["file"]).stat().st_size > max(f["offset"] + f["bytes"] for f in files)
+    assert grown  # c's pack (half of it, or all, its manifest unwritten) past b's, in b's file
     back = hbk.EmbeddingCollection.load(tmp_path / "b", comm=LOCAL)
     same_collections(hbk.EmbeddingCollection.load(tmp_path / "same-as-b", comm=LOCAL), back)
     back.save(tmp_path / "c")  # what the killed save left is removed
@@ -450,16 +472,18 @@ def _packed_chain(tmp_path):
 
 
 def _edit_parent_pack(path, edit):
-    """``edit(bytearray)`` the file of the save the one at ``path`` chains to (its
-    parent, an incremental save: one rank's file), and relink: the crc32 the manifest
-    at ``path`` names for it."""
+    """``edit(bytearray)`` the pack of the save the one at ``path`` chains to (its
+    parent, an incremental save: one rank's pack, in its file), and relink: the crc32
+    the manifest at ``path`` names for it."""
     manifest = json.loads((path / "manifest.json").read_text())
-    name, _, _ = manifest["parent"]["packs"][0]
-    pack = (path / manifest["parent"]["path"] / name).resolve()
-    raw = bytearray(pack.read_bytes())
+    name, size, _, offset = manifest["parent"]["packs"][0]
+    file = (path / manifest["parent"]["path"] / name).resolve()
+    whole = bytearray(file.read_bytes())
+    raw = whole[offset:offset + size]
     edit(raw)
-    pack.write_bytes(raw)
-    _reseal(path, lambda m: m["parent"].update(packs=[[name, len(raw), zlib.crc32(raw)]]))
+    whole[offset:offset + size] = raw
+    file.write_bytes(whole)
+    _reseal(path, lambda m: m["parent"].update(packs=[[name, size, zlib.crc32(raw), offset]]))
 
 
 def _head(raw):
@@ -467,13 +491,69 @@ def _head(raw):
     return 10 + int.from_bytes(raw[8:10], "little")
 
 
-def test_the_saves_below_the_newest_are_read_through_their_packs(tmp_path):
+def _pack_file(path):
+    """The file of rank 0's pack of the incremental save at ``path``."""
+    manifest = json.loads((path / "manifest.json").read_text())
+    return path / next(f["file"] for f in manifest["files"] if f["row_start"] == 0)
+
+
+def test_a_chain_appends_to_one_file_per_rank(tmp_path):
+    """Each incremental save appends its pack to its parent's file (a hard link under its
+    own name), so the saves of a chain make one file, read once by a load; each save
+    still loads, and the newest loads with the directories of the saves between it and
+    the full save gone."""
     path, coll = _packed_chain(tmp_path)
+    files = [_pack_file(tmp_path / str(k)) for k in (1, 2, 3)]
+    assert len({f.stat().st_ino for f in files}) == 1 and files[0].stat().st_nlink == 3
+    packs = [json.loads((tmp_path / str(k) / "manifest.json").read_text())["parent"]["packs"][0]
+             for k in (2, 3)]  # [file, bytes, crc32, offset] of saves 1 and 2
+    assert packs[0][3] == 0 and packs[1][3] == -(-packs[0][1] // checkpoint.PACK_ALIGN) * 64
+    assert files_bytes(tmp_path / "3") < files[0].stat().st_size // 2
+    for k in (1, 2):
+        shutil.rmtree(tmp_path / str(k))
+    same_collections(coll, hbk.EmbeddingCollection.load(path, comm=LOCAL))
+
+
+def test_a_file_whose_end_is_not_the_parents_pack_starts_again(tmp_path, monkeypatch):
+    """Where the parent's file holds more than its pack (what a killed append left) or
+    the file system makes no hard links, an incremental save writes a file of its own."""
+    path, coll = _packed_chain(tmp_path)
+    with open(_pack_file(path), "ab") as f:
+        f.write(b"half a pack")
+    step(coll, {"d": np.arange(4), "s": np.arange(4)})
+    coll.save(tmp_path / "4", incremental=True, chain_limit=np.inf)
+    assert _pack_file(tmp_path / "4").stat().st_nlink == 1
+    monkeypatch.setattr(os, "link", lambda *a, **k: (_ for _ in ()).throw(OSError(1, "no links")))
+    step(coll, {"d": np.arange(4, 8), "s": np.arange(4)})
+    coll.save(tmp_path / "5", incremental=True, chain_limit=np.inf)
+    assert _pack_file(tmp_path / "5").stat().st_nlink == 1
+    same_collections(coll, hbk.EmbeddingCollection.load(tmp_path / "5", comm=LOCAL))
+    assert len(checkpoint.Checkpoint(tmp_path / "5").chain()) == 6
+
+
+@pytest.mark.parametrize("links", [True, False], ids=["one-file", "a-file-each"])
+def test_the_saves_below_the_newest_are_read_through_their_packs(tmp_path, monkeypatch, links):
+    if not links:
+        monkeypatch.setattr(os, "link", lambda *a, **k: (_ for _ in ()).throw(OSError(1, "no")))
+    path, coll = _packed_chain(tmp_path)
+    monkeypatch.undo()
     for k in (1, 2):  # their manifests are not read
         os.rename(tmp_path / str(k) / "manifest.json", tmp_path / str(k) / "unread.json")
     same_collections(coll, hbk.EmbeddingCollection.load(path, comm=LOCAL))
     assert len(checkpoint.Checkpoint(path).chain()) == 4
-    name = json.loads((tmp_path / "2" / "unread.json").read_text())["parent"]["packs"][0][0]
+    name, size, _, offset = json.loads((tmp_path / "2" / "unread.json").read_text())["parent"]["packs"][0]
+    assert (json.loads((path / "manifest.json").read_text())["parent"]["packs"][0][3] > 0) == links
+    if links:  # save 1's pack, through save 3's name for the file: its crc32 in save 2's pack
+        raw = bytearray(_pack_file(path).read_bytes())
+        raw[offset + size - 1] ^= 1
+        _pack_file(path).write_bytes(raw)
+        with pytest.raises(hbk.CheckpointError, match=r"1/save-\d+-[0-9a-f]+/r0\.pack\.npy: "
+                                                      r"checkpoint file is corrupt"):
+            hbk.EmbeddingCollection.load(path, comm=LOCAL)
+        shutil.rmtree(tmp_path / "1")
+        with pytest.raises(hbk.CheckpointError, match="missing; .* was overwritten or removed"):
+            hbk.EmbeddingCollection.load(path, comm=LOCAL)
+        return
     raw = bytearray((tmp_path / "1" / name).read_bytes())
     os.rename(tmp_path / "1" / name, tmp_path / "copy")
     os.symlink(tmp_path / "copy", tmp_path / "1" / name)  # the same bytes, through a link
@@ -515,7 +595,7 @@ HEAD_EDITS = {
     "its link's lengths": (lambda raw: raw.__setitem__(slice(_link(raw) + 8, _link(raw) + 10),
                                                        b"\xff\xff"),
                            "unreadable link in its head"),
-    "its link's directory": (lambda raw: raw.__setitem__(_link(raw) + 12 + 16, ord("x")),
+    "its link's directory": (lambda raw: raw.__setitem__(_link(raw) + 12 + 24, ord("x")),
                              "unreadable link in its head"),
     "its .npy header": (lambda raw: raw.__setitem__(8, 7), "not a pack"),
 }
@@ -529,4 +609,46 @@ def test_a_damaged_head_is_refused(tmp_path, edit):
     fix, message = HEAD_EDITS[edit]
     _edit_parent_pack(path, fix)
     with pytest.raises(hbk.CheckpointError, match=message):
+        hbk.EmbeddingCollection.load(path, comm=LOCAL)
+
+
+def test_append_linked_appends_under_a_second_name_or_changes_nothing(tmp_path, monkeypatch):
+    from hbkernels._files import append_linked
+
+    source, path = tmp_path / "a", tmp_path / "b"
+    source.write_bytes(b"x" * 70)
+    assert append_linked(source, path, 69, 64, lambda f: f.write(b"y")) is None  # not its end
+    assert append_linked(source, path, 70, 64, lambda f: f.write(b"yz")) == (2, 128)
+    assert path.read_bytes() == b"x" * 70 + bytes(58) + b"yz" and path.stat().st_ino == source.stat().st_ino
+
+    def failing(f):
+        f.write(b"half")
+        raise OSError(28, "No space left on device (simulated)")
+
+    with pytest.raises(OSError, match="simulated"):
+        append_linked(source, tmp_path / "c", 130, 64, failing)
+    assert source.stat().st_size == 130 and sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]
+    source.chmod(0o444)
+    if not os.access(source, os.W_OK):  # (root writes anyway)
+        assert append_linked(source, tmp_path / "c", 130, 64, lambda f: f.write(b"y")) is None
+    source.chmod(0o644)
+    monkeypatch.setattr(os, "link", lambda *a, **k: (_ for _ in ()).throw(OSError(1, "no links")))
+    assert append_linked(source, tmp_path / "c", 130, 64, lambda f: f.write(b"y")) is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]
+
+
+LINK_EDITS = {"its offset negative": lambda p: p[0].__setitem__(3, -64),
+              "its offset a string": lambda p: p[0].__setitem__(3, "0"),
+              "its crc32 past 32 bits": lambda p: p[0].__setitem__(2, 1 << 32),
+              "its bytes past 63 bits": lambda p: p[0].__setitem__(1, 1 << 63),
+              "another save's directory": lambda p: p[0].__setitem__(0, "save-1-00000000/r0.pack"),
+              "of two formats": lambda p: p.append(p[0][:3]),
+              "empty": lambda p: p.clear()}
+
+
+@pytest.mark.parametrize("edit", list(LINK_EDITS))
+def test_a_links_packs_are_checked(tmp_path, edit):
+    path, _ = _packed_chain(tmp_path)
+    _reseal(path, lambda m: LINK_EDITS[edit](m["parent"]["packs"]))
+    with pytest.raises(hbk.CheckpointError, match="3/manifest.json: .*parent packs? "):
         hbk.EmbeddingCollection.load(path, comm=LOCAL)

@@ -19,6 +19,7 @@ GB/s counts the full save's bytes for every load.
 
     python3 -m hbkernels.bench.bench_checkpoint --device cpu
 """
+import json
 import os
 import shutil
 import tempfile
@@ -40,11 +41,21 @@ def configs(ctx):
 
 
 def save_bytes(path):
-    """Bytes of the save at ``path``: its manifest and the files of its save directory."""
+    """Bytes the save at ``path`` added to disk: its manifest and the files of its save
+    directory, less, of a file its parent's pack is in too (a chain's one file per
+    rank), the bytes up to where that pack ends."""
+    with open(os.path.join(path, "manifest.json")) as f:
+        parent = json.load(f).get("parent") or {}
+    ends = {}
+    for name, size, _, *offset in parent.get("packs") or []:
+        if offset:
+            ends[os.stat(os.path.join(path, parent["path"], name)).st_ino] = offset[0] + size
     total = os.path.getsize(os.path.join(path, "manifest.json"))
     for directory, _, files in os.walk(path):
         if directory != str(path):
-            total += sum(os.path.getsize(os.path.join(directory, f)) for f in files)
+            for name in files:
+                st = os.stat(os.path.join(directory, name))
+                total += st.st_size - ends.get(st.st_ino, 0)
     return total
 
 

@@ -9,7 +9,7 @@ and optimizer slot each file belongs to, its rows and columns inside the table,
 its shape from its rows and columns, its dtype, size and crc32 (and in an
 incremental save of format 3 or later, whose arrays share one file per rank, its
 ``offset`` in that file), and the link to a parent (:func:`check_link`: from
-format 4 it names the files of a parent that is an incremental save). The
+format 4 it names the packs of a parent that is an incremental save). The
 manifest carries the crc32 of its own canonical
 JSON (:func:`seal`), written first (:func:`sealed_text`). Any violation is a
 :class:`~hbkernels.CheckpointError` naming the manifest.
@@ -32,6 +32,7 @@ TABLE_DTYPES = ("float32", "float16")
 QUANTIZED_ARRAYS = {"codes": False, "scale": True, "bias": True}  # array -> one value per row
 _ITEMSIZE = {name: np.dtype(name).itemsize for name in STATE_DTYPES + TABLE_DTYPES + ("uint8", "int64")}
 _U32 = 1 << 32
+_U63 = 1 << 63
 
 
 def is_save_dir(name):
@@ -176,8 +177,10 @@ PACK_FILE = re.compile(r"(save-[0-9]{1,20}-[0-9a-f]{8})/r(0|[1-9][0-9]{0,8})\.pa
 def check_link(where, link):
     """An incremental save's link to its parent: the parent's ``path`` (from this save's
     directory), the ``crc32`` of its manifest and, where the parent is an incremental
-    save of format 4, its ``packs``: ``[file, bytes, crc32]`` of each of its files, all
-    in one save directory. Returns ``link``."""
+    save of format 4 or later, its ``packs``: ``[file, bytes, crc32]`` of each of its
+    files (format 4) or ``[file, bytes, crc32, offset]`` of each of its packs (format 5:
+    bytes ``[offset, offset + bytes)`` of the file), all in one save directory. Returns
+    ``link``."""
     _field(where, link, "path", str)
     _int(where, link, "crc32", 0, _U32 - 1)
     packs = link.get("packs")
@@ -185,14 +188,16 @@ def check_link(where, link):
         return link
     dirs = set()
     if type(packs) is not list or not packs:
-        _fail(where, f"parent packs must be a list of [file, bytes, crc32], got {packs!r}")
+        _fail(where, f"parent packs must be a list of [file, bytes, crc32(, offset)], got {packs!r}")
+    if len({len(p) if type(p) is list else 0 for p in packs}) != 1:
+        _fail(where, f"parent packs {packs!r} are not all of one format")
     for pack in packs:
-        m = PACK_FILE.fullmatch(pack[0]) if type(pack) is list and len(pack) == 3 \
+        m = PACK_FILE.fullmatch(pack[0]) if type(pack) is list and len(pack) in (3, 4) \
             and type(pack[0]) is str else None
-        if m is None or type(pack[1]) is not int or pack[1] < 0 or type(pack[2]) is not int \
-                or not 0 <= pack[2] < _U32:
+        if m is None or any(type(v) is not int or not 0 <= v < (_U32 if k == 1 else _U63)
+                            for k, v in enumerate(pack[1:])):
             _fail(where, f"parent pack {pack!r} is not [r<rank>.pack.npy of a save directory, "
-                         f"bytes, crc32]")
+                         f"bytes, crc32(, offset)]")
         dirs.add(m[1])
     if len(dirs) != 1 or len({p[0] for p in packs}) != len(packs):
         _fail(where, f"parent packs {[p[0] for p in packs]} are not distinct files of one save "

@@ -12,17 +12,19 @@ Layout of a checkpoint directory::
 
     manifest.json              # crc32 first, then format, tables, optimizer, plan, files
     save-<ns>-<8 hex>/t<table index>.<slice>.<row_start>-<row_step>.<array>.npy
-    save-<ns>-<8 hex>/r<rank>.pack.npy         # an incremental save: one file per rank
+    save-<ns>-<8 hex>/r<rank>.pack.npy         # an incremental save: one pack per rank
 
 Each ``.npy`` holds one shard of one array (``weights`` or an optimizer slot):
 rows ``row_start + row_step * k`` (``k < num_rows``), columns ``[c0, c1)`` of
-the table. An incremental save writes each rank's arrays into one file instead
+the table. An incremental save writes each rank's arrays as one pack instead
 (:func:`_save_pack`: a ``.npy`` of bytes, each array at the ``offset`` its file
-entry names, with its own crc32, after a head: :mod:`._packs`), and its link to
-its parent names the parent's files where the parent is an incremental save too,
-so a load reads the newest save's manifest and, of each incremental save below
-it, one file per rank (:class:`_PackSave`). A replicated table is written once,
-by rank 0. File names never contain a table's name, so no name can form a path.
+entry names, with its own crc32, after a head: :mod:`._packs`), appended to the
+parent's file of that rank where the parent's pack ends it (the file then has a
+name in each save of the chain: a hard link), and its link to its parent names the
+parent's packs where the parent is an incremental save too, so a load reads the
+newest save's manifest and the packs of the incremental saves below it, from the
+newest save's files where they are there (:class:`_PackSave`). A replicated table
+is written once, by rank 0. File names never contain a table's name, so no name can form a path.
 A table in files (``storage="mmap"``) is saved sparse, never as a copy of its files: the rows its
 files hold (rows ever touched), named in a ``rows`` file beside them; its other
 rows are remade on load by :func:`~hbkernels.sharding.initial_weights` of the
@@ -59,7 +61,6 @@ import inspect
 import io
 import json
 import math
-import mmap
 import os
 import shutil
 import stat
@@ -71,7 +72,8 @@ import numpy as np
 
 from .. import optim as _optim
 from .._dispatch import classify, host
-from .._files import fsync_dir, open_regular, read_upto, write_atomic
+from .._files import (READ_WHOLE, append_linked, fsync_dir, open_regular, read_regular, read_upto,
+                      truncate_to, write_atomic)
 from .._sorted import distinct, find_sorted
 from .._version import __version__
 from ..errors import CheckpointError
@@ -82,18 +84,19 @@ from .kinds.row_wise import dynamic_owner
 from .layout import initial_rows, shard_rows
 
 FORMAT = "hbkernels-embedding-collection"
-VERSION = 4  # 2: an incremental save lists a dynamic table's changes, not all its ids;
+VERSION = 5  # 2: an incremental save lists a dynamic table's changes, not all its ids;
 #             3: an incremental save writes one file per rank (``offset`` in its entries);
 #             4: each such file begins with a head (:mod:`._packs`), and a link to an
-#                incremental save of format 4 names its files
-READABLE_VERSIONS = (1, 2, 3, 4)
+#                incremental save of format 4 names its files;
+#             5: a rank's file of an incremental save is its parent's with its pack
+#                appended where it can be (a hard link), and a link names packs' offsets
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 1 << 28
 MAX_CHAIN = 200  # incremental saves one load follows back to a full save (save keeps below)
 CHAIN_SAVE_BYTES = 1 << 17  # the least an incremental save counts toward a chain's limit:
 #                             more than opening one save of a chain costs a load, counted
 #                             in bytes of a full save
-_READ_WHOLE = 1 << 24  # a file up to this size is read once into memory; a larger one is mapped
 PACK_ALIGN = _packs.ALIGN  # byte alignment of each array in an incremental save's file
 CHUNK_ROWS = 1 << 16  # rows of a table's files in memory at a time, saving or loading
 
@@ -155,12 +158,15 @@ def _save_array(path, array):
     return write_atomic(path, write)
 
 
-def _save_pack(path, arrays):
-    """``arrays`` (host arrays or :class:`_Gathered`) in one file, written atomically:
-    a ``.npy`` header of a uint8 array holding them all, then each in C order at an
-    offset from the file's start that is a multiple of :data:`PACK_ALIGN` (zeros
-    between). Returns ``([(offset, crc32, bytes)] of each array, the file's bytes, its
-    crc32)``."""
+def _save_pack(path, arrays, log=None):
+    """``arrays`` (host arrays or :class:`_Gathered`) as one pack: a ``.npy`` header of a
+    uint8 array holding them all, then each in C order at an offset from the pack's
+    start that is a multiple of :data:`PACK_ALIGN` (zeros between). The pack is a new
+    file ``path`` written atomically, or, with ``log`` (``(file, bytes)``: the file of
+    the parent's pack and where that pack ends), appended to that file under the name
+    ``path`` where it can be (:func:`~hbkernels._files.append_linked`). Returns
+    ``([(offset, crc32, bytes)] of each array, from the file's start; the pack's bytes,
+    its crc32 and offset; the bytes the file grew by)``."""
     sizes = [math.prod(a.shape) * a.dtype.itemsize for a in arrays]
 
     def layout(start):
@@ -188,7 +194,14 @@ def _save_pack(path, arrays):
             placed.append((offset, w.crc, w.size))
             at += w.size
         return placed, at, whole.crc
-    return write_atomic(path, write)
+
+    appended = None if log is None else append_linked(log[0], path, log[1], PACK_ALIGN, write)
+    if appended is None:
+        placed, size, crc = write_atomic(path, write)
+        return placed, size, crc, 0, size
+    (placed, size, crc), start = appended
+    return ([(offset + start, c, n) for offset, c, n in placed], size, crc, start,
+            start + size - log[1])
 
 
 def _write_manifest(path, text):
@@ -291,7 +304,7 @@ def save(coll, path, parent=None, changed=None, since=None):
     save_dir = _manifest.save_dir_name(save_id[0], save_id[1])
     index = {name: k for k, name in enumerate(coll.tables)}
     error = None
-    files, parts, written, pack = [], [], 0, None
+    files, parts, written, pack, grown = [], [], 0, None, None
     steps = {s.table: int(coll.arrays[s.group].state["step"][0]) for s in coll.local_shards()}
     kept, marks = {}, {}  # dynamic table -> HashTable.state() (full saves only), .mark()
     link = None if parent is None else dict(
@@ -319,15 +332,18 @@ def save(coll, path, parent=None, changed=None, since=None):
                               "c0": shard.c0, "c1": shard.c1, "dtype": part.dtype.name,
                               "shape": list(part.shape)})
                 parts.append(part)
-        if parent is not None and (files or me == 0):  # one file per rank, rank 0's linked
+        if parent is not None and (files or me == 0):  # one pack per rank, rank 0's linked
             rel = f"{save_dir}/{_manifest.pack_name(me)}"
             for f in files:
                 f["file"] = rel
             head = _packs.head(files, link if me == 0 else None)
-            placed, written, whole = _save_pack(os.path.join(path, rel), [head] + parts)
-            for f, (offset, crc, size) in zip(files, placed[1:]):
-                f.update(offset=offset, crc32=crc, bytes=size)
-            pack = [rel, written, whole]
+            log = _log(parent, me)
+            placed, size, whole, start, written = _save_pack(os.path.join(path, rel),
+                                                             [head] + parts, log)
+            grown = (log[0], log[1], written) if start else None  # appended to the parent's file
+            for f, (offset, crc, nbytes) in zip(files, placed[1:]):
+                f.update(offset=offset, crc32=crc, bytes=nbytes)
+            pack = [rel, size, whole, start]
         else:
             for f, part in zip(files, parts):
                 crc, size = _save_array(os.path.join(path, f["file"]), part)
@@ -366,6 +382,8 @@ def save(coll, path, parent=None, changed=None, since=None):
         errors = [e for r in _bytes_json(comm, {"errors": errors if me == 0 else []})
                   for e in r["errors"]]
     if errors:
+        if grown is not None:  # the parent's file as it was
+            truncate_to(*grown)
         if me == 0:
             shutil.rmtree(os.path.join(path, save_dir), ignore_errors=True)
         raise CheckpointError(f"saving {path} failed, the previous checkpoint is kept: "
@@ -379,6 +397,16 @@ def save(coll, path, parent=None, changed=None, since=None):
     if parent is not None:
         mine["packs"] = [r["pack"] for r in everyone if r["pack"] is not None]
     return mine, written, marks
+
+
+def _log(parent, rank):
+    """``(file, bytes)``: the file of rank ``rank``'s pack of save ``parent`` (``(path,
+    link)``) and where that pack ends, where the parent is an incremental save of format
+    5 with such a pack; else None."""
+    for name, size, _, *offset in parent[1].get("packs") or []:
+        if offset and int(_manifest.PACK_FILE.fullmatch(name)[2]) == rank:
+            return os.path.join(parent[0], name), offset[0] + size
+    return None
 
 
 def _dynamic_arrays(coll, shard, kept):
@@ -504,15 +532,9 @@ class _Reader:
         if file not in self._files:
             name = os.path.join(self.path, file)
             try:
-                fd, size = open_regular(name)
-                try:
-                    data = (read_upto(fd, size) if size <= _READ_WHOLE
-                            else mmap.mmap(fd, 0, access=mmap.ACCESS_READ))
-                finally:
-                    os.close(fd)
+                self._files[file] = read_regular(name)
             except OSError as e:
                 raise CheckpointError(f"{name}: cannot read checkpoint file ({e.strerror or e})") from None
-            self._files[file] = memoryview(data)
         return self._files[file]
 
     def _array(self, entry):
@@ -539,7 +561,7 @@ class _Reader:
             return self._open[key]
         name = os.path.join(self.path, entry["file"])
         try:
-            if len(data) <= _READ_WHOLE:  # another writer's .npy header
+            if len(data) <= READ_WHOLE:  # another writer's .npy header
                 arr = np.load(io.BytesIO(data), allow_pickle=False)
                 arr.flags.writeable = False
             else:
@@ -671,19 +693,25 @@ class Checkpoint:
     def _open_parent(self, where, depth):
         """The checkpoint an incremental save chains to, checked to be the one it was
         chained to (its manifest's crc32), or None for a full save; the incremental
-        saves of format 4 below it that hold its layout are opened through their packs
-        alone (:func:`_packs.walk`: :class:`_PackSave`), the first save below them
-        through its manifest."""
+        saves of format 4 or later below it that hold its layout are opened through
+        their packs alone (:func:`_packs.walk`, from this save's files where they are
+        there: :class:`_PackSave`), the first save below them through its manifest."""
         link = self.manifest.get("parent")
         if link is None:
             return None
         limits = {spec.name: spec.capacity if spec.num_rows is None else spec.num_rows
                   for _, spec in self._specs.values()}
         packed = [f for f in self.manifest["files"] if "offset" in f] if self.version >= 4 else []
-        run, path, link, depth = _packs.walk(self.path, link, packed, limits, depth, MAX_CHAIN)
+        files = {}  # rank -> the bytes of the file of its pack (format 5: its parent's may be there)
+        for f in packed if self.version >= 5 else []:
+            m = _manifest.PACK_FILE.fullmatch(f["file"])
+            if m:
+                files[int(m[2])] = self._reader._contents(f["file"])
+        run, path, link, depth = _packs.walk(self.path, link, packed, limits, depth, MAX_CHAIN,
+                                             files)
         version = self.version if run is None else VERSION
         if run is not None:
-            where = os.path.join(path, run.names[-1][0])
+            where = os.path.join(path, run.names(len(run) - 1)[0])
         if depth >= MAX_CHAIN:
             raise CheckpointError(f"{where}: a chain of more than {MAX_CHAIN} incremental saves")
         parent = Checkpoint(os.path.normpath(os.path.join(path, link["path"])), depth + 1, self)
@@ -951,10 +979,10 @@ class Checkpoint:
 
 
 class _PackSave(Checkpoint):
-    """Save ``s`` of :class:`_packs.Run` ``run``: an incremental save of format 4 opened
-    through its packs alone, below the save whose manifest was read, whose ``tables``
-    (``specs``, optimizer ``slots``) and layout it holds. Its parent is made when asked
-    for."""
+    """Save ``s`` of :class:`_packs.Run` ``run``: an incremental save of format 4 or
+    later opened through its packs alone, below the save whose manifest was read, whose
+    ``tables`` (``specs``, optimizer ``slots``) and layout it holds. Its parent is made
+    when asked for."""
 
     version = VERSION
 

@@ -5,7 +5,8 @@ tests/test_dynamic_collection.py as a chain in one work directory WORK):
 at the second call, Adam: trains 12 steps, saves to WORK/ckpt (loaded back at once, each
 rank's hash table as saved); rank 0 writes WORK/expected.npz (ids, rows, state, counts);
 3 more steps, each followed by an incremental save (WORK/incr1, WORK/incr2, WORK/incr,
-chained to WORK/ckpt), and WORK/expected_incr.npz.
+chained to WORK/ckpt: each rank's packs appended to one file), and
+WORK/expected_incr.npz.
 
 ``dynamic_checkpoint.py load WORK`` (n=3): ``load(WORK/incr)`` replays the chain (the
 manifests of incr1 and incr2 moved away: those saves are read through their packs);
@@ -104,6 +105,8 @@ if MODE == "save":
     for k, name in enumerate(("incr1", "incr2", "incr")):
         train(coll, 1, f"more{k}", POOL, 3)
         assert coll.save(WORK / name, incremental=True, chain_limit=np.inf) == "incremental"
+    files = [next((WORK / name).glob(f"save-*/r{R}.pack.npy")) for name in ("incr1", "incr2", "incr")]
+    assert len({f.stat().st_ino for f in files}) == 1, files  # each rank's chain: one file
     write_expected(coll, WORK / "expected_incr.npz")
 elif MODE == "load":
     if R == 0:  # the saves between the full one and the newest are read through their packs
