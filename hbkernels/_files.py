@@ -48,23 +48,23 @@ def append_linked(source, path, end, align, write):
     ``source`` holds ``end`` bytes: ``write(fileobj)`` from the first multiple of ``align``
     at or after ``end`` (zeros before it), flushed to disk, then the new name renamed into
     place. Returns ``(what write returned, where it began)``, or None, with nothing
-    changed, where it cannot append: ``source`` is not a writable regular file of
-    ``end`` bytes, or the file system makes no hard links. The first ``end`` bytes never
-    change; on an error the file is cut back to them and ``path`` is not made."""
+    changed, where it cannot append: ``source`` is not a regular file of ``end`` bytes
+    that opens for writing (a symbolic link is not followed), or the file system makes
+    no hard links. The first ``end`` bytes never change; on an error the file is cut
+    back to them and ``path`` is not made."""
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
     try:
-        if not stat.S_ISREG(os.lstat(source).st_mode):
-            return None
-        os.link(source, tmp)
+        os.link(source, tmp, follow_symlinks=False)
     except OSError:
         return None
     fd, appending = -1, False
     try:
         try:
-            fd = os.open(tmp, os.O_WRONLY)
-        except OSError:  # not writable: a file of its own instead
+            fd = os.open(tmp, os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0))
+        except OSError:  # a symbolic link, or not writable: a file of its own instead
             return None
-        if os.fstat(fd).st_size != end:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != end:
             return None
         appending = True
         start = -(-end // align) * align

@@ -643,6 +643,7 @@ LINK_EDITS = {"its offset negative": lambda p: p[0].__setitem__(3, -64),
               "its bytes past 63 bits": lambda p: p[0].__setitem__(1, 1 << 63),
               "another save's directory": lambda p: p[0].__setitem__(0, "save-1-00000000/r0.pack"),
               "of two formats": lambda p: p.append(p[0][:3]),
+              "of format 4 in a save of format 5": lambda p: p.__setitem__(0, p[0][:3]),
               "empty": lambda p: p.clear()}
 
 
@@ -652,3 +653,22 @@ def test_a_links_packs_are_checked(tmp_path, edit):
     _reseal(path, lambda m: LINK_EDITS[edit](m["parent"]["packs"]))
     with pytest.raises(hbk.CheckpointError, match="3/manifest.json: .*parent packs? "):
         hbk.EmbeddingCollection.load(path, comm=LOCAL)
+
+
+@pytest.mark.parametrize("value", ["", "../2\0x"], ids=["empty", "a NUL"])
+def test_a_links_path_is_checked(tmp_path, value):
+    path, _ = _packed_chain(tmp_path)
+    _reseal(path, lambda m: m["parent"].update(path=value))
+    with pytest.raises(hbk.CheckpointError, match="3/manifest.json: parent path .* empty or holds a NUL"):
+        hbk.EmbeddingCollection.load(path, comm=LOCAL)
+
+
+def test_a_symlinked_parent_file_is_not_appended_to(tmp_path):
+    path, coll = _packed_chain(tmp_path)
+    real = _pack_file(path)
+    os.rename(real, tmp_path / "elsewhere")
+    os.symlink(tmp_path / "elsewhere", real)
+    step(coll, {"d": np.arange(4), "s": np.arange(4)})
+    coll.save(tmp_path / "4", incremental=True, chain_limit=np.inf)
+    assert _pack_file(tmp_path / "4").stat().st_nlink == 1  # a file of its own
+    assert (tmp_path / "elsewhere").stat().st_nlink == 3  # saves 1 and 2, and "elsewhere"

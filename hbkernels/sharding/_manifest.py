@@ -156,7 +156,7 @@ def check(manifest, where, slots, sealed=False):
     arrays = dict(slots(optimizer), weights=False)
     parent = manifest.get("parent")
     if parent is not None:  # an incremental save: changed rows, named in "rows" files
-        check_link(where, parent)
+        check_link(where, parent, manifest.get("version", 1))
         arrays["rows"] = True
     packed = parent is not None and manifest.get("version", 1) >= 3
     kinds = {name: _table_arrays(t, QUANTIZED_ARRAYS if name in quantize else arrays,
@@ -174,14 +174,17 @@ def check(manifest, where, slots, sealed=False):
 PACK_FILE = re.compile(r"(save-[0-9]{1,20}-[0-9a-f]{8})/r(0|[1-9][0-9]{0,8})\.pack\.npy")
 
 
-def check_link(where, link):
-    """An incremental save's link to its parent: the parent's ``path`` (from this save's
-    directory), the ``crc32`` of its manifest and, where the parent is an incremental
-    save of format 4 or later, its ``packs``: ``[file, bytes, crc32]`` of each of its
-    files (format 4) or ``[file, bytes, crc32, offset]`` of each of its packs (format 5:
-    bytes ``[offset, offset + bytes)`` of the file), all in one save directory. Returns
+def check_link(where, link, version):
+    """An incremental save's link (in a manifest of format ``version``) to its parent: the
+    parent's ``path`` (from this save's directory; not empty, no NUL), the ``crc32`` of
+    its manifest and, where the parent is an incremental save of format 4 or later, its
+    ``packs``: ``[file, bytes, crc32]`` of each of its files (a save of format 4) or
+    ``[file, bytes, crc32, offset]`` of each of its packs (format 5 or later: bytes
+    ``[offset, offset + bytes)`` of the file), all in one save directory. Returns
     ``link``."""
-    _field(where, link, "path", str)
+    path = _field(where, link, "path", str)
+    if not path or "\0" in path:
+        _fail(where, f"parent path {path!r} is empty or holds a NUL")
     _int(where, link, "crc32", 0, _U32 - 1)
     packs = link.get("packs")
     if packs is None:
@@ -189,8 +192,9 @@ def check_link(where, link):
     dirs = set()
     if type(packs) is not list or not packs:
         _fail(where, f"parent packs must be a list of [file, bytes, crc32(, offset)], got {packs!r}")
-    if len({len(p) if type(p) is list else 0 for p in packs}) != 1:
-        _fail(where, f"parent packs {packs!r} are not all of one format")
+    if {len(p) if type(p) is list else 0 for p in packs} != {3 if version < 5 else 4}:
+        _fail(where, f"parent packs {packs!r} are not all [file, bytes, crc32"
+                     f"{'' if version < 5 else ', offset'}] (format {version})")
     for pack in packs:
         m = PACK_FILE.fullmatch(pack[0]) if type(pack) is list and len(pack) in (3, 4) \
             and type(pack[0]) is str else None

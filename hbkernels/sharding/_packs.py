@@ -45,6 +45,7 @@ LINK = struct.Struct("<IIHH")  # the parent manifest's crc32, its packs, bytes o
 #                                directory's name and of the path to it
 PACK = struct.Struct("<IIQQ")  # one of the parent's packs: its rank, crc32, bytes, offset
 PACKS = {b"hbkpack4": struct.Struct("<IIQ"), b"hbkpack5": PACK}  # magic -> its PACK
+VERSIONS = {b"hbkpack4": 4, b"hbkpack5": 5}  # magic -> the checkpoint format of its save
 MAGIC = b"hbkpack5"
 _NPY = struct.Struct("<8sH")  # a .npy file's magic and version 1.0, then its header's bytes
 _NPY_MAGIC = b"\x93NUMPY\x01\x00"
@@ -77,7 +78,8 @@ def head(entries, link):
         path, crc, directory, packs, _ = _link(link)
         path, directory = path.encode(), directory.encode()
         text = (LINK.pack(crc, len(packs), len(directory), len(path))
-                + b"".join(PACK.pack(*p) for p in packs) + directory + path)
+                + b"".join(PACK.pack(rank, c, size, offset or 0) for rank, c, size, offset in packs)
+                + directory + path)
     rows = np.array([e["num_rows"] for e in entries], np.int64)
     return np.frombuffer(HEAD.pack(MAGIC, len(entries), layout(entries), len(text))
                          + rows.tobytes() + text, np.uint8)
@@ -99,7 +101,7 @@ def _read_link(raw, at, size, pack, where):
     except (struct.error, ValueError) as e:  # UnicodeDecodeError included
         raise CheckpointError(f"{where()}: unreadable link in its head ({e})") from None
     ranks = tuple([p[0] for p in packs])
-    if (LINK.size + n * pack.size + dir_bytes + path_bytes != size or not path
+    if (LINK.size + n * pack.size + dir_bytes + path_bytes != size or not path or "\0" in path
             or (n and not _manifest.is_save_dir(directory))
             or (n > 1 and list(ranks) != sorted(set(ranks)))):
         raise CheckpointError(f"{where()}: unreadable link in its head (its parent {path!r}, "
@@ -143,11 +145,12 @@ def _pack(data, size, crc, offset):
 class Run:
     """Incremental saves of format 4 or later, newest first, read through their packs by
     :func:`walk`: ``dirs`` (each save's directory), ``names`` (its packs' names, from
-    that directory: :meth:`names`), ``rows`` ([saves, arrays of the layout]) and ``offsets`` (where
-    each array is in its pack). ``entries`` is the layout: the newest manifest's
-    entries, each with ``pack`` (the index of its file among a save's packs, of ranks
-    ``ranks``) and ``limit`` (the most rows it may hold). Its opener sets ``below``, the
-    save its oldest chains to."""
+    that directory: :meth:`names`), ``rows`` ([saves, arrays of the layout]),
+    ``offsets`` (where each array is in its pack) and ``version`` (the oldest format of
+    its saves). ``entries`` is the layout: the newest manifest's entries, each with
+    ``pack`` (the index of its file among a save's packs, of ranks ``ranks``) and
+    ``limit`` (the most rows it may hold). Its opener sets ``below``, the save its
+    oldest chains to."""
 
     def __init__(self, entries, ranks):
         self.entries, self.ranks = entries, ranks
@@ -166,6 +169,7 @@ class Run:
         self.dirs, self._save_dirs = [], []
         self.packs = [[] for _ in ranks]  # of each rank, its pack of each save (a memoryview)
         self._rows, self._ends = [], []
+        self.version = max(VERSIONS.values())  # the oldest format of its saves
 
     def __len__(self):
         return len(self.dirs)
@@ -200,6 +204,7 @@ class Run:
                 link = _read_link(raw, end, text, PACKS[magic],
                                   lambda: f"{directory}/{save_dir}{self._tails[0]}")
             self.packs[k].append(raw)
+        self.version = min(self.version, VERSIONS[magic])
         self.dirs.append(directory)
         self._save_dirs.append(save_dir)
         self._rows.append(rows)

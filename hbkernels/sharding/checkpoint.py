@@ -34,13 +34,17 @@ A quantized table (``quantize`` in the manifest: table -> bits) is saved as its
 ``scale`` and ``bias`` (float16 values in float32 files), never as weights.
 
 Saving (collective): every rank writes its shards into a fresh save directory
-(each file through a temp name, fsync, rename), the ranks agree, then rank 0
-writes ``manifest.json`` the same way and the ranks agree again; only then does
-rank 0 remove what earlier or crashed saves left: save directories named as
-above holding only such files, and temporary manifests (a user's other files
-and directories are never touched). A failure anywhere, a full disk included,
-is a :class:`CheckpointError` on every rank, the new save directory is
-removed, and the previous manifest and the files it names stay intact.
+(each new file through a temp name, fsync, rename; a pack appended to its
+parent's file past the parent's pack, fsync, then its own name renamed into
+place), the ranks agree, then rank 0 writes ``manifest.json`` the same way and
+the ranks agree again; only then does rank 0 remove what earlier or crashed saves
+left: save directories named as above holding only such files, and temporary
+manifests (a user's other files and directories are never touched). A failure
+anywhere, a full disk included, is a :class:`CheckpointError` on every rank, the
+new save directory is removed, the parent's files are cut back to where they
+were, and the previous manifest and the bytes it names stay intact (a kill can
+leave bytes past the parent's pack in its file: the next save then starts a file
+of its own).
 
 Loading trusts nothing in the directory: each manifest read is checked field by field
 (:mod:`._manifest`: its own crc32, on its text as written
@@ -293,9 +297,9 @@ def save(coll, path, parent=None, changed=None, since=None):
     dynamic table what changed since ``since[table]`` (what the previous save returned),
     chained to it.
     Returns ``(its link: {"crc32": the manifest's crc32 on rank 0, None elsewhere, and
-    of an incremental save "packs": [file, bytes, crc32] of each rank's file}; the bytes
-    of the files written, on every rank; {dynamic table: HashTable.mark()} of this
-    rank's hash tables as saved)``."""
+    of an incremental save "packs": [file, bytes, crc32, offset] of each rank's pack};
+    the bytes the files written took, on every rank; {dynamic table: HashTable.mark()}
+    of this rank's hash tables as saved)``."""
     comm, me = coll.comm, coll.comm.rank
     path = os.fspath(path)
     save_id = np.array([time.time_ns(), int(uuid.uuid4().int & 0x7FFFFFFF)], np.int64)
@@ -709,7 +713,7 @@ class Checkpoint:
                 files[int(m[2])] = self._reader._contents(f["file"])
         run, path, link, depth = _packs.walk(self.path, link, packed, limits, depth, MAX_CHAIN,
                                              files)
-        version = self.version if run is None else VERSION
+        version = self.version if run is None else run.version
         if run is not None:
             where = os.path.join(path, run.names(len(run) - 1)[0])
         if depth >= MAX_CHAIN:
@@ -984,10 +988,8 @@ class _PackSave(Checkpoint):
     ``tables`` (``specs``, optimizer ``slots``) and layout it holds. Its parent is made
     when asked for."""
 
-    version = VERSION
-
     def __init__(self, run, s, tables, specs, slots):  # no manifest to read: see the class
-        self.run, self.index, self.path = run, s, run.dirs[s]
+        self.run, self.index, self.path, self.version = run, s, run.dirs[s], run.version
         self.tables, self._specs, self._slots = tables, specs, slots
         self._chain_parts = {}
 
