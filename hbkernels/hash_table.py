@@ -326,9 +326,12 @@ class HashTable:
     def check_fits(self, ids):
         """Raise the :class:`~hbkernels.CapacityError` that ``slots(ids)`` (``insert=True``)
         would raise, changing nothing (not even the ids' uses): for a caller that must
-        know that several tables' calls all fit before making any of them."""
+        know that several tables' calls all fit before making any of them. A call of at
+        most :attr:`capacity` ids (``evict="none"``: of at most the free slots) always
+        fits, so only a larger one is looked up: its new ids and the live ids it uses
+        together are at most as many as its ids, and every other live id can be evicted."""
         family, flat, _ = self._flat(ids)
-        if flat.shape[0]:
+        if flat.shape[0] > (self._num_free if self.evict == "none" else self.capacity):
             self._plan(flat, self._k.find(family, self._index, self._reserved, flat))
 
     def _plan(self, flat, out):

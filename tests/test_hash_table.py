@@ -332,6 +332,50 @@ def _same(a, b):
         np.testing.assert_array_equal(a[0][k], b[0][k], err_msg=k)
 
 
+@pytest.mark.parametrize("evict", ["none", "lru", "lfu"])
+@pytest.mark.parametrize("admit_count", [1, 2])
+def test_check_fits_raises_where_slots_raises(backend, rng, evict, admit_count):
+    """On tables of random fill, for calls of up to twice the capacity: check_fits
+    raises exactly where slots would (its shortcut, that a call of at most capacity ids
+    fits, or of at most the free slots under evict="none", hides no failure)."""
+    outcomes = set()
+    for _ in range(30):
+        calls = [rng.integers(0, 24, int(rng.integers(0, 17))) for _ in range(int(rng.integers(1, 5)))]
+        if rng.random() < 0.5:  # its ids seen once before the call: due where admit_count=2
+            calls.insert(-1, calls[-1])
+        checked, called = make(backend, 8, evict=evict, admit_count=admit_count), \
+            make(backend, 8, evict=evict, admit_count=admit_count)
+        for ids in calls[:-1]:  # the two tables alike
+            for t in (checked, called):
+                try:
+                    t.slots(backend.put(ids))
+                except hbk.CapacityError:
+                    pass
+        last = backend.put(calls[-1])
+        try:
+            checked.check_fits(last)
+            fits = True
+        except hbk.CapacityError:
+            fits = False
+        try:
+            called.slots(last)
+            assert fits, (evict, admit_count, calls)
+        except hbk.CapacityError:
+            assert not fits, (evict, admit_count, calls)
+        outcomes.add(fits)
+    assert outcomes == {True, False}  # both seen: the test checks something
+
+
+def test_check_fits_looks_up_only_calls_that_may_not_fit(backend, monkeypatch):
+    for evict, n in [("lru", 8), ("none", 5)]:
+        t = make(backend, 8, evict=evict)
+        t.slots(backend.put(np.arange(3)))  # 5 slots free
+        monkeypatch.setattr(t, "_plan", lambda *a: pytest.fail("looked up"))
+        t.check_fits(backend.put(np.arange(100, 100 + n)))
+        with pytest.raises(pytest.fail.Exception, match="looked up"):
+            t.check_fits(backend.put(np.arange(100, 101 + n)))
+
+
 @pytest.mark.parametrize("evict", ["none", "lru"])
 def test_check_fits_raises_what_slots_would_and_changes_nothing(backend, evict):
     t = make(backend, 4, evict=evict, admit_count=2)
