@@ -9,12 +9,15 @@
 * a chain past ``chain_limit`` x its full save starts again with a full save;
 * a failed write (or a SIGKILL half way through one) of an incremental save leaves the
   chain before it loadable;
-* an incremental save is one file per rank, each array in it under its own crc32; a
-  damaged file or an edited offset is refused, and a chain format 2 wrote is still read;
-* the saves between the newest and the full one are read through their files alone (their
-  manifests moved away, the chain still loads), each file checked against the bytes and
-  crc32 its child names and its head (rows, link) against the newest save's layout; a
-  file of another layout is read through its manifest;
+* an incremental save is one pack per rank, each array in it under its own crc32,
+  appended to its parent's file (one file per rank for a chain, a hard link under each
+  save's name) or, where it cannot be, a file of its own; a damaged pack or an edited
+  offset is refused, and a chain format 2 wrote is still read (format 4:
+  test_checkpoint_fixture.py);
+* the saves between the newest and the full one are read through their packs alone (their
+  manifests moved away, or their directories removed, the chain still loads), each pack
+  checked against the bytes and crc32 its child names and its head (rows, link) against
+  the newest save's layout; a pack of another layout is read through its manifest;
 * ``hbkernels compact`` turns a chain into one full save of the same state.
 """
 import json
@@ -491,6 +494,13 @@ def _head(raw):
     return 10 + int.from_bytes(raw[8:10], "little")
 
 
+def _no_hard_links(monkeypatch):
+    """A file system that makes no hard links, from here on."""
+    def link(*args, **kwargs):
+        raise OSError(1, "Operation not permitted (simulated: no hard links)")
+    monkeypatch.setattr(os, "link", link)
+
+
 def _pack_file(path):
     """The file of rank 0's pack of the incremental save at ``path``."""
     manifest = json.loads((path / "manifest.json").read_text())
@@ -523,7 +533,7 @@ def test_a_file_whose_end_is_not_the_parents_pack_starts_again(tmp_path, monkeyp
     step(coll, {"d": np.arange(4), "s": np.arange(4)})
     coll.save(tmp_path / "4", incremental=True, chain_limit=np.inf)
     assert _pack_file(tmp_path / "4").stat().st_nlink == 1
-    monkeypatch.setattr(os, "link", lambda *a, **k: (_ for _ in ()).throw(OSError(1, "no links")))
+    _no_hard_links(monkeypatch)
     step(coll, {"d": np.arange(4, 8), "s": np.arange(4)})
     coll.save(tmp_path / "5", incremental=True, chain_limit=np.inf)
     assert _pack_file(tmp_path / "5").stat().st_nlink == 1
@@ -534,7 +544,7 @@ def test_a_file_whose_end_is_not_the_parents_pack_starts_again(tmp_path, monkeyp
 @pytest.mark.parametrize("links", [True, False], ids=["one-file", "a-file-each"])
 def test_the_saves_below_the_newest_are_read_through_their_packs(tmp_path, monkeypatch, links):
     if not links:
-        monkeypatch.setattr(os, "link", lambda *a, **k: (_ for _ in ()).throw(OSError(1, "no")))
+        _no_hard_links(monkeypatch)
     path, coll = _packed_chain(tmp_path)
     monkeypatch.undo()
     for k in (1, 2):  # their manifests are not read
@@ -632,7 +642,7 @@ def test_append_linked_appends_under_a_second_name_or_changes_nothing(tmp_path, 
     if not os.access(source, os.W_OK):  # (root writes anyway)
         assert append_linked(source, tmp_path / "c", 130, 64, lambda f: f.write(b"y")) is None
     source.chmod(0o644)
-    monkeypatch.setattr(os, "link", lambda *a, **k: (_ for _ in ()).throw(OSError(1, "no links")))
+    _no_hard_links(monkeypatch)
     assert append_linked(source, tmp_path / "c", 130, 64, lambda f: f.write(b"y")) is None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]
 
