@@ -682,3 +682,13 @@ def test_a_symlinked_parent_file_is_not_appended_to(tmp_path):
     coll.save(tmp_path / "4", incremental=True, chain_limit=np.inf)
     assert _pack_file(tmp_path / "4").stat().st_nlink == 1  # a file of its own
     assert (tmp_path / "elsewhere").stat().st_nlink == 3  # saves 1 and 2, and "elsewhere"
+
+
+@pytest.mark.parametrize("path, to", [("/a/b/5", "../4"), ("b", "../c"), ("/x", "../y"), (".", "../b"),
+                                      ("/", "../a"), ("a/b", "../.."), ("a/b", "../c/d"),
+                                      ("../../a", "../b"), ("a/b", "./c"), ("a/b", "/abs"),
+                                      ("a/b", "../.hidden"), ("a/b", "../")])
+def test_a_links_path_resolves_as_normpath_join(path, to):
+    from hbkernels.sharding._packs import _resolve
+
+    assert _resolve(path, to) == os.path.normpath(os.path.join(path, to))

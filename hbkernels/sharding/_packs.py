@@ -320,10 +320,11 @@ def walk(path, link, entries, limits, depth, max_depth, files):
 
 def _resolve(path, to):
     """``os.path.normpath(os.path.join(path, to))`` of a normalized ``path``; at once
-    where ``to`` is ``../<name>`` (a link between two checkpoints of one directory)."""
+    where ``to`` is ``../<name>`` (a link between two checkpoints of one directory) and
+    paths are separated by ``/``."""
     head, sep, tail = path.rpartition("/")
     name = to[3:]
-    if (to[:3] == "../" and "/" not in name and name not in ("", ".", "..")
+    if (os.sep == "/" and to[:3] == "../" and "/" not in name and name not in ("", ".", "..")
             and tail not in ("", ".", "..")):
         return head + sep + name
     return os.path.normpath(os.path.join(path, to))
