@@ -272,10 +272,10 @@ class Run:
         return entries, contents
 
 
-def walk(path, link, entries, limits, depth, max_depth, files):
+def walk(path, link, entries, limits, depth, max_depth, contents):
     """Follow ``link`` (the checked link of the save in directory ``path``, whose
     checked manifest ``entries`` give the layout; ``limits``: table -> the most rows
-    an array of it may hold; ``files``: rank -> the bytes of the file holding its pack)
+    an array of it may hold; ``contents(file)``: the bytes of that save's ``file``)
     through the incremental saves of format 4 or later it chains to, as long as their
     packs hold that layout. Returns ``(run or None, directory, link, depth)``: where the
     run ends, the directory of its oldest save (else ``path``) and that save's link
@@ -285,6 +285,7 @@ def walk(path, link, entries, limits, depth, max_depth, files):
     mine = [int(m[2]) if m else -1 for m in mine]  # the rank of each entry's pack
     if not ranks or any(r not in ranks for r in mine):
         return None, path, link, depth
+    files = {r: contents(e["file"]) for e, r in zip(entries, mine)}
     files = [files.get(rank) for rank in ranks]  # the bytes of the file each rank's pack came from
     run = Run([dict(e, pack=ranks.index(r), limit=limits[e["table"]])
                for e, r in zip(entries, mine)], ranks)

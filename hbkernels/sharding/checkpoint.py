@@ -706,13 +706,8 @@ class Checkpoint:
         limits = {spec.name: spec.capacity if spec.num_rows is None else spec.num_rows
                   for _, spec in self._specs.values()}
         packed = [f for f in self.manifest["files"] if "offset" in f] if self.version >= 4 else []
-        files = {}  # rank -> the bytes of the file of its pack (format 5: its parent's may be there)
-        for f in packed if self.version >= 5 else []:
-            m = _manifest.PACK_FILE.fullmatch(f["file"])
-            if m:
-                files[int(m[2])] = self._reader._contents(f["file"])
         run, path, link, depth = _packs.walk(self.path, link, packed, limits, depth, MAX_CHAIN,
-                                             files)
+                                             self._reader._contents)
         version = self.version if run is None else run.version
         if run is not None:
             where = os.path.join(path, run.names(len(run) - 1)[0])
