@@ -1,7 +1,9 @@
 """Atomic file writes (a file is written under a temporary name, flushed to disk and
 renamed over its final name, so a reader (or a crash) sees the old file or the
 new one, never a part), appends that leave a file's first bytes as they were
-(:func:`append_linked`), and reads of regular files only."""
+(:func:`append_linked`), reads of regular files only, and a lock that processes
+take in turn (:func:`locked`)."""
+import contextlib
 import errno
 import json
 import mmap
@@ -24,6 +26,27 @@ def fsync_dir(path):
         pass
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def locked(path):
+    """Hold an exclusive lock on file ``path`` (created where missing, kept afterwards)
+    while the block runs, waiting for a process that holds it; where the lock cannot be
+    had (no ``fcntl``, a read-only directory) the block runs unlocked. The lock goes
+    with the process, so a killed holder never blocks the others."""
+    try:
+        import fcntl
+
+        f = open(path, "ab")  # noqa: SIM115 - closed below, after the block
+    except (ImportError, OSError):
+        yield
+        return
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX)
+        except OSError:
+            pass
+        yield
 
 
 def write_atomic(path, write):

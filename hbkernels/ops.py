@@ -29,9 +29,9 @@ def synchronize():
     >>> import hbkernels as hbk
     >>> hbk.synchronize()
     """
-    pending = sys.modules.get("hbkernels.cuda._pending")
-    if pending is not None:
-        pending.synchronize()
+    device = sys.modules.get("hbkernels.cuda._device")  # loaded by any op on CUDA arrays
+    if device is not None:
+        device.synchronize()
 
 
 def check_ragged(values, offsets, num_rows, *, bounds="raise"):

@@ -132,13 +132,10 @@ def compile_one(dispatcher, argtypes, cc, cubin=False):
     (:mod:`hbkernels.cuda._compile`), and check that the PTX entry's parameters are
     what the launcher packs for ``argtypes``; returns the resources ptxas reports,
     or ``(resources, the cubin's bytes)`` when ``cubin`` is true (for a disassembler)."""
-    from hbkernels.cuda import _compile, _launcher
+    from hbkernels.cuda import _compile
 
     ptx = _compile.ptx(dispatcher, argtypes, cc)
-    expected = [kind for _, kind in _launcher.parameters(argtypes)]
-    found = _compile.entry_params(ptx)
-    if found != expected:
-        raise TypeError(f"the launcher packs parameters {expected} but the PTX entry takes {found}")
+    _compile.check_entry(ptx, argtypes, _compile.entry_name(ptx))
     code, log = _compile.link(ptx, cc)
     resources = {}
     for key, pattern in _RESOURCES.items():

@@ -17,19 +17,67 @@ import numpy as np
 import pytest
 
 
-def _real_gpu_present():
+def _gpus_listed():
+    """How many GPUs ``nvidia-smi -L`` lists (0 where it is missing or fails)."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return 0
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(line.startswith("GPU ") for line in out.splitlines())
+
+
+def _probe_gpu():
+    """``(usable, why not)``: whether Numba's real CUDA target runs here (a subprocess)."""
     try:
         ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return False
-    probe = "from numba import cuda; print(cuda.is_available())"
+    except OSError as error:
+        return False, f"no CUDA driver ({error})"
+    probe = "from numba import cuda; cuda.current_context(); print('usable')"
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
-    res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env)
-    return res.stdout.strip() == "True"
+    try:
+        res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                             env=env, timeout=300)
+    except subprocess.TimeoutExpired:
+        return False, "Numba's CUDA probe did not finish within 300 s"
+    if res.stdout.strip() == "usable":
+        return True, None
+    return False, (res.stderr.strip().splitlines() or [f"exit status {res.returncode}"])[-1]
 
 
-if "NUMBA_ENABLE_CUDASIM" not in os.environ:
-    os.environ["NUMBA_ENABLE_CUDASIM"] = "0" if _real_gpu_present() else "1"
+def cuda_path(setting, gpus_listed, probe):
+    """``(NUMBA_ENABLE_CUDASIM value, refusal)`` for a run: ``setting`` is the variable's
+    value (None: unset), ``gpus_listed`` how many GPUs nvidia-smi lists, ``probe()``
+    :func:`_probe_gpu`. ``"1"`` asks for the simulator; any other value for a real GPU,
+    which must work; unset, a GPU that works is used, else the simulator, except where
+    nvidia-smi lists a GPU that Numba cannot use: the run is refused (``refusal`` says
+    why), so a driver or library problem never turns into a simulator run that looks green."""
+    if setting == "1":
+        return "1", None
+    if setting is None and not gpus_listed:
+        try:
+            ctypes.CDLL("libcuda.so.1")
+        except OSError:
+            return "1", None
+    usable, why = probe()
+    if usable:
+        return "0", None
+    if setting is None and not gpus_listed:
+        return "1", None
+    asked = (f"NUMBA_ENABLE_CUDASIM={setting} asks for a real GPU" if setting is not None
+             else f"nvidia-smi lists {gpus_listed} GPU(s)")
+    return None, (f"{asked}, but Numba cannot use it: {why}. The CUDA tests do not fall back "
+                  f"to the simulator there; set NUMBA_ENABLE_CUDASIM=1 to run them in it anyway")
+
+
+REFUSAL = None
+if os.environ.get("PYTEST_XDIST_WORKER") is None:  # a worker inherits its controller's choice
+    _setting, REFUSAL = cuda_path(os.environ.get("NUMBA_ENABLE_CUDASIM"),
+                                  0 if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" else _gpus_listed(),
+                                  _probe_gpu)
+    os.environ["NUMBA_ENABLE_CUDASIM"] = _setting or "1"
 # one seed for the whole session: pytest-xdist's workers inherit it from the controller,
 # so they all collect the same tests; JAX takes GPU memory as it needs it, not 75% of it
 # per process, so that workers sharing a GPU fit
@@ -83,7 +131,7 @@ class Backend:
         return f"Backend({self.name}{', simulator' if self.small else ''})"
 
 
-@pytest.fixture(params=["cpu", "cuda"])
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def backend(request):
     if request.param == "cuda" and not HAVE_NUMBA_CUDA:
         pytest.skip("numba-cuda is not installed")
@@ -116,7 +164,32 @@ LAST_MODULE = "test_compile_kernels.py"  # compiles what the tests before it lau
 SESSION = {"deselected": 0, "whole_suite": False, "compiler": None, "kernel_model": None}
 
 
+def pytest_configure(config):
+    if REFUSAL:
+        raise pytest.UsageError(REFUSAL)
+    report_dir = os.environ.get("HBK_TEST_REPORT_DIR")
+    if report_dir and os.environ.get("PYTEST_XDIST_WORKER") is None:
+        # a run that may be killed: its tally and failures written as it goes, by the
+        # controller alone (it sees every worker's reports)
+        import run_report
+
+        config.pluginmanager.register(run_report.Reporter(report_dir), "hbk-run-report")
+
+
+def takes_cuda_path(item):
+    """Whether test ``item`` runs the CUDA path: it takes the ``cuda_backend`` fixture, or
+    ``"cuda"`` as its ``backend`` or ``device`` parameter."""
+    callspec = getattr(item, "callspec", None)
+    params = callspec.params if callspec is not None else {}
+    return ("cuda_backend" in getattr(item, "fixturenames", ())
+            or any(params.get(name) == "cuda" for name in ("backend", "device")))
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects by the marker
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if takes_cuda_path(item):
+            item.add_marker(pytest.mark.cuda)
     if SIMULATOR or not HAVE_NUMBA_CUDA:
         skip = pytest.mark.skip(reason="needs a real CUDA GPU")
         for item in items:

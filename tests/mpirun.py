@@ -23,6 +23,8 @@ HAVE_MPI4PY = importlib.util.find_spec("mpi4py") is not None
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 # variables of an enclosing launcher would confuse the one we start
 _LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "HYDRA_", "MPI_LOCAL", "TORCHELASTIC_")
+# ... except what lets Open MPI's mpiexec run as root (it refuses without both)
+_KEPT = ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM")
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                   "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR",
                   "MASTER_PORT")
@@ -44,7 +46,7 @@ def _hydra():
 
 def _env(**extra):
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(_LAUNCHER_PREFIXES) and k not in _LAUNCHER_VARS}
+           if k in _KEPT or not (k.startswith(_LAUNCHER_PREFIXES) or k in _LAUNCHER_VARS)}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
     env["HBK_COMM_TIMEOUT"] = "30"  # a hang inside a script fails it long before the test's timeout
     env.update({k: str(v) for k, v in extra.items()})

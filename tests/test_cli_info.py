@@ -61,7 +61,7 @@ def test_help_lists_every_command(capsys):
         main(["--help"])
     assert exit_.value.code == 0
     out = capsys.readouterr().out
-    for command in ("info", "bench", "train", "data"):
+    for command in ("info", "check", "bench", "train", "data"):
         assert f"    {command}" in out
 
 

@@ -399,6 +399,7 @@ TINY = ["--steps", "2", "--batch-size", "16", "--eval-samples", "16", "--threads
         "--dense-features", "2"]
 
 
+@pytest.mark.cuda
 def test_train_on_the_cuda_path_gives_the_cpu_results(tmp_path):
     """``hbkernels train --device cuda`` with the CUDA kernels in Numba's simulator (the
     tables on the simulator's CUDA arrays, torch on the CPU): the CPU's losses and eval."""
@@ -417,6 +418,7 @@ def test_train_on_the_cuda_path_gives_the_cpu_results(tmp_path):
     assert cuda["eval_logloss"] == pytest.approx(cpu["eval_logloss"], rel=1e-5)
 
 
+@pytest.mark.cuda
 def test_warmup_runs_every_op_on_the_cuda_path(tmp_path):
     """``--device cuda``: every op on CUDA arrays (the simulator here; on a GPU each
     kernel is compiled into the kernel cache)."""

@@ -244,6 +244,7 @@ def test_empty_batch(rng, num_dense):
     torch.testing.assert_close(model(dense, sparse).double(), expected.detach(), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.cuda
 def test_the_gpu_training_step_gives_the_cpu_result_without_waiting(rng):
     """The DLRM step with the collection on device="cuda" (in CI Numba's simulator, whose
     collection takes the CPU tensors as its CUDA arrays; torch on the GPU otherwise):

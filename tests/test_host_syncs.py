@@ -109,8 +109,41 @@ def test_unique_reads_its_size_once(cuda, rng):
                                          sorted=True)) == 1
 
 
-def test_synchronize_waits_once(cuda):
+def test_synchronize_waits_once(cuda, rng):
+    table, values, _, _ = inputs(cuda, rng)
+    hbk.lookup(table, values)
     assert cuda.syncs(hbk.synchronize) == 1
+
+
+AFTER_UNIQUE_ONLY = """
+import sys
+import numpy as np
+from numba import cuda
+import hbkernels as hbk
+from hbkernels.cuda import _device
+
+waits = []
+wait = _device.wait
+_device.wait = lambda stream=None: waits.append(stream) or wait(stream)
+hbk.unique(cuda.to_device(np.array([3, 1, 3, 7])))
+assert "hbkernels.cuda._pending" not in sys.modules, "the test needs a process without the ledger"
+before, syncs = len(waits), _device.HOST_SYNCS[0]
+hbk.synchronize()
+print(len(waits) - before, waits[before:] == [None], _device.HOST_SYNCS[0] - syncs)
+"""
+
+
+def test_synchronize_waits_for_work_any_op_queued(cuda_backend):
+    """A process whose only CUDA op is ``unique`` (no op with deferred checks loaded):
+    ``hbk.synchronize()`` still waits for the whole device, once."""
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", AFTER_UNIQUE_ONLY], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, PYTHONPATH=str(PACKAGE.parent)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["1", "True", "1"]
 
 
 def test_no_launch_outside_the_launcher():

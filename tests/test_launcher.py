@@ -8,6 +8,7 @@ import struct
 import threading
 import types as pytypes
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -190,12 +191,18 @@ def test_the_cache_directory(tmp_path, monkeypatch):
         _kernel_cache.directory.cache_clear()
 
 
+def fake_ptx(kinds, name="_Z6kernelPx"):
+    """The PTX entry of a kernel taking parameters of the PTX types ``kinds``."""
+    params = ",\n".join(f".param .{kind} {name}_param_{i}" for i, kind in enumerate(kinds))
+    return f".visible .entry {name}(\n{params}\n)\n{{\nret;\n}}"
+
+
 def test_compiled_once_per_machine(cache_dir, monkeypatch):
-    from hbkernels.cuda import _compile, _segments
+    from hbkernels.cuda import _abi, _compile, _segments
 
     calls = []
     monkeypatch.setattr(_compile, "ptx", lambda k, a, cc: calls.append(cc) or
-                        ".visible .entry _Z6kernelPx(\n.param .u64 _Z6kernelPx_param_0\n)")
+                        fake_ptx(_abi.ptx_types(a)))
     monkeypatch.setattr(_compile, "link", lambda ptx, cc: (b"\x7fELF-cubin", "log"))
     argtypes = (types.Array(types.int64, 1, "C"),) * 3
     kernel = _segments.heads_kernel
@@ -208,8 +215,8 @@ def test_compiled_once_per_machine(cache_dir, monkeypatch):
     assert calls == [(9, 0), (10, 0)]
     assert {k: _kernel_cache.STATS[k] - stats[k] for k in stats} == \
         {"memory": 1, "disk": 1, "compiled": 2}
-    files = sorted(cache_dir.iterdir())
-    assert len(files) == 2 and all(f.suffix == ".cubin" for f in files)
+    files = sorted(cache_dir.glob("*.cubin"))
+    assert len(files) == 2 and {f.stem for f in files} == {f.stem for f in cache_dir.glob("*.lock")}
     files[0].write_bytes(b"not a cubin")  # damaged: compiled again
     monkeypatch.setattr(_kernel_cache, "_MEMORY", {})
     assert _kernel_cache.load(files[0]) is None
@@ -233,3 +240,115 @@ def test_keys_name_what_was_compiled():
     assert _kernel_cache.identity(one)[:3] == ("hbkernels.cuda.embedding_bag", "pool_kernel",
                                                (f32, None, 4, 4, 1, False, True))
     assert key(one, (a64,), (9, 0)) != key(other, (a64,), (9, 0))
+
+
+def test_a_ptx_entry_the_launcher_does_not_pack_is_an_error_naming_it(cache_dir, monkeypatch):
+    """A Numba whose kernel ABI drifted: the compile fails naming the kernel and the first
+    parameter that differs, and nothing is cached or launched."""
+    from hbkernels.cuda import _abi, _compile, _segments
+
+    argtypes = (types.Array(types.int64, 1, "C"), types.int32)
+    kinds = _abi.ptx_types(argtypes)
+    assert kinds == ["u64"] * 7 + ["u32"]
+    drifted = kinds[:4] + ["u32"] + kinds[5:]  # the data pointer narrowed
+    monkeypatch.setattr(_compile, "ptx", lambda k, a, cc: fake_ptx(drifted))
+    monkeypatch.setattr(_compile, "link", lambda ptx, cc: pytest.fail("linked a bad entry"))
+    with pytest.raises(TypeError, match=r"kernel hbkernels\.cuda\._segments\.heads_kernel: .*"
+                       r"parameter 4 is \.u64 in the launcher and \.u32 in the PTX"):
+        _kernel_cache.compiled(_segments.heads_kernel, argtypes, (9, 0))
+    monkeypatch.setattr(_compile, "ptx", lambda k, a, cc: fake_ptx(kinds[:-1]))  # one too few
+    with pytest.raises(TypeError, match=r"packs 8 parameters .* takes 7; parameter 7 is \.u32 "
+                       r"in the launcher and nothing in the PTX"):
+        _kernel_cache.compiled(_segments.heads_kernel, argtypes, (9, 0))
+    assert not list(cache_dir.glob("*.cubin"))
+
+
+LOCK_SCRIPT = """
+import os, sys, time
+from numba import types
+from hbkernels.cuda import _abi, _compile, _kernel_cache, _segments
+
+log, go = sys.argv[1], sys.argv[2]
+argtypes = (types.Array(types.int64, 1, "C"),) * 3
+
+def ptx(kernel, a, cc):
+    with open(log, "a") as f:
+        f.write(f"{os.getpid()}\\n")
+    time.sleep(1.0)  # long enough that the others ask for the key meanwhile
+    params = ",".join(f".param .{k} k_param_{i}" for i, k in enumerate(_abi.ptx_types(a)))
+    return f".visible .entry k({params})"
+
+_compile.ptx = ptx
+_compile.link = lambda text, cc: (b"\\x7fELF-cubin", "")
+while not os.path.exists(go):
+    time.sleep(0.005)
+assert _kernel_cache.compiled(_segments.heads_kernel, argtypes, (9, 0)) == (b"\\x7fELF-cubin", "k")
+print(_kernel_cache.STATS["compiled"], _kernel_cache.STATS["disk"])
+"""
+
+
+def test_processes_asking_for_one_kernel_at_once_compile_it_once(tmp_path):
+    """Three processes ask for the same key at the same moment: one compiles, the others
+    wait on its lock file and load its cubin."""
+    import os
+    import subprocess
+    import sys
+
+    from mpirun import ROOT
+
+    log, go = tmp_path / "compiles.log", tmp_path / "go"
+    env = dict(os.environ, HBK_CUDA_CACHE_DIR=str(tmp_path / "kernels"), PYTHONPATH=str(ROOT),
+               NUMBA_ENABLE_CUDASIM="1")
+    procs = [subprocess.Popen([sys.executable, "-c", LOCK_SCRIPT, str(log), str(go)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(3)]
+    import time
+
+    time.sleep(3.0)  # every process imported and waits for the start
+    go.touch()
+    results = [p.communicate(timeout=120) for p in procs]
+    for p, (out, err) in zip(procs, results):
+        assert p.returncode == 0, err[-3000:]
+    stats = sorted(tuple(int(n) for n in out.split()) for out, _ in results)
+    assert stats == [(0, 1), (0, 1), (1, 0)], stats
+    assert len(log.read_text().split()) == 1
+    assert len(list((tmp_path / "kernels").glob("*.cubin"))) == 1
+
+
+def test_keys_change_with_the_code_a_kernel_compiles_in_only(tmp_path, monkeypatch):
+    """A kernel's key hashes its module and the hbkernels modules it imports, directly or
+    not: an edit to one of those compiles it afresh; an edit elsewhere keeps its cubin."""
+    import shutil
+
+    import hbkernels
+
+    package = tmp_path / "hbkernels"
+    shutil.copytree(Path(hbkernels.__file__).parent, package,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(_kernel_cache, "_PACKAGE", package)
+
+    def hashes():
+        _kernel_cache.source_hash.cache_clear()
+        _kernel_cache._imported.cache_clear()
+        return {m: _kernel_cache.source_hash(m) for m in
+                ("hbkernels.cuda._segments", "hbkernels.cuda.embedding_bag")}
+
+    try:
+        before = hashes()
+        assert before["hbkernels.cuda._segments"] != before["hbkernels.cuda.embedding_bag"]
+        for elsewhere in ("train.py", "sharding/collection.py", "cli/train.py"):
+            with open(package / elsewhere, "a") as f:
+                f.write("\n# an edit no kernel compiles in\n")
+        assert hashes() == before
+        with open(package / "cuda" / "_launch.py", "a") as f:  # imported by both
+            f.write("\n# an edit to the kernels' helpers\n")
+        after = hashes()
+        assert all(after[m] != before[m] for m in before)
+        with open(package / "cuda" / "embedding_bag.py", "a") as f:
+            f.write("\n# an edit to one kernel's module\n")
+        last = hashes()
+        assert last["hbkernels.cuda._segments"] == after["hbkernels.cuda._segments"]
+        assert last["hbkernels.cuda.embedding_bag"] != after["hbkernels.cuda.embedding_bag"]
+    finally:
+        _kernel_cache.source_hash.cache_clear()
+        _kernel_cache._imported.cache_clear()

@@ -205,6 +205,7 @@ def test_quantized_across_world_sizes(tmp_path):
         assert_ok(rc, out, range(n))
 
 
+@pytest.mark.cuda
 def test_a_quantized_collection_on_the_cuda_path_gives_the_cpu_results():
     """device="cuda" (Numba's simulator in CI): the same tables and forward as on the
     CPU, the quantized tables held on the device."""

@@ -18,6 +18,11 @@ OP = "host_per_call"
 B, D, E = 256, 16, 1000
 
 
+def sizes(ctx):
+    """``(B, D, E)``: :data:`B`, :data:`D`, :data:`E`, or tiny ones in the CUDA simulator."""
+    return (4, 4, 64) if ctx.simulated else (B, D, E)
+
+
 def counters(ctx):
     """``() -> (launches, syncs)`` so far, on a GPU; None on the CPU."""
     if not ctx.is_cuda:
@@ -50,10 +55,11 @@ def per_call(ctx, call, calls, loops):
 
 def cases(ctx):
     xp, torch = ctx.xp, ctx.torch
-    table = ctx.random_table(E, D, "float32")
-    ids = ctx.zipf_ids(B, E, 1.05)
-    offsets = xp.arange(B + 1, dtype=xp.int64)
-    grad = xp.ones((B, D), dtype=xp.float32)
+    b, d, e = sizes(ctx)
+    table = ctx.random_table(e, d, "float32")
+    ids = ctx.zipf_ids(b, e, 1.05)
+    offsets = xp.arange(b + 1, dtype=xp.int64)
+    grad = xp.ones((b, d), dtype=xp.float32)
     opt = hbk.optim.RowWiseAdagrad(lr=0.01)
     skip = hbk.optim.RowWiseAdagrad(lr=0.01, nonfinite="skip")
     state, state_skip = opt.init_state(table), skip.init_state(table)
@@ -66,7 +72,7 @@ def cases(ctx):
         ("fused_step", HBK + "-unchecked", lambda: skip.fused_step(
             table, state_skip, grad, ids, offsets, bounds="unchecked")),
         ("embedding_bag_backward", HBK,
-         lambda: hbk.embedding_bag_backward(grad, ids, offsets, num_rows=E)),
+         lambda: hbk.embedding_bag_backward(grad, ids, offsets, num_rows=e)),
     ]
     if torch is not None:
         t = ctx.as_torch({"w": table, "ids": ids, "offsets": offsets[:-1]})
@@ -77,12 +83,13 @@ def cases(ctx):
 
 
 def run(ctx):
-    calls, loops = (5, 2) if ctx.smoke else (200, 7)
+    calls, loops = (1, 1) if ctx.simulated else (5, 2) if ctx.smoke else (200, 7)
+    b, d, e = sizes(ctx)
     for op, provider, call in cases(ctx):
         timing, (launches, syncs) = per_call(ctx, call, calls, loops)
         if launches is not None:
             ctx.note(f"{provider} {op}: {launches} kernel launches, {syncs} host syncs per call")
-        ctx.record(OP, provider, op, f"B={B} L=1 D={D} E={E}", "float32", timing, 0,
+        ctx.record(OP, provider, op, f"B={b} L=1 D={d} E={e}", "float32", timing, 0,
                    reference=("torch",))
 
 

@@ -24,6 +24,8 @@ TBE = "fbgemm-intn-tbe"
 
 
 def configs(ctx):
+    if ctx.simulated:
+        return [dict(E=64, D=3, B=2, L=2, alpha=1.1, bits=(8, 4))]
     if ctx.smoke:
         return [dict(E=1000, D=8, B=64, L=4, alpha=1.1, bits=(8, 4))]
     if ctx.is_cuda:

@@ -57,6 +57,8 @@ UNFUSED = HBK + "-unfused"
 
 
 def sizes(ctx):
+    if ctx.simulated:
+        return dict(E=64, B=2, dims=(3,), lengths=(2,), alpha=1.1, table_rows=8, wide=3)
     if ctx.smoke:
         return dict(E=1000, B=64, dims=(1, 8), lengths=(1, 4), alpha=1.1, table_rows=100, wide=8)
     if ctx.is_cuda:
@@ -146,7 +148,7 @@ def tables_cases(ctx, s):
 def array_step(ctx, B, L):
     """NumPy/CuPy: dedup, scatter-add the bag gradients per distinct id, row-wise Adagrad."""
     xp = ctx.xp
-    add_at = __import__("cupyx").scatter_add if ctx.is_cuda else np.add.at
+    add_at = ctx.add_at
 
     def prepare(a):
         w = a["w"].copy()

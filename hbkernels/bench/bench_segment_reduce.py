@@ -80,7 +80,7 @@ def run(ctx):
         for mode in MODES:
             providers = [
                 Provider(HBK, lambda a, m=mode: hbk.segment_reduce(a["data"], a["offsets"], combiner=m)),
-                Provider(ctx.xp_name, scatter_peer(mode) if ctx.is_cuda
+                Provider(ctx.xp_name, scatter_peer(mode) if ctx.on_gpu
                          else lambda a, m=mode: reduceat(a["data"], a["offsets"], m)),
                 torch and Provider("torch", lambda a, m=mode: torch.segment_reduce(
                     a["data"], m, offsets=a["offsets"], axis=0, initial=0.0), prepare=ctx.as_torch),

@@ -19,6 +19,8 @@ OP = "unique"
 
 
 def configs(ctx):
+    if ctx.simulated:
+        return [dict(N=16, E=64, alpha=1.1)]
     if ctx.smoke:
         return [dict(N=4096, E=1000, alpha=1.1)]
     if ctx.is_cuda:

@@ -30,8 +30,9 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from hbkernels._machine import cpu_name, simulator_enabled
+from hbkernels._simulator import xp as simulated_cupy
 from hbkernels._validate import is_bfloat16
-from hbkernels._machine import cpu_name
 from hbkernels.memory import aligned_empty
 
 from .options import add_run_arguments
@@ -100,12 +101,14 @@ def random_table(num_rows, dim, dtype, *, seed=0, xp=np, line_offset=0):
     tensors and hbkernels' tables (:func:`hbkernels.aligned_empty`), 16 as a plain
     large NumPy array."""
     dtype = float_dtype(dtype) if isinstance(dtype, str) else np.dtype(dtype)
-    if xp is np:
+    if xp is np or xp is simulated_cupy:
         table = np.random.default_rng(seed).random((num_rows, dim), dtype=np.float32)
     else:
         table = xp.random.RandomState(seed).random_sample((num_rows, dim), dtype=xp.float32)
     table *= 2
     table -= 1
+    if xp is simulated_cupy:
+        return xp.asarray(table, dtype)
     if xp is not np:
         return table if np.dtype(dtype) == np.float32 else table.astype(dtype)
     placed = placed_empty((num_rows, dim), dtype, line_offset)
@@ -259,7 +262,15 @@ class Context:
         self.is_cuda = device == "cuda"
         self.smoke = smoke
         self.seed = seed
-        if self.is_cuda:
+        self.on_gpu = self.is_cuda and not simulator_enabled()
+        self.simulated = self.is_cuda and not self.on_gpu  # a rehearsal: tiny sizes, one rep
+        if self.simulated:
+            if not smoke:
+                raise SystemExit("--device cuda: NUMBA_ENABLE_CUDASIM=1 runs the kernels in "
+                                 "Numba's simulator, which is no GPU to time; there only --smoke "
+                                 "runs (a rehearsal of the run, its times mean nothing)")
+            self.xp, self.xp_name, self.device_name = simulated_cupy, "numpy", "CUDA simulator"
+        elif self.is_cuda:
             problem = cuda_problem()
             if problem:
                 raise SystemExit(problem)
@@ -272,7 +283,9 @@ class Context:
         self.out = Path(out) if out else RESULTS_DIR / f"{slug(self.device_name)}.csv"
         self.only = {s.strip() for s in providers.split(",") if s.strip()} if providers else None
         # timing policy: warm-up calls, then repetitions filling about budget_s
-        if smoke:
+        if self.simulated:
+            self.warmup, self.budget_s, self.min_reps, self.max_reps = 1, 0.0, 1, 1
+        elif smoke:
             self.warmup, self.budget_s, self.min_reps, self.max_reps = 1, 0.0, 2, 2
         elif self.is_cuda:
             self.warmup, self.budget_s, self.min_reps, self.max_reps = 5, 0.5, 10, 200
@@ -354,30 +367,36 @@ class Context:
             self.note(f"jax has no {self.device} backend here: jax peers are skipped")
             return None, None
 
+    @property
+    def add_at(self):
+        """``f(out, indices, values)`` adding ``values`` into ``out`` at ``indices``, repeats
+        summed: ``cupyx.scatter_add`` on a GPU, ``np.add.at`` elsewhere."""
+        return optional_module("cupyx").scatter_add if self.on_gpu else np.add.at
+
     def selected(self, name):
         return self.only is None or name in self.only
 
     # -- memory -----------------------------------------------------------------
     def sync(self):
-        if self.is_cuda:
+        if self.on_gpu:
             self.xp.cuda.runtime.deviceSynchronize()
 
     def release(self):
         """Give cached device memory back between cases (CuPy pool, torch cache)."""
-        if self.is_cuda:
+        if self.on_gpu:
             self.sync()
             self.xp.get_default_memory_pool().free_all_blocks()
             if self._torch not in (_UNSET, None):
                 self._torch.cuda.empty_cache()
 
     def cache_bytes(self):
-        if self.is_cuda:
+        if self.on_gpu:
             props = self.xp.cuda.runtime.getDeviceProperties(self.xp.cuda.Device().id)
             return int(props.get("l2CacheSize", 50 * MiB))
         return _cpu_cache_bytes()
 
     def free_bytes(self):
-        if self.is_cuda:
+        if self.on_gpu:
             return int(self.xp.cuda.runtime.memGetInfo()[0])
         return _cpu_free_bytes()
 
@@ -419,7 +438,7 @@ class Context:
             reps.append(self.reps or int(np.clip(self.budget_s / max(min(warm), 1e-6),
                                                  self.min_reps, self.max_reps)))
         start = self.warmup  # go on rotating: the first timed copy is not the last warm one
-        if self.is_cuda:
+        if self.on_gpu:
             return [Timing.of(self._ms_on_stream(call, start, n) if case[2] is None
                               else [self._ms_wall(call, start + i) for i in range(n)])
                     for call, case, n in zip(calls, cases, reps)]
@@ -537,14 +556,14 @@ class Context:
         xp = self.xp
         src = xp.ones(nbytes, dtype=xp.uint8)
         dst = xp.empty_like(src)
-        if self.is_cuda:
+        if self.on_gpu:
             def run(a):
                 a["dst"].data.copy_from_device_async(a["src"].data, nbytes)
         else:
             def run(a):
                 np.copyto(a["dst"], a["src"])
         timing = self.measure(run, [{"src": src, "dst": dst}])
-        self.record("copy", self.xp_name, "d2d" if self.is_cuda else "memcpy",
+        self.record("copy", self.xp_name, "d2d" if self.on_gpu else "memcpy",
                     f"bytes={nbytes}", "uint8", timing, 2 * nbytes)
         self.copy_gbps = 2 * nbytes / (timing.median_ms * 1e6)
         del src, dst

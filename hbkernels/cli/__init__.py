@@ -1,6 +1,7 @@
 """The ``hbkernels`` command line (also ``python -m hbkernels``)::
 
     hbkernels info                                   # versions, devices, backends
+    hbkernels check                                  # the CUDA path works here: compile, run, errors
     hbkernels bench --device cpu --out DIR           # op benchmarks vs peers: table, CSV, JSON, PNG
     hbkernels train --steps 200                      # DLRM-style CTR model on synthetic data
     mpiexec -n 2 hbkernels train --steps 200         # the same on 2 ranks
@@ -9,7 +10,7 @@
     hbkernels quantize CKPT --bits 4 --out DIR       # a checkpoint's tables quantized for serving
     hbkernels compact CKPT --out DIR                 # a chain of incremental saves as one full save
 
-Each subcommand lives in its own module (``info.py``, ``bench.py``,
+Each subcommand lives in its own module (``info.py``, ``check.py``, ``bench.py``,
 ``train.py``, ``warmup.py``, ``quantize.py``, ``compact.py``) with ``add_command(subparsers)``, which sets ``run(args) -> int``
 as the parser's default. Errors a user can cause (a missing file, a bad column,
 an unknown plan, no GPU for ``--device cuda``, a missing optional dependency)
@@ -26,7 +27,7 @@ from ._errors import USER_ERRORS, ArgumentParser, CLIError, error_line  # noqa: 
 
 
 def build_parser():
-    from . import bench, compact, info, quantize, train, warmup
+    from . import bench, check, compact, info, quantize, train, warmup
     from ..data.__main__ import add_commands as add_data_commands
 
     parser = ArgumentParser(
@@ -34,6 +35,7 @@ def build_parser():
         description="Embedding kernels for recommender systems: info, benchmarks, training.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="command")
     info.add_command(commands)
+    check.add_command(commands)
     bench.add_command(commands)
     train.add_command(commands)
     warmup.add_command(commands)

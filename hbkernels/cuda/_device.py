@@ -14,6 +14,10 @@
   stream, so it is a host synchronisation; :data:`HOST_SYNCS` counts them (the
   tests hold each op to its documented number per ``bounds`` mode). Having waited,
   it reads the checks ops left pending (:mod:`._pending`) and raises their first error.
+* :func:`synchronize`: ``hbk.synchronize()`` on the GPU: once hbkernels has queued work
+  (:data:`QUEUED`: set by :func:`xp`, which every allocation and library call goes
+  through, and by every kernel launch), a wait for the whole device, then the same
+  reads as :func:`to_host`.
 
 On a GPU, CuPy is required (``pip install "hbkernels[cuda12]"`` or ``[cuda13]``);
 Numba device arrays are still accepted and returned, viewed by CuPy without a copy.
@@ -26,10 +30,12 @@ from .._machine import cupy as _cupy, simulator_enabled
 
 HOST_SYNCS = [0]  # host synchronisations by to_host since import
 AFTER_WAIT = []  # functions to_host calls after its read (registered by ._pending)
+QUEUED = [False]  # whether hbkernels has queued device work (or allocated) since import
 
 
 def xp():
     """CuPy on a GPU, NumPy under the simulator."""
+    QUEUED[0] = True
     return np if simulator_enabled() else _cupy()
 
 
@@ -96,6 +102,17 @@ def read(a, count=True):
     if simulator_enabled():
         return np.array(array(a))
     return _cupy().asnumpy(array(a))
+
+
+def synchronize():
+    """Wait for every stream of the current device when hbkernels has queued work
+    (one host synchronisation), then the functions of :data:`AFTER_WAIT`."""
+    if not QUEUED[0]:
+        return
+    wait()
+    HOST_SYNCS[0] += 1
+    for after in AFTER_WAIT:
+        after()
 
 
 def to_host(a):

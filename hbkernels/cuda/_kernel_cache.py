@@ -6,21 +6,30 @@ types and a compute capability, from the cache when it is there, else compiled
 A kernel is named by how it was built (``built_by``: its factory and the factory's
 arguments, see :func:`._launch.kernel_factory`; a module-level kernel by its module
 and name). The file's key hashes that name with the argument types, the compute
-capability, the versions of Numba and numba-cuda, and the source of the hbkernels
-package, so a change to any of them compiles afresh.
+capability, the versions of Numba and numba-cuda, and the source of the kernel's
+module and of every hbkernels module it imports, directly or through others
+(:func:`source_hash`): a change to any of them compiles afresh, and a change
+elsewhere in the package keeps the compiled kernels.
 
 Where: ``HBK_CUDA_CACHE_DIR`` (``off`` for no disk cache), else
 ``$NUMBA_CACHE_DIR/hbkernels-cuda``, else ``~/.cache/hbkernels/cuda`` (``$XDG_CACHE_HOME``
 respected), else a private ``hbkernels-cuda-<uid>`` under the temporary directory;
 where none is writable, kernels compile in every process. Files are written
-atomically; an unreadable one is compiled again and replaced.
+atomically; an unreadable one is compiled again and replaced. Processes that need the
+same kernel at once compile it once: each takes the key's lock file
+(``<key>.lock``) and looks on the disk again before compiling.
+
+Before a kernel is linked, the parameters of its PTX entry are held to the ones the
+launcher packs for its argument types (:func:`._compile.check_entry`).
 """
+import ast
 import functools
 import hashlib
 import os
+import sys
 from pathlib import Path
 
-from .._files import write_atomic
+from .._files import locked, write_atomic
 from .._numba_cache import private_temp_dir
 
 STATS = {"memory": 0, "disk": 0, "compiled": 0}  # where each compiled() answer came from
@@ -28,13 +37,62 @@ _MAGIC = b"hbkernels-cubin-1\n"
 _MEMORY = {}
 
 
+_PACKAGE = Path(__file__).resolve().parent.parent  # the hbkernels package's directory
+
+
+def _module_path(name):
+    """The source file of module ``name``: in hbkernels by its name, else where the
+    imported module says; None where there is none."""
+    parts = name.split(".")
+    if parts[0] == _PACKAGE.name:
+        base = _PACKAGE.joinpath(*parts[1:])
+        for path in (base.with_suffix(".py"), base / "__init__.py"):
+            if path.is_file():
+                return path
+        return None
+    found = getattr(sys.modules.get(name), "__file__", None)
+    return Path(found) if found else None
+
+
 @functools.lru_cache(maxsize=None)
-def source_hash():
-    """SHA-256 of every ``.py`` file of the installed hbkernels package (names and bytes)."""
-    root = Path(__file__).resolve().parent.parent
-    digest = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+def _imported(name):
+    """The hbkernels modules that module ``name`` imports, anywhere in it."""
+    path = _module_path(name)
+    if path is None:
+        return frozenset()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_bytes(), str(path))):
+        if isinstance(node, ast.Import):
+            sources = [(a.name, None) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[:len(package.split(".")) - node.level + 1] if node.level else []
+            source = ".".join(base + ([node.module] if node.module else []))
+            sources = [(source, a.name) for a in node.names]
+        else:
+            continue
+        for source, member in sources:
+            if source.split(".")[0] != _PACKAGE.name:
+                continue
+            sub = f"{source}.{member}" if member else None
+            out.add(sub if sub and _module_path(sub) else source)
+    return frozenset(out)
+
+
+@functools.lru_cache(maxsize=None)
+def source_hash(module):
+    """SHA-256 of the source of ``module`` (a dotted name) and of every hbkernels module
+    it imports, directly or through others: all the code a kernel of ``module`` can
+    compile in (names and bytes)."""
+    digest, seen, todo = hashlib.sha256(), set(), [module]
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo += sorted(_imported(name) - seen)
+    for name in sorted(seen):
+        path = _module_path(name)
+        digest.update(name.encode() + b"\0" + (path.read_bytes() if path else b"") + b"\0")
     return digest.hexdigest()
 
 
@@ -75,7 +133,8 @@ def key(kernel, argtypes, cc):
     import numba
     import numba_cuda
 
-    material = repr((source_hash(), identity(kernel), tuple(str(t) for t in argtypes),
+    name = identity(kernel)
+    material = repr((source_hash(name[0]), name, tuple(str(t) for t in argtypes),
                      tuple(cc), numba.__version__, getattr(numba_cuda, "__version__", "")))
     return hashlib.sha256(material.encode()).hexdigest()
 
@@ -99,25 +158,41 @@ def save(path, cubin, name):
 def compiled(kernel, argtypes, cc, fresh=False):
     """``(cubin, entry name)`` of ``kernel`` for ``argtypes`` (Numba types) on ``cc``;
     ``fresh``: compile it even when cached (replacing a file the driver refused)."""
-    from . import _compile
-
     k = key(kernel, argtypes, cc)
     if k in _MEMORY and not fresh:
         STATS["memory"] += 1
         return _MEMORY[k]
     where = directory()
-    path = os.path.join(where, k + ".cubin") if where else None
-    found = load(path) if path and not fresh else None
+    if where is None:
+        found = _compile_and_save(kernel, argtypes, cc, None)
+    else:
+        path = os.path.join(where, k + ".cubin")
+        found = _from_disk(path, fresh)
+        if found is None:
+            with locked(os.path.join(where, k + ".lock")):  # a peer compiling it: wait for its file
+                found = _from_disk(path, fresh) or _compile_and_save(kernel, argtypes, cc, path)
+    _MEMORY[k] = found
+    return found
+
+
+def _from_disk(path, fresh):
+    found = None if fresh else load(path)
     if found is not None:
         STATS["disk"] += 1
-    else:
-        ptx = _compile.ptx(kernel, argtypes, cc)
-        found = (_compile.link(ptx, cc)[0], _compile.entry_name(ptx))
-        STATS["compiled"] += 1
-        if path:
-            try:
-                save(path, *found)
-            except OSError:
-                pass  # a full or read-only disk: the kernel still runs
-    _MEMORY[k] = found
+    return found
+
+
+def _compile_and_save(kernel, argtypes, cc, path):
+    from . import _compile
+
+    ptx = _compile.ptx(kernel, argtypes, cc)
+    name = _compile.entry_name(ptx)
+    _compile.check_entry(ptx, argtypes, ".".join(map(str, identity(kernel)[:2])))
+    found = (_compile.link(ptx, cc)[0], name)
+    STATS["compiled"] += 1
+    if path:
+        try:
+            save(path, *found)
+        except OSError:
+            pass  # a full or read-only disk: the kernel still runs
     return found

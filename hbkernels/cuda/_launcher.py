@@ -11,8 +11,8 @@ On a GPU a kernel is compiled once per signature and device, to a cubin
 (:mod:`._kernel_cache`: memory, then disk, else :mod:`._compile`), loaded
 through CuPy's driver module; a launch then packs its arguments in Numba's
 kernel ABI (an array is ``meminfo, parent, nitems, itemsize, data, shape...,
-strides...``; each parameter in an 8-byte slot of one per-thread buffer, one
-``struct.pack_into``) and calls ``cuLaunchKernel``: no ``DeviceNDArray``, no type
+strides...``, :mod:`._abi`; each parameter in an 8-byte slot of one per-thread
+buffer, one ``struct.pack_into``) and calls ``cuLaunchKernel``: no ``DeviceNDArray``, no type
 dispatch. Under the simulator the kernel's dispatcher runs it as Python.
 
 :data:`LAUNCHES` counts launches; :data:`RECORDER` (when set) sees each launch's kernel
@@ -27,17 +27,13 @@ from numba import from_dtype, types
 
 from .._machine import cupy, simulator_enabled
 from .._validate import is_bfloat16
+from . import _device
+from ._abi import parameters
 
 LAUNCHES = [0]  # kernel launches since import
 RECORDER = [None]  # None or f(kernel, argtypes, threads), called at every launch
 
 _SCALARS = {bool: types.boolean, int: types.int64, float: types.float64}
-# struct code and PTX parameter type of each scalar Numba type
-_CODES = {types.int64: ("q", "u64"), types.uint64: ("Q", "u64"), types.int32: ("i", "u32"),
-          types.uint32: ("I", "u32"), types.int16: ("h", "u16"), types.uint16: ("H", "u16"),
-          types.int8: ("b", "u8"), types.uint8: ("B", "u8"), types.boolean: ("?", "u8"),
-          types.float16: ("e", "u16"), types.float32: ("f", "f32"), types.float64: ("d", "f64")}
-_ARRAY_HEAD = (("Q", "u64"), ("Q", "u64"), ("q", "u64"), ("q", "u64"), ("Q", "u64"))
 _SLOT = 8  # bytes per parameter in the argument buffer
 _SIMULATOR = simulator_enabled()
 _PAD = {1: "7x", 2: "6x", 4: "4x", 8: ""}
@@ -57,20 +53,6 @@ def numba_type(kind):
     if kind in _SCALARS:
         return _SCALARS[kind]
     return from_dtype(np.dtype(kind))
-
-
-def parameters(argtypes):
-    """``[(struct code, PTX type), ...]``: the kernel parameters of ``argtypes`` in Numba's
-    ABI (an array flattened to ``5 + 2·ndim`` of them)."""
-    out = []
-    for ty in argtypes:
-        if isinstance(ty, types.Array):
-            out += _ARRAY_HEAD + (("q", "u64"),) * (2 * ty.ndim)
-        elif ty in _CODES:
-            out.append(_CODES[ty])
-        else:
-            raise TypeError(f"no launch ABI for a kernel argument of type {ty}")
-    return out
 
 
 def packer(argtypes):
@@ -245,6 +227,7 @@ def launch(kernel, blocks, threads, *args):
     """Launch ``kernel`` (a ``cuda.jit`` kernel) on ``blocks`` x ``threads`` (1-D) threads
     with ``args`` on the current stream; returns at once (nothing is waited for)."""
     LAUNCHES[0] += 1
+    _device.QUEUED[0] = True
     if _SIMULATOR:
         _simulate(kernel, blocks, threads, args)
         return

@@ -13,8 +13,8 @@ then), in any thread.
 :func:`flush` reads every noted slot in one copy, resets them, and raises the first
 error found; the others found by the same read follow, one per later flush, so each
 is raised exactly once and none is lost. A flush happens where hbkernels waits for
-the device anyway: ``hbk.synchronize()``, any read-back of an op
-(:func:`._device.to_host`), a CUDA family's ``sync`` and ``to_numpy``; and before a
+the device anyway: ``hbk.synchronize()`` (:func:`._device.synchronize`), any read-back
+of an op (:func:`._device.to_host`), a CUDA family's ``sync`` and ``to_numpy``; and before a
 call whose slots would not fit (:data:`CAPACITY` slots, :data:`MAX_PENDING` calls,
 or more than :data:`MAX_HELD_BYTES` of input arrays kept for the messages), which is
 then the one call that waits.
@@ -96,14 +96,6 @@ def _slots(count, op, report, holds):
         ledger.held += held
         ledger.calls.append((op, first, count, report, _stream()))
         return ledger.array[first:first + count]
-
-
-def synchronize():
-    """Wait for the current device (every stream), then :func:`flush`: one host
-    synchronisation."""
-    _device.wait()
-    _device.HOST_SYNCS[0] += 1
-    flush()
 
 
 def check_now():
