@@ -6,9 +6,10 @@
 #     bash bench/gpu-check.sh [--quick | --simulate] [--kernels TGZ] [OUT]
 #
 #   (no option)  every stage, 420 s at most: env, preflight, tests (every test the cuda or gpu
-#                marker selects, the benchmarks' kernels compiled beside them), host, roofline,
-#                quantized, train, second
-#   --quick      preflight, host, roofline, train, second: 180 s at most, for a rerun after a fix
+#                marker selects, the benchmarks' kernels compiled beside them), null, host,
+#                roofline, quantized, train, second
+#   --quick      preflight, null, host, roofline, train, second: 180 s at most, for a rerun
+#                after a fix
 #   --simulate   every stage in Numba's CUDA simulator at tiny sizes, the tests stage on a few
 #                files: a rehearsal on a machine without a GPU, in about 2 minutes
 #   --kernels TGZ   the kernel-cache.tgz of an earlier run, unpacked into the kernel cache first:
@@ -215,7 +216,7 @@ if [ "$MODE" != quick ]; then
     if [ "$WORKERS" -gt 1 ] && "$PY" -c "import xdist" 2>/dev/null; then ARGS+=(-n "$WORKERS"); fi
     if "$PY" -c "import pytest_timeout" 2>/dev/null; then ARGS+=(--timeout 60); fi
     THREADS=$("$PY" -c "import os; print(max(1, (os.cpu_count() or 1) // $WORKERS))")
-    TESTS_LIMIT=$(limit_of tests 185)
+    TESTS_LIMIT=$(limit_of tests 170)
     stage warmup "$TESTS_LIMIT" "$PY" -m hbkernels "${WARM[@]}" &  # bounded by the same limit
     WARM_PID=$!
     HBK_TEST_REPORT_DIR="$WORK/tests" OMP_NUM_THREADS=$THREADS NUMBA_NUM_THREADS=$THREADS \
@@ -228,9 +229,14 @@ fi
 # -- benchmarks, the main job ---------------------------------------------------------------
 SMOKE=()
 [ "$MODE" = simulate ] && SMOKE=(--smoke)
-stage host 15 "$PY" -m hbkernels.bench.bench_launch --device cuda "${SMOKE[@]}" --out "$WORK/host.csv"
+NUMBA_ENABLE_CUDASIM=0 stage null 30 "$PY" -m hbkernels.bench.bench_launch --device null \
+  "${SMOKE[@]}" --out "$WORK/null.csv"  # the host's cost of each call with no kernel run
+NULL=()
+[ -s "$WORK/null.csv" ] && NULL=(--null "$WORK/null.csv")
+stage host 15 "$PY" -m hbkernels.bench.bench_launch --device cuda "${SMOKE[@]}" \
+  --out "$WORK/host.csv" "${NULL[@]}"
 collect
-stage roofline 55 "$PY" -m hbkernels.bench.bench_roofline --device cuda "${SMOKE[@]}" \
+stage roofline 50 "$PY" -m hbkernels.bench.bench_roofline --device cuda "${SMOKE[@]}" \
   --out "$WORK/roofline.csv"
 collect
 if [ "$MODE" != quick ]; then

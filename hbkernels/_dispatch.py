@@ -225,28 +225,45 @@ def device_family(device):
     if device == "cpu":
         return NUMPY
     if simulator_enabled():
-        return CudaFamily("simulated", 0)
-    return CudaFamily("cupy", int(cupy().cuda.Device().id))
+        return cuda_family("simulated", 0)
+    return cuda_family("cupy", int(cupy().cuda.Device().id))
+
+
+_FAMILIES = {}  # (library, device id) -> its CudaFamily, one object each
+_CUPY_TYPES = set()  # the array types found to be CuPy's
+
+
+def cuda_family(name, device_id):
+    """The :class:`CudaFamily` of library ``name`` on device ``device_id`` (one object
+    for each pair, so that families compare by identity first)."""
+    family = _FAMILIES.get((name, device_id))
+    if family is None:
+        family = _FAMILIES[(name, device_id)] = CudaFamily(name, device_id)
+    return family
 
 
 def classify(x):
     """(family, array to use) for one argument, or raise TypeError."""
-    if type(x) is _simulator.SimArray:
-        return CudaFamily("simulated", 0), x
+    t = type(x)
+    if t in _CUPY_TYPES:
+        return cuda_family("cupy", x.device.id), x
+    if t is _simulator.SimArray:
+        return cuda_family("simulated", 0), x
     if isinstance(x, np.ndarray):
         return NUMPY, x
     if isinstance(x, np.generic):  # a NumPy scalar: a 0-d array
         return NUMPY, np.asarray(x)
-    mod = type(x).__module__ or ""
+    mod = t.__module__ or ""
     if mod.startswith("cupy"):
-        return CudaFamily("cupy", int(x.device.id)), x
+        _CUPY_TYPES.add(t)
+        return cuda_family("cupy", int(x.device.id)), x
     if mod.startswith("numba.cuda") or mod.startswith("numba_cuda"):
-        return CudaFamily("numba", _numba_device_id()), x
+        return cuda_family("numba", _numba_device_id()), x
     if hasattr(x, "__cuda_array_interface__"):
         if has_cupy():
             arr = cupy().asarray(x)
-            return CudaFamily("cupy", int(arr.device.id)), arr
-        return CudaFamily("numba", _numba_device_id()), numba_cuda().as_cuda_array(x)
+            return cuda_family("cupy", int(arr.device.id)), arr
+        return cuda_family("numba", _numba_device_id()), numba_cuda().as_cuda_array(x)
     if hasattr(x, "__dlpack_device__") and hasattr(x, "__dlpack__"):
         dev_type, dev_id = x.__dlpack_device__()
         if int(dev_type) in _DLPACK_CUDA_DEVICES:
@@ -255,7 +272,7 @@ def classify(x):
                     f"{type(x).__name__} is a CUDA array reachable only through DLPack; "
                     "install CuPy (pip install 'hbkernels[cuda12]' or '[cuda13]')"
                 )
-            return CudaFamily("cupy", int(dev_id)), cupy().from_dlpack(x)
+            return cuda_family("cupy", int(dev_id)), cupy().from_dlpack(x)
     if type(x).__name__ == "QuantizedTable":  # hbkernels.quantize's, not an array
         raise TypeError("a QuantizedTable is for inference: only embedding_bag and lookup take "
                         "one; backward ops and optimizers need a float table (q.dequantize())")
@@ -312,7 +329,7 @@ def resolve(optional=(), inplace=(), row_tables=(), **arrays):
         fam, arr = classify(x)
         if family is None:
             family, first = fam, name
-        elif fam != family:
+        elif fam is not family and fam != family:
             raise TypeError(
                 f"{name} is a {_describe(fam)} array but {first} is a "
                 f"{_describe(family)} array; move them to one device and library first"
@@ -360,6 +377,8 @@ def c_order(xp, a, dtype=None):
 
 
 def _needs_copy(a):
+    if type(a) in _CUPY_TYPES:  # CuPy arrays are in native byte order
+        return not a.flags.c_contiguous
     flags = getattr(a, "flags", None)
     if flags is None:
         contiguous = True

@@ -31,14 +31,21 @@ def has_cupy():
     return importlib.util.find_spec("cupy") is not None
 
 
+_CUPY = []  # the cupy module, once imported
+
+
 def cupy():
     """The ``cupy`` module; :class:`~hbkernels.errors.MissingDependencyError` naming the
     extras that install it when it is missing."""
+    if _CUPY:
+        return _CUPY[0]
     try:
-        return importlib.import_module("cupy")
+        module = importlib.import_module("cupy")
     except ImportError as error:
         raise MissingDependencyError("CUDA arrays reach the hbkernels CUDA kernels through CuPy: "
                                      "pip install 'hbkernels[cuda12]' or 'hbkernels[cuda13]'") from error
+    _CUPY.append(module)
+    return module
 
 
 def numba_cuda():

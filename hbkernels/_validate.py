@@ -6,8 +6,8 @@ import numpy as np
 from ._modes import Bounds, Combiner, codes
 from .errors import BoundsError
 
-ID_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
-TABLE_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+ID_DTYPES = frozenset((np.dtype(np.int32), np.dtype(np.int64)))
+TABLE_DTYPES = frozenset((np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)))
 FLOAT_NAMES = "float16, bfloat16, float32 or float64"
 COMBINERS = codes(Combiner)
 BOUNDS = codes(Bounds)
@@ -18,7 +18,7 @@ def _dtype_name(a):
 
 
 def ids(name, a, ndim=None):
-    if np.dtype(a.dtype) not in ID_DTYPES:
+    if a.dtype not in ID_DTYPES and np.dtype(a.dtype) not in ID_DTYPES:
         raise ValueError(f"{name} must hold int32 or int64 ids, got {_dtype_name(a)}")
     if ndim is not None and a.ndim != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(a.shape)}")
@@ -38,18 +38,29 @@ def accumulator_dtype(dtype):
     return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
 
 
+_BFLOAT16 = {}  # dtype -> whether it is bfloat16, for the dtypes seen
+
+
 def is_bfloat16(dtype):
     """NumPy has no bfloat16: it comes from ml_dtypes (as JAX and TF use it), a
     2-byte dtype named ``bfloat16``; matched by name, so no import is needed."""
     try:
-        dtype = np.dtype(dtype)
+        return _BFLOAT16[dtype]
+    except (KeyError, TypeError):
+        pass
+    try:
+        found = np.dtype(dtype)
     except TypeError:
         return False
-    return dtype.itemsize == 2 and dtype.name == "bfloat16"
+    answer = found.itemsize == 2 and found.name == "bfloat16"
+    if isinstance(dtype, np.dtype):
+        _BFLOAT16[dtype] = answer
+    return answer
 
 
 def floating(name, a):
-    if np.dtype(a.dtype) not in TABLE_DTYPES and not is_bfloat16(a.dtype):
+    if a.dtype not in TABLE_DTYPES and not is_bfloat16(a.dtype) \
+            and np.dtype(a.dtype) not in TABLE_DTYPES:
         raise ValueError(f"{name} must be {FLOAT_NAMES}, got {_dtype_name(a)}")
 
 

@@ -28,19 +28,35 @@ import numpy as np
 from .. import _simulator
 from .._machine import cupy as _cupy, simulator_enabled
 
+_SIMULATOR = simulator_enabled()  # fixed for the process once numba.cuda is imported
 HOST_SYNCS = [0]  # host synchronisations by to_host since import
 AFTER_WAIT = []  # functions to_host calls after its read (registered by ._pending)
 QUEUED = [False]  # whether hbkernels has queued device work (or allocated) since import
 
 
+def device_id():
+    """The current device's id (0 under the simulator)."""
+    return 0 if _SIMULATOR else int(_cupy().cuda.runtime.getDevice())
+
+
 def xp():
     """CuPy on a GPU, NumPy under the simulator."""
     QUEUED[0] = True
-    return np if simulator_enabled() else _cupy()
+    return np if _SIMULATOR else _cupy()
+
+
+_EMPTY = {}  # (shape, dtype, device) -> a zero-sized array: no memory, so one serves every call
 
 
 def scratch(shape, dtype):
-    """An uninitialised temporary ``xp`` array (CuPy's pool, current stream)."""
+    """An uninitialised temporary ``xp`` array (CuPy's pool, current stream); a zero-sized
+    one is made once per shape, dtype and device."""
+    if shape == 0 or (type(shape) is tuple and 0 in shape):
+        key = (shape, dtype, device_id())
+        found = _EMPTY.get(key)
+        if found is None:
+            found = _EMPTY[key] = xp().empty(shape, dtype)
+        return found
     return xp().empty(shape, dtype)
 
 
@@ -56,7 +72,7 @@ def full(shape, value, dtype):
 
 def array(k):
     """The ``xp`` view of a Numba device array or an ``xp`` array (no copy)."""
-    if simulator_enabled():
+    if _SIMULATOR:
         return k if isinstance(k, np.ndarray) else k._ary
     return _cupy().asarray(k)
 
@@ -68,7 +84,7 @@ def to_family(family, a):
         return a
     if family.name == "simulated":
         return _simulator.device(a)
-    if simulator_enabled():
+    if _SIMULATOR:
         from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
 
         return a if not isinstance(a, np.ndarray) else FakeCUDAArray(a)
@@ -86,7 +102,7 @@ def c_contiguous(a):
 def wait(stream=None):
     """Wait for ``stream`` (a CuPy stream), or for every stream of the current device
     when None; nothing to wait for under the simulator. Not counted: callers count."""
-    if simulator_enabled():
+    if _SIMULATOR:
         return
     if stream is None:
         _cupy().cuda.Device().synchronize()
@@ -99,7 +115,7 @@ def read(a, count=True):
     before it on the current stream; ``count``: a host synchronisation of its own."""
     if count:
         HOST_SYNCS[0] += 1
-    if simulator_enabled():
+    if _SIMULATOR:
         return np.array(array(a))
     return _cupy().asnumpy(array(a))
 

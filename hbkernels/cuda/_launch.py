@@ -24,6 +24,7 @@ from ._launcher import launch
 NO_ERROR_SLOT = np.iinfo(np.int64).max
 UNROLL = 4  # columns a lane of a row group reads per pass (column_reader)
 _SIM_MAX_BLOCKS = 2
+_SIMULATOR = simulator_enabled()  # fixed for the process once numba.cuda is imported
 _MAX_BLOCKS = 65535 * 16
 WARP = 32
 
@@ -49,7 +50,7 @@ def kernel_factory(make):
 
 
 def threads_per_block(preferred=256):
-    return 32 if simulator_enabled() else preferred
+    return 32 if _SIMULATOR else preferred
 
 
 def jit_kernel(min_blocks_per_sm):
@@ -63,7 +64,7 @@ def jit_kernel(min_blocks_per_sm):
 
 def blocks_for(work_items, threads, max_blocks=_MAX_BLOCKS):
     """Blocks to cover ``work_items`` (kernels use grid-stride loops past the cap)."""
-    cap = _SIM_MAX_BLOCKS if simulator_enabled() else max_blocks
+    cap = _SIM_MAX_BLOCKS if _SIMULATOR else max_blocks
     return max(1, min(cap, (int(work_items) + threads - 1) // threads))
 
 
@@ -241,10 +242,17 @@ def error_slots(count):
     return _device.full(count, NO_ERROR_SLOT, np.int64)
 
 
+_NO_SLOTS = {}  # device id -> its zero-sized slots
+
+
 def no_error_slots():
     """Stand-in slots for a launch that records nothing (``bounds="unchecked"``):
-    zero-sized, so nothing to fill or read back."""
-    return _device.scratch(0, np.int64)
+    zero-sized, so nothing to fill or read back (one array per device)."""
+    device = _device.device_id()
+    slots = _NO_SLOTS.get(device)
+    if slots is None:
+        slots = _NO_SLOTS[device] = _device.scratch(0, np.int64)
+    return slots
 
 
 def error_positions(values):

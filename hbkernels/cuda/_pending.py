@@ -45,15 +45,15 @@ class _Ledger:
         _device.wait(_stream())  # filled before a kernel on any stream can write into it
         self.used = 0
         self.held = 0
+        self.views = {}  # (first, count) -> the slots' view of the array
         self.calls = []  # (op, first slot, count, report, stream or None)
 
 
-def _device_id():
-    return 0 if simulator_enabled() else int(cupy().cuda.runtime.getDevice())
+_SIMULATOR = simulator_enabled()  # fixed for the process once numba.cuda is imported
 
 
 def _stream():
-    return None if simulator_enabled() else cupy().cuda.get_current_stream()
+    return None if _SIMULATOR else cupy().cuda.get_current_stream()
 
 
 def checks(count, op, report, holds=(), when=True):
@@ -63,39 +63,63 @@ def checks(count, op, report, holds=(), when=True):
     none; called only when one is not -1) raises the call's error. ``holds``: the
     arrays ``report`` reads, kept alive until the flush."""
     if not when:
-        return contextlib.nullcontext()
-    return _checked(count, op, report, holds)
+        return _UNCHECKED
+    return _Checked(count, op, report, holds)
 
 
-@contextlib.contextmanager
-def _checked(count, op, report, holds):
-    with _LOCK:  # no flush (from any thread) before the block's launches are queued
-        slots = _slots(count, op, report, holds)
-        _OPEN[0] += 1
+class _Checked:
+    """The context of :func:`checks`: the lock is held from the slots' handing out to the
+    end of the block (no flush, from any thread, before the block's launches are queued)."""
+
+    __slots__ = ("count", "op", "report", "holds")
+
+    def __init__(self, count, op, report, holds):
+        self.count, self.op, self.report, self.holds = count, op, report, holds
+
+    def __enter__(self):
+        _LOCK.acquire()
         try:
-            yield slots
-        finally:
-            _OPEN[0] -= 1
+            slots = _slots(self.count, self.op, self.report, self.holds)
+        except BaseException:
+            _LOCK.release()
+            raise
+        _OPEN[0] += 1
+        return slots
+
+    def __exit__(self, *exc):
+        _OPEN[0] -= 1
+        _LOCK.release()
+        return False
+
+
+_UNCHECKED = contextlib.nullcontext()  # nothing checked: no slots
 
 
 def _slots(count, op, report, holds):
-    held = sum(int(getattr(a, "nbytes", 0)) for a in holds)
-    with _LOCK:
-        device = _device_id()
-        ledger = _LEDGERS.get(device)
-        if ledger is not None and (ledger.used + count > CAPACITY
-                                   or len(ledger.calls) >= MAX_PENDING
-                                   or (ledger.calls and ledger.held + held > MAX_HELD_BYTES)):
-            flush(wait=True)
-            if ledger.used + count > CAPACITY:  # not flushed: inside another checks block
-                raise RuntimeError(f"{op}: no error slots left for a check nested in another")
-        if ledger is None:
-            ledger = _LEDGERS[device] = _Ledger()
-        first = ledger.used
-        ledger.used += count
-        ledger.held += held
-        ledger.calls.append((op, first, count, report, _stream()))
-        return ledger.array[first:first + count]
+    """The next ``count`` slots of the current device's ledger, noting the call (the
+    caller holds :data:`_LOCK`)."""
+    held = 0
+    for a in holds:
+        if a is not None:
+            held += a.nbytes
+    device = _device.device_id()
+    ledger = _LEDGERS.get(device)
+    if ledger is not None and (ledger.used + count > CAPACITY
+                               or len(ledger.calls) >= MAX_PENDING
+                               or (ledger.calls and ledger.held + held > MAX_HELD_BYTES)):
+        flush(wait=True)
+        if ledger.used + count > CAPACITY:  # not flushed: inside another checks block
+            raise RuntimeError(f"{op}: no error slots left for a check nested in another")
+    if ledger is None:
+        ledger = _LEDGERS[device] = _Ledger()
+    first = ledger.used
+    ledger.used += count
+    ledger.held += held
+    ledger.calls.append((op, first, count, report, _stream()))
+    view = ledger.views.get((first, count))
+    if view is None:  # a slice of the ledger, made once: slicing a CUDA array costs the host
+        view = ledger.views[(first, count)] = ledger.array[first:first + count]
+    return view
 
 
 def check_now():
@@ -120,7 +144,7 @@ def flush(wait=False):
     with _LOCK:
         if _FLUSHING[0] or _OPEN[0]:
             return  # a report reading back, or a read back inside an op's checks block
-        ledger = _LEDGERS.get(_device_id())
+        ledger = _LEDGERS.get(_device.device_id())
         if ledger is not None and ledger.calls:
             _FLUSHING[0] = True
             try:

@@ -27,6 +27,9 @@ VECTOR_BYTES = 16
 
 def data_pointer(a):
     """Device address of ``a``'s first element (a simulator array: its NumPy buffer)."""
+    ptr = getattr(getattr(a, "data", None), "ptr", None)  # CuPy's, without building an interface
+    if ptr is not None:
+        return ptr
     interface = getattr(a, "__cuda_array_interface__", None)
     return interface["data"][0] if interface is not None else a.ctypes.data
 
@@ -49,10 +52,23 @@ def vector_width(a):
     return width
 
 
+_GEOMETRY = {}  # what geometry depends on -> its answer
+
+
 def geometry(a):
     """``(V, G, K)`` for the 2-D kernel array ``a``: ``V = vector_width(a)``, ``G`` lanes
     per row (the next power of two >= ``D / V``, at most 32), ``K`` vectors per lane per
-    pass over a row (1 or 2; lane ``l`` takes vectors ``l`` and ``l + G``)."""
+    pass over a row (1 or 2; lane ``l`` takes vectors ``l`` and ``l + G``). Worked out
+    once per item size, shape class, strides and address modulo :data:`VECTOR_BYTES`."""
+    key = (a.dtype.itemsize, a.shape[1], a.shape[0] <= 1, a.strides,
+           data_pointer(a) % VECTOR_BYTES)
+    found = _GEOMETRY.get(key)
+    if found is None:
+        found = _GEOMETRY[key] = _geometry(a)
+    return found
+
+
+def _geometry(a):
     width = vector_width(a)
     vectors = a.shape[1] // width
     group = group_size(vectors)

@@ -1,0 +1,126 @@
+"""The null device (hbkernels.bench.null_device): the CUDA path's host code with no kernel
+run. ``bench_launch --device null`` profiles every host case and says that no kernel ran;
+its counts per call (kernel launches, library calls, waits, device allocations) are the
+ones docs/gpu.md's table states; a read of a kernel's result that no answer covers is
+an error naming the function that read; a kernel's output is never computed. Each runs
+in a process of its own, without the simulator (the null device takes the GPU branch)."""
+import csv
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from mpirun import ROOT, _env
+
+pytest.importorskip("numba.cuda")
+DOCS = ROOT / "docs" / "gpu.md"
+ROW = re.compile(r"\| `([^`]+)` \(([^)]+)\) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \|")
+
+
+def run_python(*args, timeout=600):
+    env = {**_env(), "NUMBA_ENABLE_CUDASIM": "0"}
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def documented_counts():
+    """``{(op, mode): (launches, library, syncs, allocations)}`` from docs/gpu.md's table."""
+    text = DOCS.read_text()
+    table = text[text.index("<!-- null-device counts -->"):text.index("<!-- end of counts -->")]
+    return {(m[1], m[2]): tuple(int(v) for v in m.groups()[2:]) for m in ROW.finditer(table)}
+
+
+@pytest.fixture(scope="module")
+def profile(tmp_path_factory):
+    out = tmp_path_factory.mktemp("null") / "host.csv"
+    res = run_python("-m", "hbkernels.bench.bench_launch", "--device", "null", "--smoke",
+                     "--out", str(out))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    with open(out, newline="") as f:
+        return res.stdout, list(csv.DictReader(f))
+
+
+def test_the_profile_says_no_kernel_ran_and_covers_every_case(profile):
+    stdout, rows = profile
+    assert "NO KERNEL RAN" in stdout and "assumed" in stdout
+    ops = {r["op"] for r in rows}
+    public = {"embedding_bag", "embedding_bag_backward", "lookup", "lookup_backward",
+              "per_sample_weights_backward", "segment_sum", "segment_reduce", "unique",
+              "partition", "check_ragged", "HashTable.slots", "main job sparse step"}
+    optimizers = {f"{name}.fused_step" for name in ("SGD", "Adagrad", "RowWiseAdagrad", "Adam",
+                                                     "Ftrl")}
+    assert public | optimizers <= ops
+    for r in rows:
+        assert float(r["python_us_min"]) <= float(r["python_us"]) <= float(r["python_us_max"])
+        events = sum(int(r[k]) * c for k, c in
+                     {"launches": 2.5, "library": 6.0, "allocations": 1.0, "syncs": 4.0}.items())
+        assert float(r["events_us"]) == pytest.approx(events, abs=0.01)
+        assert float(r["us"]) == pytest.approx(float(r["python_us"]) + events, abs=0.02)
+    assert any(line.startswith("target embedding_bag raise: <= 15 µs") for line in stdout.splitlines())
+
+
+def test_the_counts_are_the_documented_ones(profile):
+    _, rows = profile
+    documented = documented_counts()
+    measured = {(r["op"], r["mode"]): tuple(int(r[k]) for k in ("launches", "library", "syncs",
+                                                                 "allocations")) for r in rows}
+    assert documented, "docs/gpu.md has no table of counts"
+    assert measured == documented
+
+
+STAND_IN = textwrap.dedent("""
+    import sys
+    import numpy as np
+    from hbkernels.bench import null_device as nd
+    nd.install()
+    import hbkernels as hbk
+    cp = sys.modules["cupy"]
+    table = cp.asarray(np.ones((10, 3), np.float32))
+    ids, offsets = cp.asarray(np.array([1, 2, 2])), cp.asarray(np.array([0, 1, 3]))
+    hbk.embedding_bag(table, ids, offsets)  # the first call also makes the checks' ledger
+    before, _ = nd.snapshot()
+    out = hbk.embedding_bag(table, ids, offsets)
+    after, _ = nd.snapshot()
+    print("counts", {k: after[k] - before[k] for k in nd.EVENTS})
+    hbk.synchronize()  # the checks' slots read as clean (a default answer)
+    try:
+        out.get()  # the pooled rows are a kernel's, which never ran
+    except LookupError as error:
+        print("output is a kernel's", "__main__" in str(error))
+    print("a host copy reads as it was", cp.asarray(np.array([1.0, 2.0])).get().tolist())
+    try:
+        hbk.unique(ids)
+    except LookupError as error:
+        print("unanswered:", error)
+    with nd.answers({"hbkernels.cuda.unique.unique": lambda shape, dtype: np.array([2])}):
+        print("unique size", hbk.unique(ids).shape)
+""")
+
+
+def test_the_stand_in_counts_and_runs_no_kernel():
+    res = run_python("-c", STAND_IN, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = res.stdout.splitlines()
+    assert "counts {'launches': 1, 'library': 0, 'allocations': 1, 'syncs': 0}" in lines
+    assert "output is a kernel's True" in lines
+    assert "a host copy reads as it was [1.0, 2.0]" in lines
+    unanswered = next(line for line in lines if line.startswith("unanswered:"))
+    assert "hbkernels.cuda.unique.unique" in unanswered and "no answer" in unanswered
+    assert "unique size (2,)" in lines
+
+
+def test_it_refuses_the_simulator_and_a_late_install():
+    res = run_python("-c", "from hbkernels.bench import null_device as nd; nd.install()",
+                     timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    env = {**_env(), "NUMBA_ENABLE_CUDASIM": "1"}
+    res = subprocess.run([sys.executable, "-c", "from hbkernels.bench import null_device as nd; "
+                          "nd.install()"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode != 0 and "unset NUMBA_ENABLE_CUDASIM" in res.stderr
+    late = ("import hbkernels.cuda._launcher\nfrom hbkernels.bench import null_device as nd\n"
+            "nd.install()")
+    res = run_python("-c", late, timeout=120)
+    assert res.returncode != 0 and "must be installed before" in res.stderr
