@@ -173,6 +173,16 @@ def raise_ragged(family, values, offsets, bad_offset, bad_id, num_rows):
         raise_bad_id(family, "values", values, bad_id, num_rows)
 
 
+def raise_feature(family, feature, values, offsets, bad_offset, bad_id, num_rows):
+    """:func:`raise_ragged` for the CSR input of feature ``feature``, its name in the error."""
+    try:
+        raise_ragged(family, values, offsets, bad_offset, bad_id, num_rows)
+    except BoundsError as e:
+        raise BoundsError(f"feature {feature!r}: values", e.position, e.value, e.limit) from None
+    except ValueError as e:
+        raise ValueError(f"feature {feature!r}: {e}") from None
+
+
 def raise_nonfinite(name, row):
     """Raise for the first row of ``name`` holding NaN or Inf (-1: none)."""
     if row != -1:

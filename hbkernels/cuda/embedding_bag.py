@@ -63,15 +63,21 @@ def min_blocks(table_dtype, chunks_per_lane):
 
 
 @cuda.jit(device=True, inline=True)
-def check_bag_offsets(slots, b, lo, hi, num_bags, n_values):
-    """Record bag ``b``'s CSR faults in error slot 0: the first bad position is 0 for
-    ``offsets[0] != 0``, ``b + 1`` for a decrease, ``B`` for ``offsets[B] != len(values)``."""
+def check_bag_offsets_at(slots, slot, b, lo, hi, num_bags, n_values):
+    """Record bag ``b``'s CSR faults in error slot ``slot``: the first bad position is 0
+    for ``offsets[0] != 0``, ``b + 1`` for a decrease, ``B`` for ``offsets[B] != len(values)``."""
     if b == 0 and lo != 0:
-        cuda.atomic.min(slots, 0, 0)
+        cuda.atomic.min(slots, slot, 0)
     if hi < lo:
-        cuda.atomic.min(slots, 0, b + 1)
+        cuda.atomic.min(slots, slot, b + 1)
     if b == num_bags - 1 and hi != n_values:
-        cuda.atomic.min(slots, 0, num_bags)
+        cuda.atomic.min(slots, slot, num_bags)
+
+
+@cuda.jit(device=True, inline=True)
+def check_bag_offsets(slots, b, lo, hi, num_bags, n_values):
+    """:func:`check_bag_offsets_at` error slot 0."""
+    check_bag_offsets_at(slots, 0, b, lo, hi, num_bags, n_values)
 
 
 @cuda.jit(device=True, inline=True)

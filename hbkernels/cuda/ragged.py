@@ -1,13 +1,16 @@
 """CSR input checks on the GPU: the first bad offset, then the first id out of range,
-left pending (:mod:`._pending`): one launch, nothing read back."""
+left pending (:mod:`._pending`): one launch, nothing read back, for one input or for
+several features' at once."""
+import numpy as np
 from numba import cuda
 
 from .._modes import Bounds
-from .._validate import raise_ragged
+from .._validate import raise_feature, raise_ragged
 from . import _pending
 from ._launch import blocks_for, threads_per_block
 from ._launcher import launch
-from .embedding_bag import check_bag_offsets, empty_batch_bad_offset
+from .embedding_bag import check_bag_offsets, check_bag_offsets_at, empty_batch_bad_offset
+from .join_bags import feature_of
 
 
 @cuda.jit
@@ -43,3 +46,61 @@ def check_ragged(family, values, offsets, num_rows, bounds):
         launch(_ragged_kernel, blocks_for(max(num_bags, n), tpb), tpb, family.kernel_array(values),
                family.kernel_array(offsets), n, num_rows, raise_ids, slots)
     return -1, -1
+
+
+@cuda.jit
+def _features_kernel(values, offsets, table, features, slots):
+    """Feature ``f``'s offset faults in slot ``2f``, its first id out of range in slot
+    ``2f + 1``. ``table``: the features' first values and first bags (``features + 1``
+    each, the totals last), then their row limits (-1: ids not checked)."""
+    n_values = values.shape[0]
+    n_bags = table[2 * features + 1]
+    for i in range(cuda.grid(1), max(n_values, n_bags, features), cuda.gridsize(1)):
+        if i < features and table[features + 1 + i] == table[features + 2 + i]:
+            # no bags: the one offset must be 0 and there must be no values
+            if offsets[table[features + 1 + i] + i] != 0 or table[i] != table[i + 1]:
+                cuda.atomic.min(slots, 2 * i, 0)
+        if i < n_bags:
+            f = feature_of(table, features + 1, features, i)
+            b = i - table[features + 1 + f]
+            at = i + f  # feature f's offsets start at its first bag + f
+            check_bag_offsets_at(slots, 2 * f, b, offsets[at], offsets[at + 1],
+                                 table[features + 2 + f] - table[features + 1 + f],
+                                 table[f + 1] - table[f])
+        if i < n_values:
+            f = feature_of(table, 0, features, i)
+            limit = table[2 * features + 2 + f]
+            v = values[i]
+            if limit >= 0 and (v < 0 or v >= limit):
+                cuda.atomic.min(slots, 2 * f + 1, i - table[f])
+
+
+def check_features(family, features, values, offsets, limits):
+    """Check the CSR input of several features at once (``values[k]``, ``offsets[k]``
+    of feature named ``features[k]``): offsets always, ids against ``limits[k]`` rows
+    (None: not checked). One launch over the joined inputs, left pending: its error
+    (the first feature's first, naming the feature) is raised by a later wait."""
+    count = len(features)
+    table = np.empty(3 * count + 2, np.int64)
+    value, bag = 0, 0
+    for k in range(count):
+        table[k], table[count + 1 + k] = value, bag
+        table[2 * count + 2 + k] = -1 if limits[k] is None else limits[k]
+        value += values[k].shape[0]
+        bag += offsets[k].shape[0] - 1
+    table[count], table[2 * count + 1] = value, bag
+    xp = family.xp
+    joined_values = xp.concatenate(values, dtype=np.int64)
+    joined_offsets = xp.concatenate(offsets, dtype=np.int64)
+
+    def report(bad):
+        for k in range(count):
+            raise_feature(family, features[k], values[k], offsets[k], bad[2 * k],
+                          bad[2 * k + 1], limits[k])
+
+    tpb = threads_per_block()
+    with _pending.checks(2 * count, "EmbeddingCollection.forward", report,
+                         (*values, *offsets)) as slots:
+        launch(_features_kernel, blocks_for(max(value, bag, count), tpb), tpb,
+               family.kernel_array(joined_values), family.kernel_array(joined_offsets),
+               family.kernel_array(family.put(table)), count, slots)

@@ -58,10 +58,10 @@ from .. import optim as _optim
 from .._dispatch import device_family, host, kernels, resolve
 from .._machine import cupy, simulator_enabled
 from ..dist import _wire
-from ..errors import BoundsError, CapacityError
+from ..errors import CapacityError
 from ..hash_table import HashTable
 from ..ops import (
-    check_ragged, embedding_bag, embedding_bag_backward, lookup, partition, synchronize, unique,
+    embedding_bag, embedding_bag_backward, lookup, partition, synchronize, unique,
 )
 from ..types import JaggedRows, Ragged, SparseGrad, table_spec
 from ..memory import aligned_empty
@@ -455,6 +455,7 @@ class EmbeddingCollection:
                              f"{sorted(self.feature_table)}")
         space = self._family(self.device)
         inputs = {}
+        checked = ([], [], [], [])  # names, values, offsets, row limits (None: ids unchecked)
         for f in sorted(features, key=self._feature_order.get):
             spec = self.tables[self.feature_table[f]]
             x = features[f]
@@ -474,14 +475,11 @@ class EmbeddingCollection:
             try:  # the errors name the feature
                 check.offsets(offsets)
                 check.per_sample_weights(psw, values)
-                if spec.dynamic:  # any int64 id: only the offsets are checked
-                    check_ragged(values, offsets, spec.capacity, bounds="zero")
-                else:
-                    check_ragged(values, offsets, spec.num_rows)
-            except BoundsError as e:
-                raise BoundsError(f"feature {f!r}: values", e.position, e.value, e.limit) from None
             except ValueError as e:
                 raise ValueError(f"feature {f!r}: {e}") from None
+            for into, item in zip(checked, (f, values, offsets,
+                                            None if spec.dynamic else spec.num_rows)):
+                into.append(item)  # a dynamic table takes any int64 id: offsets only
             values = values.astype(np.int64, copy=False)
             sequence_offsets = None
             if spec.combiner is None:  # a sequence table: each id is a bag of its own
@@ -496,6 +494,8 @@ class EmbeddingCollection:
             psw = None if psw is None else psw.astype(np.float32, copy=False)
             inputs[f] = _Feature(spec.name, values, offsets, psw, int(offsets.shape[0]) - 1,
                                  uniq, inverse, sequence_offsets)
+        if checked[0]:
+            kernels(space, "ragged").check_features(space, *checked)
         if space.is_cuda and self.comm.world_size > 1:
             synchronize()  # the checks' errors here, where the peers are told, not mid-exchange
         return inputs
@@ -625,21 +625,21 @@ class EmbeddingCollection:
         for k, (f, route) in enumerate(requests):
             by_combiner[self.tables[route.table].combiner or "sum"].append(k)  # None: 1-id bags
         for combiner, ks in sorted(by_combiner.items()):
-            values, offsets, psws, pieces, shift, bag = [], [space.xp.zeros(1, np.int64)], [], [], 0, 0
+            psws, pieces, bag = [], [], 0
             any_psw = any(inputs[requests[k][0]].psw is not None for k in ks)
             for k in ks:
                 f, route = requests[k]
                 feature = inputs[f]
-                values.append(space.put(ids_of(k)) + starts[k])
-                offsets.append(space.put(feature.offsets[1:]).astype(np.int64) + shift)
                 if any_psw:
                     psws.append(space.put(feature.psw) if feature.psw is not None else
                                 xp.ones(feature.values.shape[0], np.float32))
-                shift += int(feature.values.shape[0])
                 pieces.append((f, route.c0, route.c1, bag, feature.batch))
                 bag += feature.batch
-            pool = Pool(combiner, xp.concatenate(values), xp.concatenate(offsets),
-                        xp.concatenate(psws) if any_psw else None, pieces, bounds)
+            values, offsets = kernels(space, "join_bags").join_bags(
+                space, [space.put(ids_of(k)) for k in ks], [starts[k] for k in ks],
+                [space.put(inputs[requests[k][0]].offsets) for k in ks])
+            pool = Pool(combiner, values, offsets, xp.concatenate(psws) if any_psw else None,
+                        pieces, bounds)
             with self._phase("kernels"):
                 out = embedding_bag(group_rows, pool.values, pool.offsets, combiner=combiner,
                                     per_sample_weights=pool.psw, bounds=bounds)
