@@ -5,6 +5,7 @@ import importlib
 import importlib.util
 import os
 import platform
+import sys
 
 from .errors import MissingDependencyError
 
@@ -31,21 +32,18 @@ def has_cupy():
     return importlib.util.find_spec("cupy") is not None
 
 
-_CUPY = []  # the cupy module, once imported
-
-
 def cupy():
-    """The ``cupy`` module; :class:`~hbkernels.errors.MissingDependencyError` naming the
-    extras that install it when it is missing."""
-    if _CUPY:
-        return _CUPY[0]
+    """The ``cupy`` module (the one in ``sys.modules``, once imported);
+    :class:`~hbkernels.errors.MissingDependencyError` naming the extras that install it
+    when it is missing."""
+    module = sys.modules.get("cupy")
+    if module is not None:
+        return module
     try:
-        module = importlib.import_module("cupy")
+        return importlib.import_module("cupy")
     except ImportError as error:
         raise MissingDependencyError("CUDA arrays reach the hbkernels CUDA kernels through CuPy: "
                                      "pip install 'hbkernels[cuda12]' or 'hbkernels[cuda13]'") from error
-    _CUPY.append(module)
-    return module
 
 
 def numba_cuda():
