@@ -54,7 +54,7 @@ def check_run(out, csv_path, n, torch_expected):
 @pytest.mark.skipif(not (MPIEXEC and HAVE_MPI4PY), reason="needs mpiexec and mpi4py (pip install 'hbkernels[mpi]')")
 def test_bench_embedding_collection_two_ranks(tmp_path):
     out_csv = tmp_path / "b.csv"
-    rc, out, _ = mpirun(2, SCRIPT, "--smoke", "--out", str(out_csv), timeout=120)
+    rc, out, _ = mpirun(2, SCRIPT, "--smoke", "--out", str(out_csv), timeout=300)
     assert rc == 0, out[-6000:]
     check_run(out, out_csv, 2, HAVE_TORCH)
 
@@ -66,7 +66,7 @@ def test_bench_embedding_collection_world_of_one(tmp_path, torch):
     out_csv = tmp_path / "b.csv"
     env = _env() if torch else _env(**{DISABLE_ENV: "torch"})
     res = subprocess.run([sys.executable, *SCRIPT.split(), "--smoke", "--out", str(out_csv)],
-                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-6000:]
     check_run(out, out_csv, 1, torch)
