@@ -242,17 +242,11 @@ def error_slots(count):
     return _device.full(count, NO_ERROR_SLOT, np.int64)
 
 
-_NO_SLOTS = {}  # device id -> its zero-sized slots
-
-
 def no_error_slots():
     """Stand-in slots for a launch that records nothing (``bounds="unchecked"``):
-    zero-sized, so nothing to fill or read back (one array per device)."""
-    device = _device.device_id()
-    slots = _NO_SLOTS.get(device)
-    if slots is None:
-        slots = _NO_SLOTS[device] = _device.scratch(0, np.int64)
-    return slots
+    zero-sized, so nothing to fill or read back (one array per device, as every
+    zero-sized scratch array)."""
+    return _device.scratch(0, np.int64)
 
 
 def error_positions(values):

@@ -455,7 +455,7 @@ class EmbeddingCollection:
                              f"{sorted(self.feature_table)}")
         space = self._family(self.device)
         inputs = {}
-        checked = ([], [], [], [])  # names, values, offsets, row limits (None: ids unchecked)
+        checked = []  # (name, values, offsets, row limit or None: ids unchecked) per feature
         for f in sorted(features, key=self._feature_order.get):
             spec = self.tables[self.feature_table[f]]
             x = features[f]
@@ -477,9 +477,8 @@ class EmbeddingCollection:
                 check.per_sample_weights(psw, values)
             except ValueError as e:
                 raise ValueError(f"feature {f!r}: {e}") from None
-            for into, item in zip(checked, (f, values, offsets,
-                                            None if spec.dynamic else spec.num_rows)):
-                into.append(item)  # a dynamic table takes any int64 id: offsets only
+            # a dynamic table takes any int64 id: its offsets only
+            checked.append((f, values, offsets, None if spec.dynamic else spec.num_rows))
             values = values.astype(np.int64, copy=False)
             sequence_offsets = None
             if spec.combiner is None:  # a sequence table: each id is a bag of its own
@@ -494,8 +493,8 @@ class EmbeddingCollection:
             psw = None if psw is None else psw.astype(np.float32, copy=False)
             inputs[f] = _Feature(spec.name, values, offsets, psw, int(offsets.shape[0]) - 1,
                                  uniq, inverse, sequence_offsets)
-        if checked[0]:
-            kernels(space, "ragged").check_features(space, *checked)
+        if checked:
+            kernels(space, "ragged").check_features(space, *zip(*checked))
         if space.is_cuda and self.comm.world_size > 1:
             synchronize()  # the checks' errors here, where the peers are told, not mid-exchange
         return inputs
