@@ -89,8 +89,40 @@ def _is_device_function(dispatcher):
 
 
 def save(launches, path):
-    with open(path, "wb") as f:
-        pickle.dump(dict(launches), f)
+    """Write ``launches`` (a LAUNCHES-like dict or its items) to ``path`` atomically."""
+    from hbkernels._files import write_atomic
+
+    write_atomic(path, lambda f: pickle.dump(dict(launches), f))
+
+
+# -- under pytest-xdist: each worker records its own launches ------------------------------
+def share(suite_dir, worker):
+    """Save this worker's launches as ``launches-<worker>.pkl`` in ``suite_dir``, where
+    :func:`gather` reads them (after each test that launched a kernel not seen before)."""
+    if len(LAUNCHES) != share.saved:
+        save(LAUNCHES, os.path.join(suite_dir, f"launches-{worker}.pkl"))
+        share.saved = len(LAUNCHES)
+
+
+share.saved = 0
+OTHERS_DONE = "others-done"  # written by the controller when every test before the last module ended
+
+
+def gather(suite_dir, worker, timeout):
+    """Add every other worker's launches to LAUNCHES, once the controller says that every
+    test outside the last module has ended (its :data:`OTHERS_DONE` file in ``suite_dir``)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(os.path.join(suite_dir, OTHERS_DONE)):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the other workers' tests had not all ended after {timeout} s")
+        time.sleep(1.0)
+    for name in sorted(os.listdir(suite_dir)):
+        if name.startswith("launches-") and name.endswith(".pkl") and name != f"launches-{worker}.pkl":
+            with open(os.path.join(suite_dir, name), "rb") as f:
+                for key, count in pickle.load(f).items():
+                    LAUNCHES[key] = LAUNCHES.get(key, 0) + count
 
 
 # -- step 2: compile, without the simulator -----------------------------------------------

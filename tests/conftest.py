@@ -72,8 +72,9 @@ def cuda_path(setting, gpus_listed, probe):
                   f"to the simulator there; set NUMBA_ENABLE_CUDASIM=1 to run them in it anyway")
 
 
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # None: the controller, or a run without xdist
 REFUSAL = None
-if os.environ.get("PYTEST_XDIST_WORKER") is None:  # a worker inherits its controller's choice
+if WORKER is None:  # a worker inherits its controller's choice
     _setting, REFUSAL = cuda_path(os.environ.get("NUMBA_ENABLE_CUDASIM"),
                                   0 if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" else _gpus_listed(),
                                   _probe_gpu)
@@ -83,6 +84,9 @@ if os.environ.get("PYTEST_XDIST_WORKER") is None:  # a worker inherits its contr
 # per process, so that workers sharing a GPU fit
 os.environ.setdefault("HBK_SESSION_SEED", str(np.random.SeedSequence().entropy % 2**32))
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# OpenMP threads (Numba's parallel kernels, torch) sleep when idle instead of spinning: the
+# workers share the cores, and a spinning pool takes the time another worker's test needs
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 SIMULATOR = os.environ["NUMBA_ENABLE_CUDASIM"] == "1"
 HAVE_NUMBA_CUDA = importlib.util.find_spec("numba.cuda") is not None
 if SIMULATOR and HAVE_NUMBA_CUDA:  # note each kernel launch, to compile it for a real GPU
@@ -164,11 +168,46 @@ LAST_MODULE = "test_compile_kernels.py"  # compiles what the tests before it lau
 SESSION = {"deselected": 0, "whole_suite": False, "compiler": None, "kernel_model": None}
 
 
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: one worker per core, at most 8 (each holds torch, JAX and TensorFlow)."""
+    return max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                      else os.cpu_count() or 1))
+
+
+class LastModuleWaits:
+    """The controller's side of a run under pytest-xdist: writes
+    :data:`compile_kernels.OTHERS_DONE` into the run's shared directory when every test
+    outside :data:`LAST_MODULE` has ended, so that the worker running that module gathers
+    every worker's launches (:func:`compile_kernels.gather`)."""
+
+    def __init__(self, suite_dir):
+        self.suite_dir, self.waiting = suite_dir, None
+
+    def pytest_xdist_node_collection_finished(self, node, ids):
+        if self.waiting is None:  # every worker collects the same tests
+            self.waiting = {i for i in ids if os.path.basename(i.split("::")[0]) != LAST_MODULE}
+            self._check()
+
+    def pytest_runtest_logreport(self, report):
+        if self.waiting and report.when not in ("setup", "call"):
+            self.waiting.discard(report.nodeid)  # its teardown, or a crashed worker's report
+            self._check()
+
+    def _check(self):
+        if not self.waiting:
+            open(os.path.join(self.suite_dir, compile_kernels.OTHERS_DONE), "w").close()
+
+
 def pytest_configure(config):
     if REFUSAL:
         raise pytest.UsageError(REFUSAL)
+    if (WORKER is None and getattr(config.option, "numprocesses", None)
+            and SIMULATOR and HAVE_NUMBA_CUDA):
+        SESSION["suite_dir"] = tempfile.mkdtemp(prefix="hbk-suite-")
+        os.environ["HBK_SUITE_DIR"] = SESSION["suite_dir"]  # the workers start after this
+        config.pluginmanager.register(LastModuleWaits(SESSION["suite_dir"]), "hbk-last-module")
     report_dir = os.environ.get("HBK_TEST_REPORT_DIR")
-    if report_dir and os.environ.get("PYTEST_XDIST_WORKER") is None:
+    if report_dir and WORKER is None:
         # a run that may be killed: its tally and failures written as it goes, by the
         # controller alone (it sees every worker's reports)
         import run_report
@@ -208,6 +247,8 @@ def pytest_collection_finish(session):
     modules = {name for name in os.listdir(here) if name.startswith("test_") and name.endswith(".py")}
     collected = {item.path.name for item in session.items}
     SESSION["whole_suite"] = collected == modules and SESSION["deselected"] == 0
+    if WORKER is not None:  # the workers use every core: the last module compiles, the
+        return              # kernel model's module computes it
     if (SIMULATOR and HAVE_NUMBA_CUDA and LAST_MODULE in collected
             and compile_kernels.have_cuda_compilers()):  # compile launches as the suite runs
         SESSION["compiler"] = compile_kernels.Background(tempfile.mkdtemp(prefix="hbk-compile-"))
@@ -226,7 +267,18 @@ def pytest_runtest_logfinish(nodeid, location):
         SESSION["compiler"].poll()
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    try:
+        return (yield)
+    finally:  # a worker shares its launches before the controller sees this test end
+        if WORKER is not None and os.environ.get("HBK_SUITE_DIR") and SIMULATOR and HAVE_NUMBA_CUDA:
+            compile_kernels.share(os.environ["HBK_SUITE_DIR"], WORKER)
+
+
 def pytest_sessionfinish(session, exitstatus):
+    if SESSION.get("suite_dir"):
+        shutil.rmtree(SESSION["suite_dir"], ignore_errors=True)
     if SESSION.get("compiler"):
         SESSION["compiler"].close()
         shutil.rmtree(SESSION["compiler"].workdir, ignore_errors=True)

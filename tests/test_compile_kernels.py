@@ -3,9 +3,11 @@
 conftest runs this module last; :mod:`compile_kernels` has recorded each launch
 (kernel and argument types) of the tests before it, and a background worker
 (:class:`compile_kernels.Background`) has compiled most of them while those tests
-ran. Here processes without the simulator (one per core, up to
-:data:`MAX_SHARDS`, each with a share of the launches the worker was not given)
-rebuild the rest and compile them through Numba, NVVM and ptxas for sm_90,
+ran. Under pytest-xdist each worker records its own launches and none compiles in
+the background: the worker running this module waits for the other tests to end
+and gathers every worker's launches. Here processes without the simulator (one per
+core, up to :data:`MAX_SHARDS`, each with a share of the launches the background
+worker was not given) rebuild the rest and compile them through Numba, NVVM and ptxas for sm_90,
 which the simulator never does. In a whole-suite run every
 kernel in ``hbkernels.cuda`` must have been launched, so a kernel with no
 simulator test fails here too.
@@ -16,15 +18,24 @@ import sys
 import pytest
 
 import compile_kernels
-from conftest import HAVE_NUMBA_CUDA, SESSION, SIMULATOR
+from conftest import HAVE_NUMBA_CUDA, SESSION, SIMULATOR, WORKER
 
 MAX_SHARDS = 4  # compiler processes run side by side, one per core
+WAIT = 1800  # s, under pytest-xdist: for the other workers' tests to end
 
 pytestmark = [
     pytest.mark.skipif(not HAVE_NUMBA_CUDA, reason="numba-cuda is not installed"),
     pytest.mark.skipif(not SIMULATOR, reason="on a real GPU the suite compiles and runs every "
                        "kernel itself"),
+    pytest.mark.timeout(WAIT + 900),
 ]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def every_workers_launches():
+    """Under pytest-xdist, the launches of every worker's tests (each records its own)."""
+    if WORKER is not None and os.environ.get("HBK_SUITE_DIR"):
+        compile_kernels.gather(os.environ["HBK_SUITE_DIR"], WORKER, timeout=WAIT)
 
 
 @pytest.fixture(scope="module")

@@ -119,7 +119,7 @@ def test_tf_names_one_tensorflow_build():
 
 
 def _readme_test_command():
-    commands = re.findall(r"^python3 -m pip install [^\n]*&& python3 -m pytest$",
+    commands = re.findall(r"^python3 -m pip install [^\n]*&& python3 -m pytest -n auto$",
                           (ROOT / "README.md").read_text(), re.M)
     assert len(commands) == 1, commands
     return commands[0]
