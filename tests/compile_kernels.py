@@ -108,21 +108,30 @@ share.saved = 0
 OTHERS_DONE = "others-done"  # written by the controller when every test before the last module ended
 
 
-def gather(suite_dir, worker, timeout):
+def gather(suite_dir, worker, timeout, compiler=None):
     """Add every other worker's launches to LAUNCHES, once the controller says that every
-    test outside the last module has ended (its :data:`OTHERS_DONE` file in ``suite_dir``)."""
+    test outside the last module has ended (its :data:`OTHERS_DONE` file in ``suite_dir``);
+    meanwhile ``compiler`` (a :class:`Background`) compiles the launches seen so far."""
     import time
 
+    own = dict(LAUNCHES)
     deadline = time.monotonic() + timeout
-    while not os.path.exists(os.path.join(suite_dir, OTHERS_DONE)):
+    while True:
+        done = os.path.exists(os.path.join(suite_dir, OTHERS_DONE))  # then every file is final
+        LAUNCHES.clear()
+        LAUNCHES.update(own)
+        for name in sorted(os.listdir(suite_dir)):
+            if name.startswith("launches-") and name.endswith(".pkl") and name != f"launches-{worker}.pkl":
+                with open(os.path.join(suite_dir, name), "rb") as f:
+                    for key, count in pickle.load(f).items():
+                        LAUNCHES[key] = LAUNCHES.get(key, 0) + count
+        if compiler is not None:
+            compiler.poll()
+        if done:
+            return
         if time.monotonic() > deadline:
             raise TimeoutError(f"the other workers' tests had not all ended after {timeout} s")
-        time.sleep(1.0)
-    for name in sorted(os.listdir(suite_dir)):
-        if name.startswith("launches-") and name.endswith(".pkl") and name != f"launches-{worker}.pkl":
-            with open(os.path.join(suite_dir, name), "rb") as f:
-                for key, count in pickle.load(f).items():
-                    LAUNCHES[key] = LAUNCHES.get(key, 0) + count
+        time.sleep(2.0)
 
 
 # -- step 2: compile, without the simulator -----------------------------------------------

@@ -21,8 +21,10 @@ MPIEXEC = shutil.which("mpiexec") or next(  # the mpich wheel puts it beside the
     (str(p) for p in [Path(sys.executable).parent / "mpiexec"] if p.exists()), None)
 HAVE_MPI4PY = importlib.util.find_spec("mpi4py") is not None
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
-# variables of an enclosing launcher would confuse the one we start
-_LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "HYDRA_", "MPI_LOCAL", "TORCHELASTIC_")
+# variables of an enclosing launcher would confuse the one we start (pytest-xdist's too: a
+# pytest started from a worker would take itself for one)
+_LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "HYDRA_", "MPI_LOCAL", "TORCHELASTIC_",
+                      "PYTEST_XDIST_", "HBK_SUITE_DIR")
 # ... except what lets Open MPI's mpiexec run as root (it refuses without both)
 _KEPT = ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM")
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -48,7 +50,9 @@ def _env(**extra):
     env = {k: v for k, v in os.environ.items()
            if k in _KEPT or not (k.startswith(_LAUNCHER_PREFIXES) or k in _LAUNCHER_VARS)}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
-    env["HBK_COMM_TIMEOUT"] = "30"  # a hang inside a script fails it long before the test's timeout
+    # a hang inside a script fails it before the test's timeout; a rank compiling its first
+    # kernels on cores shared with the other test workers does not
+    env["HBK_COMM_TIMEOUT"] = "90"
     env.update({k: str(v) for k, v in extra.items()})
     return env
 

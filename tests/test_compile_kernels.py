@@ -3,9 +3,9 @@
 conftest runs this module last; :mod:`compile_kernels` has recorded each launch
 (kernel and argument types) of the tests before it, and a background worker
 (:class:`compile_kernels.Background`) has compiled most of them while those tests
-ran. Under pytest-xdist each worker records its own launches and none compiles in
-the background: the worker running this module waits for the other tests to end
-and gathers every worker's launches. Here processes without the simulator (one per
+ran. Under pytest-xdist each worker records its own launches: the worker running
+this module gathers them and compiles them in the background until the other tests
+have ended. Here processes without the simulator (one per
 core, up to :data:`MAX_SHARDS`, each with a share of the launches the background
 worker was not given) rebuild the rest and compile them through Numba, NVVM and ptxas for sm_90,
 which the simulator never does. In a whole-suite run every
@@ -32,10 +32,15 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module", autouse=True)
-def every_workers_launches():
-    """Under pytest-xdist, the launches of every worker's tests (each records its own)."""
+def every_workers_launches(tmp_path_factory):
+    """Under pytest-xdist, the launches of every worker's tests (each records its own),
+    those seen so far compiled while the other workers' tests still run."""
     if WORKER is not None and os.environ.get("HBK_SUITE_DIR"):
-        compile_kernels.gather(os.environ["HBK_SUITE_DIR"], WORKER, timeout=WAIT)
+        if SESSION["compiler"] is None and compile_kernels.have_cuda_compilers():
+            SESSION["compiler"] = compile_kernels.Background(
+                str(tmp_path_factory.mktemp("compile")), every=5.0)
+        compile_kernels.gather(os.environ["HBK_SUITE_DIR"], WORKER, timeout=WAIT,
+                               compiler=SESSION["compiler"])
 
 
 @pytest.fixture(scope="module")

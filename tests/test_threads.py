@@ -40,6 +40,7 @@ def test_set_num_threads_refuses_non_positive_ints(bad):
 def test_pools_report_both_pools_and_the_environment(monkeypatch):
     pytest.importorskip("torch")
     monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)  # conftest's, for the test workers
     info = threads.pools()
     assert info["cores"] == threads.usable_cores() >= 1
     assert info["numba"]["threads"] == numba.get_num_threads()
