@@ -242,6 +242,19 @@ def cuda_family(name, device_id):
     return family
 
 
+def cupy_family_of(*arrays):
+    """The family of ``arrays`` when each is a CuPy array (of a type :func:`classify` has
+    seen) on one device, else None: :func:`resolve` decides then."""
+    t = type(arrays[0])
+    if t not in _CUPY_TYPES:
+        return None
+    device = arrays[0].device.id
+    for a in arrays[1:]:
+        if type(a) is not t or a.device.id != device:
+            return None
+    return cuda_family("cupy", device)
+
+
 def classify(x):
     """(family, array to use) for one argument, or raise TypeError."""
     t = type(x)

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 
 from . import _validate as check
-from ._dispatch import NUMPY, kernels, resolve
+from ._dispatch import NUMPY, cupy_family_of, kernels, resolve
 from ._modes import PartitionMode, codes
 from .quantize import QuantizedTable
 from .types import Partitioned, SparseGrad
@@ -73,15 +73,17 @@ def lookup(weights, ids, *, bounds="raise", output_dtype=None):
     if isinstance(weights, QuantizedTable):
         return _quantized_lookup(weights, ids, bounds, output_dtype)
     _no_output_dtype(output_dtype)
-    family, a = resolve(row_tables=("weights",), weights=weights, ids=ids)
-    weights, ids = a["weights"], a["ids"]
-    check.table("weights", weights)
-    check.ids("ids", ids)
+    family = _plain_inputs(weights, ids)
+    if family is None:
+        family, a = resolve(row_tables=("weights",), weights=weights, ids=ids)
+        weights, ids = a["weights"], a["ids"]
+        check.table("weights", weights)
+        check.ids("ids", ids)
     mode = check.choice("bounds", bounds, check.BOUNDS)
     out, bad = kernels(family, "lookup").lookup(family, weights, ids, mode)
     if bad != _NO_ERROR:
         check.raise_bad_id(family, "ids", ids, bad, weights.shape[0])
-    return family.reshape(out, tuple(ids.shape) + (weights.shape[1],))
+    return out if ids.ndim == 1 else family.reshape(out, tuple(ids.shape) + (weights.shape[1],))
 
 
 def lookup_backward(grad_out, ids, *, num_rows, bounds="raise", deterministic=True):
@@ -149,9 +151,11 @@ def embedding_bag(
         return _quantized_embedding_bag(weights, values, offsets, combiner, per_sample_weights,
                                         bounds, output_dtype)
     _no_output_dtype(output_dtype)
-    if per_sample_weights is None and _plain_numpy_bags(weights, values, offsets):
-        family, psw = NUMPY, None
-    else:
+    family = _plain_inputs(weights, values, offsets) if per_sample_weights is None else None
+    if family is not None and (values.ndim != 1 or offsets.ndim != 1 or offsets.shape[0] < 1):
+        family = None
+    psw = None
+    if family is None:
         family, a = resolve(
             ("per_sample_weights",), row_tables=("weights",),
             weights=weights, values=values, offsets=offsets, per_sample_weights=per_sample_weights,
@@ -240,22 +244,31 @@ def _quantized_lookup(q, ids, bounds, output_dtype):
     return _in_dtype(family, family.reshape(out, tuple(ids.shape) + (q.dim,)), dtype)
 
 
-def _plain_numpy_bags(weights, values, offsets):
-    """Whether :func:`embedding_bag`'s arrays are ones that :func:`resolve` hands over as
-    they are and that pass its checks of the table, ids and offsets: NumPy arrays (not
-    subclasses), a 2-D table with D >= 1 of a native fp16/fp32/fp64 dtype whose rows are
-    contiguous, 1-D C-contiguous native int32/int64 ids, and at least one such offset.
-    Such a call skips those steps, which cost more than the kernel for small batches and
-    tens of microseconds once other work has evicted the interpreter's data from the
-    caches; any other input (bf16, strided ids, CUDA arrays, a bad dtype) takes the
-    general path, which copies, converts or explains."""
-    nd, ids = np.ndarray, check.ID_DTYPES
-    return (type(weights) is nd and type(values) is nd and type(offsets) is nd
-            and weights.ndim == 2 and weights.shape[1] >= 1
-            and weights.dtype in check.TABLE_DTYPES and weights.strides[1] == weights.itemsize
-            and values.ndim == 1 and values.dtype in ids and values.flags.c_contiguous
-            and offsets.ndim == 1 and offsets.shape[0] >= 1 and offsets.dtype in ids
-            and offsets.flags.c_contiguous)
+def _plain_inputs(weights, *ids):
+    """The family of a table and id arrays when :func:`resolve` would hand them over as
+    they are and they pass :func:`check.table` and :func:`check.ids`, else None: NumPy
+    arrays (not subclasses; the table's rows contiguous) or CuPy arrays of one device
+    (the table C-contiguous), a 2-D table with D >= 1 of a native fp16/fp32/fp64 dtype,
+    C-contiguous native int32/int64 ids. Such a call skips those steps, which cost more
+    than the kernel for small batches; any other input (bf16, strided ids, a bad dtype)
+    takes the general path, which copies, converts or explains."""
+    t = type(weights)
+    for a in ids:
+        if type(a) is not t:
+            return None
+    if t is np.ndarray:
+        family = NUMPY if weights.ndim == 2 and weights.strides[1] == weights.itemsize else None
+    else:
+        family = cupy_family_of(weights, *ids)
+        if family is not None and not weights.flags.c_contiguous:
+            return None
+    if family is None or not (weights.ndim == 2 and weights.shape[1] >= 1
+                              and weights.dtype in check.TABLE_DTYPES):
+        return None
+    for a in ids:
+        if a.dtype not in check.ID_DTYPES or not a.flags.c_contiguous:
+            return None
+    return family
 
 
 def segment_reduce(data, offsets, *, combiner="sum"):

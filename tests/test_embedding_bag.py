@@ -489,7 +489,7 @@ def test_plain_numpy_inputs_skip_the_general_path_and_agree_with_it_cpu(rng, mon
             fast = _outcome(lambda: hbk.embedding_bag(w, ids, o, combiner="mean", bounds=bounds))
             assert bool(resolved) != plain, name
             with monkeypatch.context() as m:
-                m.setattr(ops, "_plain_numpy_bags", lambda *a: False)
+                m.setattr(ops, "_plain_inputs", lambda *a: None)
                 general = _outcome(lambda: hbk.embedding_bag(w, ids, o, combiner="mean",
                                                              bounds=bounds))
             assert fast[0] == general[0], (name, bounds, bad, fast, general)
@@ -504,7 +504,7 @@ def test_plain_numpy_inputs_skip_the_general_path_and_agree_with_it_cpu(rng, mon
         bad_offsets[2] = 1
         fast = _outcome(lambda: hbk.embedding_bag(w, v, bad_offsets, bounds=bounds))
         with monkeypatch.context() as m:
-            m.setattr(ops, "_plain_numpy_bags", lambda *a: False)
+            m.setattr(ops, "_plain_inputs", lambda *a: None)
             general = _outcome(lambda: hbk.embedding_bag(w, v, bad_offsets, bounds=bounds))
         assert fast == general and fast[0] == "ValueError"
 

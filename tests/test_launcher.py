@@ -155,7 +155,7 @@ def test_threads_pack_into_their_own_buffers(fake_gpu):
     thread = threading.Thread(target=lambda: there.append(loaded.buffers()))
     thread.start()
     thread.join()
-    assert here[1] != there[0][1] and loaded.buffers()[1] == here[1]
+    assert here[2] != there[0][2] and loaded.buffers()[2] == here[2]
 
 
 def test_a_value_that_does_not_fit_is_an_overflow_error(fake_gpu):

@@ -111,6 +111,53 @@ def test_the_stand_in_counts_and_runs_no_kernel():
     assert "unique size (2,)" in lines
 
 
+PLAIN = textwrap.dedent("""
+    import sys
+    import numpy as np
+    from hbkernels.bench import null_device as nd
+    nd.install()
+    import hbkernels as hbk
+    from hbkernels import _validate as check, ops
+    from hbkernels._dispatch import resolve
+    cp = sys.modules["cupy"]
+    table = cp.asarray(np.ones((10, 4), np.float32))
+    ids = cp.asarray(np.arange(6))
+    hbk.lookup(table, ids, bounds="unchecked")  # CuPy's array type, seen once
+    cases = {
+        "plain": (table, ids), "int32 ids": (table, ids.astype(np.int32)),
+        "2-D ids": (table, ids.reshape(2, 3)), "fp16": (table.astype(np.float16), ids),
+        "strided ids": (table, ids[::2]), "column slice": (table[:, :2], ids),
+        "every other row": (table[::2], ids), "int8 ids": (table, ids.astype(np.int8)),
+        "float ids": (table, ids.astype(np.float32)), "1-D table": (table[0], ids),
+        "int table": (table.astype(np.int32), ids), "D = 0": (table[:, :0], ids),
+        "NumPy ids": (table, np.arange(6)), "two id arrays": (table, ids, ids[:3]),
+    }
+    for name, (w, *id_arrays) in cases.items():
+        fast = ops._plain_inputs(w, *id_arrays)
+        try:
+            named = {f"ids{k}": a for k, a in enumerate(id_arrays)}
+            family, a = resolve(row_tables=("weights",), weights=w, **named)
+            check.table("weights", w)
+            for k in named:
+                check.ids(k, a[k])
+            as_is = a["weights"] is w and all(a[k] is named[k] for k in named)
+        except (TypeError, ValueError):
+            family, as_is = None, False
+        print(name, "fast" if fast is not None else "general",
+              "agrees" if (fast is not None) == as_is and fast in (None, family) else "DIFFERS",
+              sep="|")
+""")
+
+
+def test_plain_cupy_inputs_skip_only_what_resolve_and_the_checks_pass_as_they_are():
+    res = run_python("-c", PLAIN, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [line.split("|") for line in res.stdout.splitlines()]
+    assert len(rows) == 14 and all(verdict == "agrees" for *_, verdict in rows), res.stdout
+    assert {name for name, path, _ in rows if path == "fast"} == {
+        "plain", "int32 ids", "2-D ids", "fp16", "two id arrays"}, res.stdout
+
+
 def test_it_refuses_the_simulator_and_a_late_install():
     res = run_python("-c", "from hbkernels.bench import null_device as nd; nd.install()",
                      timeout=120)

@@ -378,9 +378,10 @@ def _module():
 
     def asarray(a, dtype=None, order=None):
         if isinstance(a, NullArray):
-            if dtype is None or np.dtype(dtype) == a.dtype:
+            same = dtype is None or np.dtype(dtype) == a.dtype
+            if same and (order != "C" or a.flags.c_contiguous):
                 return a
-            return a.astype(dtype)
+            return _library(lambda h: np.asarray(h, dtype=dtype, order=order).copy(order="C"), a)
         COUNTS["library"] += 1  # a host to device copy
         return _allocate(np.array, a, dtype=dtype, copy=True)
 

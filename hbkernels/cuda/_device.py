@@ -34,9 +34,24 @@ AFTER_WAIT = []  # functions to_host calls after its read (registered by ._pendi
 QUEUED = [False]  # whether hbkernels has queued device work (or allocated) since import
 
 
+_RUNTIME = []  # CuPy's getDevice and get_current_stream, looked up once
+
+
+def _runtime():
+    if not _RUNTIME:
+        cuda = _cupy().cuda
+        _RUNTIME[:] = [cuda.runtime.getDevice, cuda.get_current_stream]
+    return _RUNTIME
+
+
 def device_id():
     """The current device's id (0 under the simulator)."""
-    return 0 if _SIMULATOR else int(_cupy().cuda.runtime.getDevice())
+    return 0 if _SIMULATOR else (_RUNTIME or _runtime())[0]()
+
+
+def current_stream():
+    """CuPy's current stream (a GPU only)."""
+    return (_RUNTIME or _runtime())[1]()
 
 
 def xp():

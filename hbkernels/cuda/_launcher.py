@@ -70,13 +70,14 @@ def _c_strides(shape, itemsize):
     return tuple(reversed(strides))
 
 
-def _cupy_fields(a):
-    return ((a.dtype, a.ndim, a.flags.c_contiguous),
-            (0, 0, a.size, a.itemsize, a.data.ptr, *a.shape, *a.strides))
+def _cupy_fields(a, flat):
+    """Append the ABI fields of CuPy array ``a`` to ``flat``; returns its kind."""
+    flat += (0, 0, a.size, a.itemsize, a.data.ptr, *a.shape, *a.strides)
+    return a.dtype, a.ndim, a.flags.c_contiguous
 
 
-def _interface_fields(a):
-    """Fields of any array with ``__cuda_array_interface__`` (Numba's device arrays)."""
+def _interface_fields(a, flat):
+    """The same for any array with ``__cuda_array_interface__`` (Numba's device arrays)."""
     cai = a.__cuda_array_interface__
     dtype = np.dtype(getattr(a, "dtype", cai["typestr"]))
     shape = tuple(int(s) for s in cai["shape"])
@@ -84,8 +85,8 @@ def _interface_fields(a):
     strides = tuple(cai.get("strides") or dense)
     contiguous = all(s == d for s, d, n in zip(strides, dense, shape) if n > 1)
     size = int(np.prod(shape, dtype=np.int64))
-    return ((dtype, len(shape), contiguous),
-            (0, 0, size, dtype.itemsize, cai["data"][0] or 0, *shape, *strides))
+    flat += (0, 0, size, dtype.itemsize, cai["data"][0] or 0, *shape, *strides)
+    return dtype, len(shape), contiguous
 
 
 _FIELDS = {}  # array type -> fields function, filled on first sight
@@ -113,9 +114,7 @@ def arguments(args):
         t = type(a)
         fields = _FIELDS.get(t)
         if fields is not None:
-            kind, values = fields(a)
-            kinds.append(kind)
-            flat += values
+            kinds.append(fields(a, flat))
         elif t in _PLAIN:
             kinds.append(t)
             flat.append(a)
@@ -155,9 +154,10 @@ class _Loaded:
         self.name = name
 
     def buffers(self):
-        """This thread's ``(argument buffer, address of its parameter pointer array)``; the
-        first call in a thread also makes the device's context current there (the driver's
-        launch does not, and a thread that has made no CUDA runtime call has none)."""
+        """This thread's ``(argument buffer, parameter pointer array, its address)``, made
+        on first use in the thread, which also makes the device's context current there
+        (the driver's launch does not, and a thread that has made no CUDA runtime call has
+        none)."""
         held = getattr(self.local, "held", None)
         if held is None:
             _GPU["context"]()
@@ -166,7 +166,7 @@ class _Loaded:
             pointers = (ctypes.c_void_p * max(self.count, 1))(
                 *[base + _SLOT * i for i in range(self.count)])
             held = self.local.held = (buf, pointers, ctypes.addressof(pointers))
-        return held[0], held[2]
+        return held
 
 
 _LOADED = {}  # (kernel, kinds, device) -> _Loaded
@@ -233,15 +233,16 @@ def launch(kernel, blocks, threads, *args):
         return
     gpu = _GPU or _gpu()
     kinds, flat = arguments(args)
+    kinds = tuple(kinds)
     if RECORDER[0] is not None:
         RECORDER[0](kernel, tuple(numba_type(k) for k in kinds), threads)
     device = gpu["device"]()
     loaded = _LOADED.get((kernel, kinds, device)) or _load(kernel, kinds, device)
-    buf, pointers = loaded.buffers()
+    held = getattr(loaded.local, "held", None) or loaded.buffers()
     try:
-        loaded.packer.pack_into(buf, 0, *flat)
+        loaded.packer.pack_into(held[0], 0, *flat)
     except struct.error as error:
         raise OverflowError(f"an argument of kernel {loaded.name} does not fit its parameter "
                             f"type: {error}") from None
-    gpu["launch"](loaded.function, blocks, 1, 1, threads, 1, 1, 0, gpu["stream"]().ptr,
-                  pointers, 0)
+    gpu["launch"](loaded.function, blocks, 1, 1, threads, 1, 1, 0,
+                  gpu["stream"]().ptr, held[2], 0)

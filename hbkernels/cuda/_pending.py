@@ -24,7 +24,7 @@ import threading
 
 import numpy as np
 
-from .._machine import cupy, simulator_enabled
+from .._machine import simulator_enabled
 from . import _device
 from ._launch import NO_ERROR_SLOT, error_positions
 
@@ -53,7 +53,7 @@ _SIMULATOR = simulator_enabled()  # fixed for the process once numba.cuda is imp
 
 
 def _stream():
-    return None if _SIMULATOR else cupy().cuda.get_current_stream()
+    return None if _SIMULATOR else _device.current_stream()
 
 
 def checks(count, op, report, holds=(), when=True):
@@ -79,12 +79,27 @@ class _Checked:
     def __enter__(self):
         _LOCK.acquire()
         try:
-            slots = _slots(self.count, self.op, self.report, self.holds)
+            held = 0
+            for a in self.holds:
+                if a is not None:
+                    held += a.nbytes
+            count = self.count
+            ledger = _LEDGERS.get(_device.device_id())
+            if ledger is None or (ledger.used + count > CAPACITY or len(ledger.calls) >= MAX_PENDING
+                                  or (ledger.calls and ledger.held + held > MAX_HELD_BYTES)):
+                ledger = _room(count, self.op, ledger)
+            first = ledger.used
+            ledger.used = first + count
+            ledger.held += held
+            ledger.calls.append((self.op, first, count, self.report, _stream()))
+            view = ledger.views.get((first, count))
+            if view is None:  # a slice of the ledger, made once: slicing a CUDA array costs the host
+                view = ledger.views[(first, count)] = ledger.array[first:first + count]
         except BaseException:
             _LOCK.release()
             raise
         _OPEN[0] += 1
-        return slots
+        return view
 
     def __exit__(self, *exc):
         _OPEN[0] -= 1
@@ -95,31 +110,16 @@ class _Checked:
 _UNCHECKED = contextlib.nullcontext()  # nothing checked: no slots
 
 
-def _slots(count, op, report, holds):
-    """The next ``count`` slots of the current device's ledger, noting the call (the
-    caller holds :data:`_LOCK`)."""
-    held = 0
-    for a in holds:
-        if a is not None:
-            held += a.nbytes
-    device = _device.device_id()
-    ledger = _LEDGERS.get(device)
-    if ledger is not None and (ledger.used + count > CAPACITY
-                               or len(ledger.calls) >= MAX_PENDING
-                               or (ledger.calls and ledger.held + held > MAX_HELD_BYTES)):
-        flush(wait=True)
-        if ledger.used + count > CAPACITY:  # not flushed: inside another checks block
-            raise RuntimeError(f"{op}: no error slots left for a check nested in another")
+def _room(count, op, ledger):
+    """The current device's ledger with room for ``count`` more slots and one more call
+    (made on first use, else flushed; the caller holds :data:`_LOCK`)."""
     if ledger is None:
-        ledger = _LEDGERS[device] = _Ledger()
-    first = ledger.used
-    ledger.used += count
-    ledger.held += held
-    ledger.calls.append((op, first, count, report, _stream()))
-    view = ledger.views.get((first, count))
-    if view is None:  # a slice of the ledger, made once: slicing a CUDA array costs the host
-        view = ledger.views[(first, count)] = ledger.array[first:first + count]
-    return view
+        ledger = _LEDGERS[_device.device_id()] = _Ledger()
+        return ledger
+    flush(wait=True)
+    if ledger.used + count > CAPACITY:  # not flushed: inside another checks block
+        raise RuntimeError(f"{op}: no error slots left for a check nested in another")
+    return ledger
 
 
 def check_now():

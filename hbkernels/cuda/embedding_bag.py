@@ -277,16 +277,24 @@ def pool(family, table, values, offsets, n_values, weights, combiner, identity, 
     k_offsets = family.kernel_array(offsets)
     k_values = k_offsets if identity else family.kernel_array(values)
     k_weights = k_values if weights is None else family.kernel_array(weights)
-    width, group, chunks_per_lane = _vector.geometry(k_table)
-    tpb = threads_per_block()
-    kernel = pool_kernel(dtype_key(table.dtype),
-                         dtype_key(None if weights is None else weights.dtype),
-                         width, group, chunks_per_lane, bool(identity),
-                         table.shape[0] < 2**31)
-    launch(kernel, blocks_for(num_bags, tpb // group), tpb,
+    w_dtype = None if weights is None else weights.dtype
+    key = (table.dtype, w_dtype, bool(identity), table.shape[0] < 2**31, dim,
+           table.shape[0] <= 1, k_table.strides, _vector.data_pointer(k_table) % _vector.VECTOR_BYTES)
+    plan = _PLANS.get(key)
+    if plan is None:
+        width, group, chunks_per_lane = _vector.geometry(k_table)
+        tpb = threads_per_block()
+        plan = _PLANS[key] = (pool_kernel(dtype_key(table.dtype), dtype_key(w_dtype), width, group,
+                                          chunks_per_lane, bool(identity), table.shape[0] < 2**31),
+                              tpb // group, tpb)
+    kernel, bags_per_block, tpb = plan
+    launch(kernel, blocks_for(num_bags, bags_per_block), tpb,
            k_table, k_values, k_offsets, n_values, k_weights, combiner, check_offsets, record_ids,
            family.kernel_array(out), no_error_slots() if slots is None else slots)
     return out
+
+
+_PLANS = {}  # what pool's kernel and geometry depend on -> (kernel, bags per block, threads)
 
 
 def embedding_bag(family, weights, values, offsets, per_sample_weights, combiner, bounds):

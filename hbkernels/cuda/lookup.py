@@ -115,7 +115,7 @@ def lookup(family, weights, ids, bounds):
     """``(out [ids.size, D], -1)`` of the ids (any shape, gathered in C order); the
     check is left pending, its error naming the id by its index in ``ids``."""
     dim = weights.shape[1]
-    flat = family.reshape(ids, (-1,))
+    flat = ids if ids.ndim == 1 else family.reshape(ids, (-1,))
     n = flat.shape[0]
     record = bounds == Bounds.RAISE
     if weights.shape[0] == 0:  # every id is bad: zero rows, the first bad position is 0

@@ -418,34 +418,40 @@ def _state_view(family, state, acc_dtype):
 def _launch_update(family, rule, weights, state1, state2, hp, ids, count, grad, occ, grad_dtype,
                    num_ids_bound, skip_nonfinite, stochastic, key, checks):
     dim = weights.shape[1]
-    table_acc = accumulator_dtype(weights.dtype)
-    stochastic = bool(stochastic) and np.dtype(weights.dtype).name in STOCHASTIC_FORMATS
-    key = int(key)
-    group = group_size(dim)
-    tpb = threads_per_block()
-    columns = columns_per_lane(dim, group)
-    passes = -(-dim // (UNROLL * group))
     fused = occ is not None
+    plan = _PLANS.get((weights.dtype, grad_dtype, fused, dim))
+    if plan is None:
+        group = group_size(dim)
+        columns = columns_per_lane(dim, group)
+        plan = _PLANS[(weights.dtype, grad_dtype, fused, dim)] = (
+            accumulator_dtype(weights.dtype), np.dtype(weights.dtype).name in STOCHASTIC_FORMATS,
+            group, threads_per_block(),
+            _update_kernel(dtype_key(weights.dtype), dtype_key(grad_dtype), fused, columns,
+                           -(-dim // (UNROLL * group))))
+    table_acc, can_round, group, tpb, kernel = plan
+    stochastic = bool(stochastic) and can_round
+    key = int(key)
+    h = np.asarray(hp, np.float64).tolist()  # Python floats: the kernel takes float64
     if fused:
         sums = (*occ.kernel_arrays(), occ.grouping.starts, occ.chunk)
     else:
         none_i = _device.scratch(0, np.int64)
         sums = (none_i, none_i, _device.scratch(0, table_acc),
                 _device.scratch((0, dim), table_acc), none_i, 1)
-    kernel = _update_kernel(dtype_key(weights.dtype), dtype_key(grad_dtype), fused, columns,
-                            passes)
     launch(kernel, blocks_for(num_ids_bound, tpb // group), tpb,
            family.kernel_array(weights),
            _state_view(family, state1, table_acc),
            _state_view(family, state2, table_acc),
            ids, count, grad, *sums, int(rule),
-           float(hp[rules.LR]), float(hp[rules.EPS]), 1.0 - float(hp[rules.BETA1]),
-           1.0 - float(hp[rules.BETA2]), float(hp[rules.L1]), 2.0 * float(hp[rules.L2]),
-           -float(hp[rules.LR_POWER]), float(hp[rules.LR_POWER]) == -0.5,
-           float(hp[rules.STEP_SIZE]), 1.0 / dim,
+           h[rules.LR], h[rules.EPS], 1.0 - h[rules.BETA1], 1.0 - h[rules.BETA2], h[rules.L1],
+           2.0 * h[rules.L2], -h[rules.LR_POWER], h[rules.LR_POWER] == -0.5, h[rules.STEP_SIZE],
+           1.0 / dim,
            bool(skip_nonfinite), stochastic,
            np.uint64(key & 0xFFFFFFFF), np.uint64((key >> 32) & 0xFFFFFFFF), group,
            no_error_slots() if checks is None else checks)
+
+
+_PLANS = {}  # (table dtype, gradient dtype, fused, D) -> what _launch_update derives from them
 
 
 def sparse_update(family, rule, weights, state1, state2, hp, ids, rows, skip_nonfinite,
