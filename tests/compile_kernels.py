@@ -125,8 +125,8 @@ def gather(suite_dir, worker, timeout, compiler=None):
                 with open(os.path.join(suite_dir, name), "rb") as f:
                     for key, count in pickle.load(f).items():
                         LAUNCHES[key] = LAUNCHES.get(key, 0) + count
-        if compiler is not None:
-            compiler.poll()
+        if compiler is not None:  # small batches: what is left at the end is split over cores
+            compiler.poll(most=8)
         if done:
             return
         if time.monotonic() > deadline:
@@ -306,19 +306,24 @@ class Background:
         save(items, path)
         return path, self.reports[-1]
 
-    def poll(self):
-        """Send the launches recorded since the last batch, at most once every ``every`` s."""
+    def poll(self, most=None):
+        """Send the launches recorded since the last batch (at most ``most`` of them), at
+        most once every ``every`` s and only once the worker has compiled every batch sent
+        before (what it has not been given when :meth:`finish` runs is split over fresh
+        processes there)."""
         import subprocess
         import time
 
         now = time.monotonic()
         if now - self.last < self.every or len(LAUNCHES) == len(self.sent):
             return
+        if not all(os.path.exists(report) for report in self.reports):
+            return
         self.last = now
         if self.worker is None:
             self.worker = self._start("serve", stdin=subprocess.PIPE)
         if self.worker.poll() is None:
-            new = [kv for kv in LAUNCHES.items() if kv[0] not in self.sent]
+            new = [kv for kv in LAUNCHES.items() if kv[0] not in self.sent][:most]
             self.worker.stdin.write(" ".join(self._batch(new)) + "\n")
             self.worker.stdin.flush()
 

@@ -247,8 +247,10 @@ def pytest_collection_finish(session):
     modules = {name for name in os.listdir(here) if name.startswith("test_") and name.endswith(".py")}
     collected = {item.path.name for item in session.items}
     SESSION["whole_suite"] = collected == modules and SESSION["deselected"] == 0
-    if WORKER is not None:  # the workers use every core: the last module compiles, the
-        return              # kernel model's module computes it
+    # a worker of pytest-xdist starts neither process: the workers keep every core busy, the
+    # last module compiles while it waits for the others, the kernel model's module computes it
+    if WORKER is not None:
+        return
     if (SIMULATOR and HAVE_NUMBA_CUDA and LAST_MODULE in collected
             and compile_kernels.have_cuda_compilers()):  # compile launches as the suite runs
         SESSION["compiler"] = compile_kernels.Background(tempfile.mkdtemp(prefix="hbk-compile-"))

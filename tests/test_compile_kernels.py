@@ -38,7 +38,7 @@ def every_workers_launches(tmp_path_factory):
     if WORKER is not None and os.environ.get("HBK_SUITE_DIR"):
         if SESSION["compiler"] is None and compile_kernels.have_cuda_compilers():
             SESSION["compiler"] = compile_kernels.Background(
-                str(tmp_path_factory.mktemp("compile")), every=5.0)
+                str(tmp_path_factory.mktemp("compile")), every=0.0)
         compile_kernels.gather(os.environ["HBK_SUITE_DIR"], WORKER, timeout=WAIT,
                                compiler=SESSION["compiler"])
 
