@@ -233,7 +233,6 @@ def launch(kernel, blocks, threads, *args):
         return
     gpu = _GPU or _gpu()
     kinds, flat = arguments(args)
-    kinds = tuple(kinds)
     if RECORDER[0] is not None:
         RECORDER[0](kernel, tuple(numba_type(k) for k in kinds), threads)
     device = gpu["device"]()
