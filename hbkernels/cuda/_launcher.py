@@ -237,7 +237,7 @@ def launch(kernel, blocks, threads, *args):
         RECORDER[0](kernel, tuple(numba_type(k) for k in kinds), threads)
     device = gpu["device"]()
     loaded = _LOADED.get((kernel, kinds, device)) or _load(kernel, kinds, device)
-    held = getattr(loaded.local, "held", None) or loaded.buffers()
+    held = loaded.buffers()
     try:
         loaded.packer.pack_into(held[0], 0, *flat)
     except struct.error as error:

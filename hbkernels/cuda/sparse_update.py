@@ -419,11 +419,12 @@ def _launch_update(family, rule, weights, state1, state2, hp, ids, count, grad, 
                    num_ids_bound, skip_nonfinite, stochastic, key, checks):
     dim = weights.shape[1]
     fused = occ is not None
-    plan = _PLANS.get((weights.dtype, grad_dtype, fused, dim))
+    signature = (weights.dtype, grad_dtype, fused, dim)
+    plan = _PLANS.get(signature)
     if plan is None:
         group = group_size(dim)
         columns = columns_per_lane(dim, group)
-        plan = _PLANS[(weights.dtype, grad_dtype, fused, dim)] = (
+        plan = _PLANS[signature] = (
             accumulator_dtype(weights.dtype), np.dtype(weights.dtype).name in STOCHASTIC_FORMATS,
             group, threads_per_block(),
             _update_kernel(dtype_key(weights.dtype), dtype_key(grad_dtype), fused, columns,
