@@ -5,7 +5,7 @@ device work is a few microseconds and the call's time is what the host spends on
 Each provider runs ``calls`` times back to back, then waits once for the device; the
 row's median is the wall time per call over such loops. On a GPU every case of
 :mod:`.host_cases` runs (every public op, each optimizer's fused step, a hash table's
-lookup, the main job's sparse step), and a note gives hbkernels' kernel launches and host
+lookup, the main job's sparse step, a collection's forward over seven widths), and a note gives hbkernels' kernel launches and host
 synchronisations per call (the backend's own counters).
 
 ``--device null`` runs the same cases on the null device (:mod:`.null_device`): the CUDA
@@ -87,8 +87,8 @@ def cases(ctx):
 
         out = [(f"{c.op} {c.mode}", HBK, c.call)
                for c in host_cases.op_cases(xp, lambda answers: contextlib.nullcontext(), b, d, e)]
-        main = host_cases.main_job_case(xp)
-        out.append((f"{main.op} {main.mode}", HBK, main.call))
+        for case in (host_cases.main_job_case(xp), host_cases.mixed_widths_case(xp)):
+            out.append((f"{case.op} {case.mode}", HBK, case.call))
     else:
         table = ctx.random_table(e, d, "float32")
         ids = ctx.zipf_ids(b, e, 1.05)
@@ -139,7 +139,8 @@ def profile_null(calls=100, loops=5, out=None):
           f"{null_device.COSTS_SOURCE})")
     print(f"{'op':<30} {'mode':<22} {'µs':>8} {'python µs [min, max]':>26} "
           f"{'launch':>6} {'lib':>4} {'sync':>4} {'alloc':>5}")
-    todo = host_cases.op_cases(cp, null_device.answers) + [host_cases.main_job_case(cp)]
+    todo = host_cases.op_cases(cp, null_device.answers) + [host_cases.main_job_case(cp),
+                                                           host_cases.mixed_widths_case(cp)]
     rows = []
     for case in todo:
         with null_device.answers(case.answers):

@@ -1,6 +1,7 @@
 """The calls whose host cost ``bench_launch`` measures: every public op, each optimizer's
-fused step, a hash table's lookup and the main job's sparse step, on CUDA arrays, at
-sizes where the device's own work is a few microseconds.
+fused step, a hash table's lookup, the main job's sparse step and a collection's forward
+over tables of seven widths, on CUDA arrays, at sizes where the device's own work is a
+few microseconds.
 
 Each :class:`HostCase` holds a call to repeat and, for the null device
 (:mod:`.null_device`), the answers to the reads of kernels' results it makes: the values
@@ -15,6 +16,7 @@ import hbkernels as hbk
 
 B, D, E = 256, 16, 1000  # one-id bags of a width-16 table of 1000 rows
 MAIN_BATCH = 1024
+MIXED_DIMS = (1, 4, 16, 24, 64, 128, 200)  # the widths of mixed_widths_case's tables
 NO_ERROR = np.iinfo(np.int64).max
 OPTIMIZERS = ("SGD", "Adagrad", "RowWiseAdagrad", "Adam", "Ftrl")
 
@@ -124,3 +126,20 @@ def main_job_case(xp, batch=MAIN_BATCH, seed=0):
         coll.backward(grads)
 
     return HostCase("main job sparse step", f"8 tables, batch {batch}", step)
+
+
+def mixed_widths_case(xp, batch=B, seed=0):
+    """A collection's forward over one table of each width of :data:`MIXED_DIMS` (E rows
+    each, combiners sum, mean and sqrtn in turn), ``batch`` bags of 0 to 4 ids each."""
+    rng = np.random.default_rng(seed)
+    combiners = ("sum", "mean", "sqrtn")
+    specs = [hbk.TableSpec(f"d{d}", num_rows=E, dim=d, combiner=combiners[i % 3])
+             for i, d in enumerate(MIXED_DIMS)]
+    features = {}
+    for spec in specs:
+        offsets = np.concatenate([[0], np.cumsum(rng.integers(0, 5, batch))]).astype(np.int64)
+        values = (rng.zipf(1.05, int(offsets[-1])) - 1) % E
+        features[spec.name] = hbk.Ragged(xp.asarray(values), xp.asarray(offsets))
+    coll = hbk.EmbeddingCollection(specs, comm=hbk.dist.init("local"), device="cuda", seed=seed)
+    return HostCase("collection forward", f"{len(specs)} widths, batch {batch}",
+                    lambda: coll.forward(features))

@@ -111,6 +111,9 @@ if simulator_enabled():
     def half_to_float32(bits):
         return np.float32(np.uint16(bits).view(np.float16))
 
+    def as_rows(flat, start, rows, dim):
+        return flat[start:start + rows * dim].reshape((rows, dim))
+
 else:
     from llvmlite import ir
     from numba import types as _types
@@ -142,6 +145,35 @@ else:
             return builder.fpext(builder.bitcast(value, ir.HalfType()), ir.FloatType())
 
         return _types.float32(bits), codegen
+
+    @intrinsic
+    def as_rows(typingctx, flat, start, rows, dim):
+        if not (isinstance(flat, _types.Array) and flat.ndim == 1 and flat.layout == "C"):
+            return None
+        view = _types.Array(flat.dtype, 2, "C")
+
+        def codegen(context, builder, sig, args):
+            from numba.cuda import cgutils
+
+            intp = context.get_value_type(_types.intp)
+            start, rows, dim = (context.cast(builder, a, t, _types.intp)
+                                for a, t in zip(args[1:], sig.args[1:]))
+            itemsize = intp(context.get_abi_sizeof(context.get_data_type(flat.dtype)))
+            whole = context.make_array(flat)(context, builder, args[0])
+            out = context.make_array(view)(context, builder)
+            context.populate_array(out, data=builder.gep(whole.data, [start]),
+                                   shape=cgutils.pack_array(builder, [rows, dim]),
+                                   strides=cgutils.pack_array(builder, [builder.mul(dim, itemsize),
+                                                                        itemsize]),
+                                   itemsize=itemsize, meminfo=None)
+            return out._getvalue()
+
+        return view(flat, start, rows, dim), codegen
+
+
+as_rows.__doc__ = """``as_rows(flat, start, rows, dim)``: the C-contiguous ``[rows, dim]`` view of
+the elements ``[start, start + rows * dim)`` of the 1-D C-contiguous array ``flat`` (no
+copy, no bounds check; Numba's own ``reshape`` needs a helper the launcher does not link)."""
 
 
 @cuda.jit(device=True, inline=True)

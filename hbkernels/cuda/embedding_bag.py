@@ -93,6 +93,16 @@ def bag_range(offsets, b, n_values, check_offsets, lane, slots):
     return start, min(max(hi, start), n_values)
 
 
+def pooling_parts(table_dtype, weights_dtype, width):
+    """``(widen, load, load_weight, store, zero)`` of a pooling kernel over a
+    ``table_dtype`` table read ``width`` elements at a time, weights of ``weights_dtype``
+    (None: none): the accumulator's conversion, the row loader, the weight reader, the
+    output's store and the accumulator's zero vector."""
+    return (WIDEN[accumulator_dtype(table_dtype)], _vector.loader(table_dtype, width),
+            load_as_float(weights_dtype or table_dtype), store_as(table_dtype),
+            _vector.zeros(table_dtype, width))
+
+
 @kernel_factory
 def pool_kernel(table_dtype, weights_dtype, width, group, chunks_per_lane, identity, narrow):
     """The pooling kernel for a table of ``table_dtype`` (:func:`dtype_key`), weights of
@@ -103,12 +113,8 @@ def pool_kernel(table_dtype, weights_dtype, width, group, chunks_per_lane, ident
     per_lane = max(1, U // group)  # ids a lane reads per batch
     batch = group * per_lane
     two = chunks_per_lane > 1
-    widen = WIDEN[accumulator_dtype(table_dtype)]
-    load = _vector.loader(table_dtype, width)
-    load_weight = load_as_float(weights_dtype or table_dtype)
-    store = store_as(table_dtype)
+    widen, load, load_weight, store, zero = pooling_parts(table_dtype, weights_dtype, width)
     weighted = weights_dtype is not None
-    zero = _vector.zeros(table_dtype, width)
     row_type = np.int32 if narrow else np.int64
 
     @cuda.jit(device=True, inline=True)

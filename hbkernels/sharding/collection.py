@@ -22,6 +22,10 @@ to the owners, one optimizer step per fused array on the owned rows only.
 At world size 1 nothing is exchanged: every fused array is pooled from its own
 rows (no dedup), and a fused array pooled in one launch takes
 ``optimizer.fused_step`` (backward and update in one pass over its distinct rows).
+On a GPU the static, unquantized fused arrays of one dtype are blocks of one flat
+array (:attr:`EmbeddingCollection.flats`): the features a rank pools from its own
+rows over them take one launch, whatever the widths and combiners
+(:mod:`hbkernels.cuda.pool_tables`).
 A fused array in a slow tier first turns the rows a batch asks of it into rows of
 its cache (:mod:`hbkernels.sharding.tier`); the kernels then run on the cache.
 
@@ -57,6 +61,7 @@ from .. import dist as _dist
 from .. import optim as _optim
 from .._dispatch import device_family, host, kernels, resolve
 from .._machine import cupy, simulator_enabled
+from .._modes import Combiner
 from ..dist import _wire
 from ..errors import CapacityError
 from ..hash_table import HashTable
@@ -77,6 +82,7 @@ from .tier import FusedArrays, Store, Tier
 
 
 CHAIN_LIMIT = 0.5  # save(incremental=True): a full save once the chain holds this x a full one
+FLAT_ALIGN = 256  # bytes: where each fused array starts in its flat array on a GPU
 
 
 class Pool(NamedTuple):
@@ -287,6 +293,9 @@ class EmbeddingCollection:
         :attr:`tiers`."""
         arrays = {}
         self.tiers = {}
+        blocks, sizes = self._plan_flats()
+        host_flats = {key: aligned_empty((size,), key[1], alignment=FLAT_ALIGN)
+                      for key, size in sizes.items()}
         for group in self.layout.groups(self.comm.rank):
             if group.bits:
                 arrays[group] = quantized_tables.allocate(
@@ -298,7 +307,12 @@ class EmbeddingCollection:
             if group.storage == "mmap":
                 arrays[group] = self._tier(group, initializer)
                 continue
-            weights = aligned_empty((self.layout.rows[self.comm.rank, group], group.width), group.dtype)
+            shape = (self.layout.rows[self.comm.rank, group], group.width)
+            if group in blocks:  # a view of its flat array's host copy
+                at = blocks[group][1]
+                weights = host_flats[blocks[group][0]][at:at + shape[0] * shape[1]].reshape(shape)
+            else:
+                weights = aligned_empty(shape, group.dtype)
             for shard in self.local_shards(group):
                 if group.dynamic:  # a dynamic table's rows are made as ids arrive
                     weights[shard.base:shard.base + shard.num_rows] = 0
@@ -310,9 +324,37 @@ class EmbeddingCollection:
             if group.storage == "host":
                 arrays[group] = self._tier(group, initializer, weights)
                 continue
+            if group in blocks:
+                arrays[group] = None  # (in its place among the groups) made below
+                continue
             weights = self._family(group.device).put(weights)
             arrays[group] = FusedArrays(weights, self.optimizer.init_state(weights))
+        #: ``(device, dtype) -> the flat device array`` whose blocks are the weights of
+        #: this rank's static device groups of that dtype (:meth:`_plan_flats`)
+        self.flats = {key: self._family(key[0]).put(flat) for key, flat in host_flats.items()}
+        self._flat_of = {group: key for group, (key, _) in blocks.items()}
+        for group, (key, at) in blocks.items():
+            shape = (self.layout.rows[self.comm.rank, group], group.width)
+            weights = self.flats[key][at:at + shape[0] * shape[1]].reshape(shape)
+            arrays[group] = FusedArrays(weights, self.optimizer.init_state(weights))
         return arrays
+
+    def _plan_flats(self):
+        """``({group: ((device, dtype), element offset)}, {(device, dtype): elements})``:
+        where each static, unquantized fused array this rank keeps on a GPU lies in the
+        one flat array of its device and dtype (blocks of :data:`FLAT_ALIGN` bytes), so
+        that a forward pools all of them in one launch."""
+        blocks, sizes = {}, defaultdict(int)
+        for group in self.layout.groups(self.comm.rank):
+            if (group.bits or group.dynamic or group.storage != "device"
+                    or not self._family(group.device).is_cuda):
+                continue
+            key = (group.device, np.dtype(group.dtype))
+            step = FLAT_ALIGN // key[1].itemsize
+            blocks[group] = (key, sizes[key])
+            elements = int(self.layout.rows[self.comm.rank, group]) * group.width
+            sizes[key] += max(step, -(-elements // step) * step)
+        return blocks, dict(sizes)
 
     def _agree_across_ranks(self):
         """:class:`~hbkernels.dist.CommError` on every rank, naming what differs, unless
@@ -526,8 +568,7 @@ class EmbeddingCollection:
         if self.comm.world_size == 1:  # nothing leaves the rank: every group pools its own rows
             self._check_capacity(self._local_ids(inputs))
             exchanges = []
-            local = [self._forward_local(group, inputs, outputs, replicated=False)
-                     for group in self.layout.exchange_groups]
+            local = self._forward_locals(self.layout.exchange_groups, inputs, outputs, False)
         else:
             sent = [self._send_ids(group, inputs) for group in self.layout.exchange_groups]
             self._check_capacity({group.table: ids for group, ids in
@@ -536,8 +577,7 @@ class EmbeddingCollection:
             exchanges = [self._forward_exchange(group, inputs, outputs, s)
                          for group, s in zip(self.layout.exchange_groups, sent)]
             local = []
-        local += [self._forward_local(group, inputs, outputs, replicated=True)
-                  for group in self.layout.replica_groups]
+        local += self._forward_locals(self.layout.replica_groups, inputs, outputs, True)
         self._saved = Saved(inputs, exchanges, local)
         result = {}
         for f, feature in inputs.items():
@@ -751,6 +791,86 @@ class EmbeddingCollection:
         pools = self._pool(space, rows, requests, starts, inputs,
                            lambda k: inputs[requests[k][0]].inverse, outputs)
         return ExchangeContext(group, pools, total, order, send_counts, recv_keys, recv_counts)
+
+    def _forward_locals(self, groups, inputs, outputs, replicated):
+        """:meth:`_forward_local` of each of ``groups``; those in a flat array pooled
+        together, one launch per flat array (:meth:`_pool_flat`)."""
+        flat = defaultdict(list)
+        for group in groups:
+            if group in self._flat_of:
+                flat[self._flat_of[group]].append(group)
+        pooled = {}
+        for key, members in flat.items():
+            pooled.update(self._pool_flat(key, members, inputs, outputs, replicated))
+        return [pooled[group] if group in pooled else
+                self._forward_local(group, inputs, outputs, replicated) for group in groups]
+
+    def _pool_flat(self, key, groups, inputs, outputs, replicated):
+        """Pool the requests of ``groups`` (static fused arrays in :attr:`flats` ``[key]``)
+        in one launch (:mod:`hbkernels.cuda.pool_tables`); each feature's output, whole,
+        goes to ``outputs``. Returns ``{group: LocalContext}``, their pools (one per
+        combiner, as :meth:`_pool` makes them) views of what the launch wrote."""
+        space = self._family(key[0])
+        xp, me = space.xp, self.comm.rank
+        pool_tables = kernels(space, "pool_tables")
+        values, offsets, psws, segments, placed, layouts = [], [], [], [], {}, []
+        at = [0, 0, 0, 0, 0]  # the next feature's first value, offset and output element;
+        #                       the next pool's first row and first bound
+        for group in groups:
+            by_combiner = defaultdict(list)
+            for f, route in self._requests(group, inputs, replicated):
+                by_combiner[self.tables[route.table].combiner or "sum"].append((f, route))
+            pools = []
+            for combiner, members in sorted(by_combiner.items()):
+                first_row, first_bound, bag, pieces = at[3], at[4], 0, []
+                for f, route in members:
+                    feature, spec = inputs[f], self.tables[route.table]
+                    n = int(feature.values.shape[0])
+                    if f not in placed:
+                        placed[f] = tuple(at[:3])
+                        values.append(feature.values)
+                        offsets.append(feature.offsets)
+                        psws.append(feature.psw)
+                        at[0] += n
+                        at[1] += feature.batch + 1
+                        at[2] += feature.batch * spec.dim
+                    first_value, first_offset, out = placed[f]
+                    segments.append(pool_tables.Segment(
+                        self.arrays[group].weights, first_value, n, first_offset, feature.batch,
+                        int(route.bases[me]), Combiner[combiner.upper()], out, spec.dim, route.c0,
+                        at[3], at[4] + bag, at[3] - first_row))
+                    pieces.append((f, route.c0, route.c1, bag, feature.batch))
+                    at[3] += n
+                    bag += feature.batch
+                at[4] += bag + 1
+                pools.append((combiner, first_row, at[3], first_bound, bag, pieces))
+            layouts.append((group, pools))
+        if not segments:
+            return {}
+        weights = None
+        if any(p is not None for p in psws):
+            weights = xp.concatenate([p if p is not None else xp.ones(v.shape[0], np.float32)
+                                      for p, v in zip(psws, values)])
+        with self._phase("kernels"):
+            out, rows, bounds = pool_tables.pool_tables(
+                space, self.flats[key], segments, xp.concatenate(values, dtype=np.int64),
+                xp.concatenate(offsets, dtype=np.int64), weights, (at[2], at[3], at[4]))
+        for f, (_, _, first) in placed.items():
+            batch, dim = inputs[f].batch, self.tables[inputs[f].table].dim
+            outputs[f] = [(0, dim, out[first:first + batch * dim].reshape(batch, dim))]
+        contexts = {}
+        for group, pools in layouts:
+            made = []
+            for combiner, first_row, end_row, first_bound, bags, pieces in pools:
+                psw = None
+                if any(inputs[f].psw is not None for f, *_ in pieces):
+                    psw = xp.concatenate([inputs[f].psw if inputs[f].psw is not None
+                                          else xp.ones(inputs[f].values.shape[0], np.float32)
+                                          for f, *_ in pieces])
+                made.append(Pool(combiner, rows[first_row:end_row],
+                                 bounds[first_bound:first_bound + bags + 1], psw, pieces))
+            contexts[group] = LocalContext(group, made)
+        return contexts
 
     def _forward_local(self, group, inputs, outputs, replicated):
         """Pool ``group``'s requests from this rank's own rows: a replicated group at

@@ -1,0 +1,150 @@
+"""The collection's forward on the CUDA path: the static tables of one dtype, whatever
+their widths and combiners, pooled in one launch (``hbkernels.cuda.pool_tables``),
+each feature's output against ``hbkernels.reference`` of its own table; a training
+step equal to the CPU collection's; the launches a forward makes."""
+import numpy as np
+import pytest
+
+import hbkernels as hbk
+from hbkernels import reference
+from hbkernels._dispatch import device_family, host
+
+pytestmark = pytest.mark.cuda
+
+DIMS = (1, 4, 16, 24, 64, 128, 200)
+COMBINERS = ("sum", "mean", "sqrtn", None, "mean", "sum", "sqrtn")
+TOLERANCE = {"float32": 1e-5, "float16": 2e-3}
+
+
+def tables(dtypes):
+    """A table of each width of :data:`DIMS`, combiners mixed (None: a sequence table),
+    the dtypes taken in turn; table ``t4`` has two features, and ``u16`` shares the
+    fused array of ``t16`` (same width and dtype) from its row 5 on."""
+    specs = [hbk.TableSpec(f"t{d}", num_rows=5 + i, dim=d, combiner=c, dtype=dtypes[i % len(dtypes)],
+                           features=[f"t{d}", f"t{d}b"] if d == 4 else None)
+             for i, (d, c) in enumerate(zip(DIMS, COMBINERS))]
+    return specs + [hbk.TableSpec("u16", num_rows=4, dim=16, combiner="mean", dtype=specs[2].dtype)]
+
+
+def features(rng, specs, batch, id_dtype, weighted=()):
+    """``({feature: (values, offsets)}, {feature: weights})``: bags of 0 to 5 ids (the
+    first bag empty), ids drawn so that row 0 repeats and the table's last row appears."""
+    out, psw = {}, {}
+    for spec in specs:
+        for f in spec.features or [spec.name]:
+            lengths = rng.integers(0, 6, batch)
+            if batch:
+                lengths[0] = 0
+            offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+            values = np.where(rng.random(offsets[-1]) < 0.4, 0,
+                              rng.integers(0, spec.num_rows, offsets[-1])).astype(id_dtype)
+            if values.size:
+                values[-1] = spec.num_rows - 1
+            out[f] = (values, offsets)
+            if f in weighted:
+                psw[f] = rng.random(values.size).astype(np.float32)
+    return out, psw
+
+
+def forward(coll, batch, psw):
+    put = device_family(coll.device).put
+    return coll.forward({f: hbk.Ragged(put(v), put(o)) for f, (v, o) in batch.items()},
+                        per_sample_weights={f: put(w) for f, w in psw.items()} or None)
+
+
+def launches(call):
+    """``(result, launches, pool_tables launches)`` of ``call()``."""
+    from hbkernels.cuda import _launcher
+
+    seen, chained = [], _launcher.RECORDER[0]
+
+    def record(kernel, argtypes, threads):
+        seen.append(getattr(kernel, "built_by", ("", ""))[1])
+        if chained is not None:
+            chained(kernel, argtypes, threads)
+
+    _launcher.RECORDER[0] = record
+    try:
+        result = call()
+    finally:
+        _launcher.RECORDER[0] = chained
+    return result, len(seen), seen.count("pool_tables_kernel")
+
+
+def expected(coll, spec, values, offsets, psw):
+    """The reference output of a feature of table ``spec``."""
+    weights = host(coll.full_weights(spec.name)).astype(np.float64)
+    if spec.combiner is None:
+        return reference.lookup(weights, values)
+    return reference.embedding_bag(weights, values, offsets, spec.combiner, psw)
+
+
+@pytest.mark.parametrize("dtypes", [("float32",), ("float32", "float16")])
+@pytest.mark.parametrize("id_dtype", [np.int64, np.int32])
+def test_one_launch_per_dtype_equals_each_table_alone(cuda_backend, rng, dtypes, id_dtype):
+    specs = tables(dtypes)
+    coll = hbk.EmbeddingCollection(specs, comm=hbk.dist.init("local"), device="cuda",
+                                   optimizer=hbk.optim.SGD(lr=0.1))
+    batch, psw = features(rng, specs, 3, id_dtype, weighted=("t16", "t4b", "t200"))
+    out, total, pooling = launches(lambda: forward(coll, batch, psw))
+    assert pooling == len(dtypes)
+    assert total == pooling + 1  # and the check of every feature's ids and offsets
+    for spec in specs:
+        for f in spec.features or [spec.name]:
+            got = out[f].values if spec.combiner is None else out[f]
+            want = expected(coll, spec, *batch[f], psw.get(f))
+            assert got.shape == want.shape
+            np.testing.assert_allclose(host(got).astype(np.float64), want,
+                                       rtol=TOLERANCE[spec.dtype], atol=TOLERANCE[spec.dtype],
+                                       err_msg=f)
+            if spec.combiner is not None:  # the same sums in the same order as embedding_bag's
+                put = device_family("cuda").put
+                alone = hbk.embedding_bag(put(host(coll.full_weights(spec.name))),
+                                          *map(put, batch[f]), combiner=spec.combiner,
+                                          per_sample_weights=put(psw[f]) if f in psw else None)
+                np.testing.assert_array_equal(host(got), host(alone), err_msg=f)
+
+
+def test_empty_and_absent_features(cuda_backend, rng):
+    specs = tables(("float32",))
+    coll = hbk.EmbeddingCollection(specs, comm=hbk.dist.init("local"), device="cuda")
+    before = {spec.name: host(coll.full_weights(spec.name)) for spec in specs}
+    batch, _ = features(rng, specs[:3], 0, np.int64)  # three features, no bags
+    out, _, pooling = launches(lambda: forward(coll, batch, {}))
+    assert pooling == 1 and sorted(out) == sorted(batch)
+    assert all(out[f].shape == (0, coll.tables[coll.feature_table[f]].dim) for f in out)
+    coll.backward({f: device_family("cuda").put(np.zeros(o.shape, np.float32)) for f, o in out.items()})
+    for spec in specs:
+        np.testing.assert_array_equal(host(coll.full_weights(spec.name)), before[spec.name])
+    batch, _ = features(rng, specs[4:], 2, np.int64)  # only some tables
+    out, _, pooling = launches(lambda: forward(coll, batch, {}))
+    assert pooling == 1
+    for spec in specs[4:]:
+        want = expected(coll, spec, *batch[spec.name], None)
+        got = out[spec.name].values if spec.combiner is None else out[spec.name]
+        np.testing.assert_allclose(host(got), want, rtol=1e-5, atol=1e-6)
+
+
+def test_training_steps_equal_the_cpu_collection(cuda_backend, rng):
+    specs = tables(("float32",))
+    colls = {device: hbk.EmbeddingCollection(specs, comm=hbk.dist.init("local"), device=device,
+                                             optimizer=hbk.optim.Adagrad(lr=0.5))
+             for device in ("cpu", "cuda")}
+    for _ in range(2):
+        batch, psw = features(rng, specs, 3, np.int64, weighted=("t64",))
+        grads = {}
+        outs = {}
+        for device, coll in colls.items():
+            put = device_family(device).put
+            out = forward(coll, batch, psw)
+            outs[device] = {f: host(o.values if isinstance(o, hbk.JaggedRows) else o)
+                            for f, o in out.items()}
+            if not grads:
+                grads = {f: rng.standard_normal(o.shape).astype(np.float32)
+                         for f, o in outs[device].items()}
+            coll.backward({f: put(g) for f, g in grads.items()})
+        for f in outs["cpu"]:
+            np.testing.assert_allclose(outs["cuda"][f], outs["cpu"][f], rtol=1e-5, atol=1e-6)
+    for spec in specs:
+        np.testing.assert_allclose(host(colls["cuda"].full_weights(spec.name)),
+                                   host(colls["cpu"].full_weights(spec.name)), rtol=1e-5, atol=1e-6)
