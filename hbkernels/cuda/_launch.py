@@ -119,8 +119,10 @@ else:
     from numba import types as _types
 
     try:
+        from numba.cuda import cgutils
         from numba.cuda.extending import intrinsic
     except ImportError:  # numba-cuda before its own copy of the core
+        from numba.core import cgutils
         from numba.core.extending import intrinsic
 
     @cuda.jit(device=True, inline=True)
@@ -153,8 +155,6 @@ else:
         view = _types.Array(flat.dtype, 2, "C")
 
         def codegen(context, builder, sig, args):
-            from numba.cuda import cgutils
-
             intp = context.get_value_type(_types.intp)
             start, rows, dim = (context.cast(builder, a, t, _types.intp)
                                 for a, t in zip(args[1:], sig.args[1:]))

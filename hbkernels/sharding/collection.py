@@ -655,29 +655,34 @@ class EmbeddingCollection:
         return [(f, route) for f, feature in inputs.items() for route in self.layout.routes[feature.table]
                 if route.group == group and SHARDINGS[route.kind].replicated == replicated]
 
+    @staticmethod
+    def _joined_weights(space, features):
+        """The per-sample weights of ``features`` one after another (ones for a feature
+        without), or None where none has any."""
+        if all(feature.psw is None for feature in features):
+            return None
+        return space.xp.concatenate([space.put(feature.psw) if feature.psw is not None else
+                                     space.xp.ones(feature.values.shape[0], np.float32)
+                                     for feature in features])
+
     def _pool(self, space, group_rows, requests, starts, inputs, ids_of, outputs, bounds="unchecked"):
         """One ``embedding_bag`` per combiner over ``group_rows`` for the ``requests``
         (the ids of request k are ``ids_of(k) + starts[k]``); pieces go to ``outputs``."""
-        xp = space.xp
         pools = []
         by_combiner = defaultdict(list)
         for k, (f, route) in enumerate(requests):
             by_combiner[self.tables[route.table].combiner or "sum"].append(k)  # None: 1-id bags
         for combiner, ks in sorted(by_combiner.items()):
-            psws, pieces, bag = [], [], 0
-            any_psw = any(inputs[requests[k][0]].psw is not None for k in ks)
+            pieces, bag = [], 0
             for k in ks:
                 f, route = requests[k]
-                feature = inputs[f]
-                if any_psw:
-                    psws.append(space.put(feature.psw) if feature.psw is not None else
-                                xp.ones(feature.values.shape[0], np.float32))
-                pieces.append((f, route.c0, route.c1, bag, feature.batch))
-                bag += feature.batch
+                pieces.append((f, route.c0, route.c1, bag, inputs[f].batch))
+                bag += inputs[f].batch
             values, offsets = kernels(space, "join_bags").join_bags(
                 space, [space.put(ids_of(k)) for k in ks], [starts[k] for k in ks],
                 [space.put(inputs[requests[k][0]].offsets) for k in ks])
-            pool = Pool(combiner, values, offsets, xp.concatenate(psws) if any_psw else None,
+            pool = Pool(combiner, values, offsets,
+                        self._joined_weights(space, [inputs[requests[k][0]] for k in ks]),
                         pieces, bounds)
             with self._phase("kernels"):
                 out = embedding_bag(group_rows, pool.values, pool.offsets, combiner=combiner,
@@ -813,7 +818,7 @@ class EmbeddingCollection:
         space = self._family(key[0])
         xp, me = space.xp, self.comm.rank
         pool_tables = kernels(space, "pool_tables")
-        values, offsets, psws, segments, placed, layouts = [], [], [], [], {}, []
+        values, offsets, segments, placed, layouts = [], [], [], {}, []
         at = [0, 0, 0, 0, 0]  # the next feature's first value, offset and output element;
         #                       the next pool's first row and first bound
         for group in groups:
@@ -830,7 +835,6 @@ class EmbeddingCollection:
                         placed[f] = tuple(at[:3])
                         values.append(feature.values)
                         offsets.append(feature.offsets)
-                        psws.append(feature.psw)
                         at[0] += n
                         at[1] += feature.batch + 1
                         at[2] += feature.batch * spec.dim
@@ -847,14 +851,11 @@ class EmbeddingCollection:
             layouts.append((group, pools))
         if not segments:
             return {}
-        weights = None
-        if any(p is not None for p in psws):
-            weights = xp.concatenate([p if p is not None else xp.ones(v.shape[0], np.float32)
-                                      for p, v in zip(psws, values)])
         with self._phase("kernels"):
             out, rows, bounds = pool_tables.pool_tables(
                 space, self.flats[key], segments, xp.concatenate(values, dtype=np.int64),
-                xp.concatenate(offsets, dtype=np.int64), weights, (at[2], at[3], at[4]))
+                xp.concatenate(offsets, dtype=np.int64),
+                self._joined_weights(space, [inputs[f] for f in placed]), (at[2], at[3], at[4]))
         for f, (_, _, first) in placed.items():
             batch, dim = inputs[f].batch, self.tables[inputs[f].table].dim
             outputs[f] = [(0, dim, out[first:first + batch * dim].reshape(batch, dim))]
@@ -862,13 +863,10 @@ class EmbeddingCollection:
         for group, pools in layouts:
             made = []
             for combiner, first_row, end_row, first_bound, bags, pieces in pools:
-                psw = None
-                if any(inputs[f].psw is not None for f, *_ in pieces):
-                    psw = xp.concatenate([inputs[f].psw if inputs[f].psw is not None
-                                          else xp.ones(inputs[f].values.shape[0], np.float32)
-                                          for f, *_ in pieces])
                 made.append(Pool(combiner, rows[first_row:end_row],
-                                 bounds[first_bound:first_bound + bags + 1], psw, pieces))
+                                 bounds[first_bound:first_bound + bags + 1],
+                                 self._joined_weights(space, [inputs[f] for f, *_ in pieces]),
+                                 pieces))
             contexts[group] = LocalContext(group, made)
         return contexts
 
