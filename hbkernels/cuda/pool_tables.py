@@ -29,7 +29,7 @@ grow with the number of tables or widths.
 """
 import functools
 import math
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 from numba import cuda
@@ -51,11 +51,30 @@ FIELDS = ("first_value", "count", "first_offset", "bags", "row_start", "table", 
  COLUMN, ROWS_AT, POOL_OFFSETS_AT, POOL_FIRST_VALUE, GEOMETRY, GROUP) = range(len(FIELDS))
 
 
-class Segment(NamedTuple):
-    """One feature's bags over one table block (see the module doc); ``block`` is the
-    table's 2-D view (its rows, width and vector width are read from it)."""
+class Block(NamedTuple):
+    """Where one table lies in the flat array, and how a bag reads its rows
+    (:func:`block_of`)."""
 
-    block: Any
+    at: int  # element offset of its row 0
+    rows: int
+    dim: int
+    width: int  # elements per vector load
+    group: int  # lanes per bag
+
+
+def block_of(family, flat, view):
+    """The :class:`Block` of ``view``, a 2-D C-contiguous view of the 1-D ``flat``."""
+    k_view = family.kernel_array(view)
+    width = _vector.vector_width(k_view)
+    at = (_vector.data_pointer(k_view) - _vector.data_pointer(family.kernel_array(flat)))
+    return Block(at // flat.dtype.itemsize, int(view.shape[0]), int(view.shape[1]), width,
+                 group_size(view.shape[1] // width))
+
+
+class Segment(NamedTuple):
+    """One feature's bags over one table :class:`Block` (see the module doc)."""
+
+    block: Block
     first_value: int
     count: int
     first_offset: int
@@ -189,30 +208,26 @@ def pool_tables(family, table, segments, values, offsets, weights, sizes):
     """One launch pooling every segment: ``(out, rows, pool offsets)``, flat arrays of
     ``sizes`` elements (``out`` of ``table``'s dtype, the others int64; the elements no
     segment writes are left as they are in fresh arrays). ``table``: the flat array the
-    segments' blocks view; ``values``, ``offsets`` (int64), ``weights`` (or None) as the
+    segments' blocks lie in; ``values``, ``offsets`` (int64), ``weights`` (or None) as the
     module doc says."""
     out = family.empty((sizes[0],), table.dtype)
     rows = family.empty((sizes[1],), np.int64)
     pool_offsets = family.empty((sizes[2],), np.int64)
     if not segments:
         return out, rows, pool_offsets
-    k_table = family.kernel_array(table)
-    base, itemsize = _vector.data_pointer(k_table), table.dtype.itemsize
     widths, tpb = {}, threads_per_block()
     firsts, fields = [0], []
     for s in segments:
-        block = family.kernel_array(s.block)
-        width = _vector.vector_width(block)
-        group = group_size(block.shape[1] // width)
-        firsts.append(firsts[-1] + blocks_for(s.bags, tpb // group))
-        fields += [s.first_value, s.count, s.first_offset, s.bags, s.row_start,
-                   (_vector.data_pointer(block) - base) // itemsize, block.shape[0], block.shape[1],
-                   int(s.combiner), s.out, s.out_stride, s.column, s.rows_at, s.pool_offsets_at,
-                   s.pool_first_value, widths.setdefault(width, len(widths)), group]
+        block = s.block
+        firsts.append(firsts[-1] + blocks_for(s.bags, tpb // block.group))
+        fields += [s.first_value, s.count, s.first_offset, s.bags, s.row_start, block.at,
+                   block.rows, block.dim, s.combiner, s.out, s.out_stride, s.column, s.rows_at,
+                   s.pool_offsets_at, s.pool_first_value,
+                   widths.setdefault(block.width, len(widths)), block.group]
     kernel = pool_tables_kernel(dtype_key(table.dtype),
                                 None if weights is None else dtype_key(weights.dtype), tuple(widths))
     k_values = family.kernel_array(values)
-    launch(kernel, firsts[-1], tpb, k_table, k_values, family.kernel_array(offsets),
+    launch(kernel, firsts[-1], tpb, family.kernel_array(table), k_values, family.kernel_array(offsets),
            k_values if weights is None else family.kernel_array(weights),
            family.kernel_array(family.put(np.array(firsts + fields, np.int64))), len(segments),
            family.kernel_array(out), rows, pool_offsets)

@@ -333,6 +333,7 @@ class EmbeddingCollection:
         #: this rank's static device groups of that dtype (:meth:`_plan_flats`)
         self.flats = {key: self._family(key[0]).put(flat) for key, flat in host_flats.items()}
         self._flat_of = {group: key for group, (key, _) in blocks.items()}
+        self._flat_plans = {}  # (group, replicated) -> what _flat_requests gives
         for group, (key, at) in blocks.items():
             shape = (self.layout.rows[self.comm.rank, group], group.width)
             weights = self.flats[key][at:at + shape[0] * shape[1]].reshape(shape)
@@ -816,20 +817,19 @@ class EmbeddingCollection:
         goes to ``outputs``. Returns ``{group: LocalContext}``, their pools (one per
         combiner, as :meth:`_pool` makes them) views of what the launch wrote."""
         space = self._family(key[0])
-        xp, me = space.xp, self.comm.rank
+        xp = space.xp
         pool_tables = kernels(space, "pool_tables")
         values, offsets, segments, placed, layouts = [], [], [], {}, []
         at = [0, 0, 0, 0, 0]  # the next feature's first value, offset and output element;
         #                       the next pool's first row and first bound
         for group in groups:
-            by_combiner = defaultdict(list)
-            for f, route in self._requests(group, inputs, replicated):
-                by_combiner[self.tables[route.table].combiner or "sum"].append((f, route))
             pools = []
-            for combiner, members in sorted(by_combiner.items()):
+            for combiner, members in self._flat_requests(space, group, replicated):
                 first_row, first_bound, bag, pieces = at[3], at[4], 0, []
-                for f, route in members:
-                    feature, spec = inputs[f], self.tables[route.table]
+                for f, route, block, code, row_start, dim in members:
+                    feature = inputs.get(f)
+                    if feature is None:
+                        continue
                     n = int(feature.values.shape[0])
                     if f not in placed:
                         placed[f] = tuple(at[:3])
@@ -837,17 +837,17 @@ class EmbeddingCollection:
                         offsets.append(feature.offsets)
                         at[0] += n
                         at[1] += feature.batch + 1
-                        at[2] += feature.batch * spec.dim
+                        at[2] += feature.batch * dim
                     first_value, first_offset, out = placed[f]
                     segments.append(pool_tables.Segment(
-                        self.arrays[group].weights, first_value, n, first_offset, feature.batch,
-                        int(route.bases[me]), Combiner[combiner.upper()], out, spec.dim, route.c0,
-                        at[3], at[4] + bag, at[3] - first_row))
+                        block, first_value, n, first_offset, feature.batch, row_start, code, out,
+                        dim, route.c0, at[3], at[4] + bag, at[3] - first_row))
                     pieces.append((f, route.c0, route.c1, bag, feature.batch))
                     at[3] += n
                     bag += feature.batch
-                at[4] += bag + 1
-                pools.append((combiner, first_row, at[3], first_bound, bag, pieces))
+                if pieces:
+                    at[4] += bag + 1
+                    pools.append((combiner, first_row, at[3], first_bound, bag, pieces))
             layouts.append((group, pools))
         if not segments:
             return {}
@@ -869,6 +869,27 @@ class EmbeddingCollection:
                                  pieces))
             contexts[group] = LocalContext(group, made)
         return contexts
+
+    def _flat_requests(self, space, group, replicated):
+        """``[(combiner, [(feature, route, block, combiner code, first row, dim), ...])]``:
+        every request of ``group``'s ``replicated`` (or sharded) slices a forward may
+        make, by combiner, in :meth:`_pool`'s order (made once)."""
+        key = (group, replicated)
+        found = self._flat_plans.get(key)
+        if found is None:
+            pool_tables = kernels(space, "pool_tables")
+            block = pool_tables.block_of(space, self.flats[self._flat_of[group]],
+                                         self.arrays[group].weights)
+            by_combiner = defaultdict(list)
+            for f in self.feature_table:
+                spec = self.tables[self.feature_table[f]]
+                for route in self.layout.routes[spec.name]:
+                    if route.group == group and SHARDINGS[route.kind].replicated == replicated:
+                        combiner = spec.combiner or "sum"  # None: 1-id bags
+                        by_combiner[combiner].append((f, route, block, int(Combiner[combiner.upper()]),
+                                                      int(route.bases[self.comm.rank]), spec.dim))
+            found = self._flat_plans[key] = sorted(by_combiner.items())
+        return found
 
     def _forward_local(self, group, inputs, outputs, replicated):
         """Pool ``group``'s requests from this rank's own rows: a replicated group at
