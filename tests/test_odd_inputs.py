@@ -154,7 +154,7 @@ def test_counts_out_of_range_or_of_the_wrong_type(rng, value):
             call()
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(st.sampled_from([1, 3, 6]), st.sampled_from(list(VARIANTS)), st.integers(0, 2**32 - 1))
 def test_property_embedding_bag_any_layout(dim, variant, seed):
     """Widths from a set: each draws a kernel compile per dtype and layout."""
