@@ -84,7 +84,8 @@ def expected(coll, spec, values, offsets, psw):
 def test_one_launch_per_dtype_equals_each_table_alone(cuda_backend, rng, dtypes, id_dtype):
     specs = tables(dtypes)
     coll = hbk.EmbeddingCollection(specs, comm=hbk.dist.init("local"), device="cuda",
-                                   optimizer=hbk.optim.SGD(lr=0.1))
+                                   optimizer=hbk.optim.SGD(lr=0.1), plan={"t64": "data_parallel"})
+    assert coll.layout.replica_groups  # pooled in the same launch as the sharded tables
     batch, psw = features(rng, specs, 3, id_dtype, weighted=("t16", "t4b", "t200"))
     out, total, pooling = launches(lambda: forward(coll, batch, psw))
     assert pooling == len(dtypes)
@@ -126,12 +127,12 @@ def test_empty_and_absent_features(cuda_backend, rng):
 
 
 def test_training_steps_equal_the_cpu_collection(cuda_backend, rng):
-    specs = tables(("float32",))
+    specs = [spec for spec in tables(("float32",)) if spec.dim <= 24]  # each CPU width compiles
     colls = {device: hbk.EmbeddingCollection(specs, comm=hbk.dist.init("local"), device=device,
                                              optimizer=hbk.optim.Adagrad(lr=0.5))
              for device in ("cpu", "cuda")}
     for _ in range(2):
-        batch, psw = features(rng, specs, 3, np.int64, weighted=("t64",))
+        batch, psw = features(rng, specs, 3, np.int64, weighted=("t4b", "u16"))
         grads = {}
         outs = {}
         for device, coll in colls.items():

@@ -215,20 +215,21 @@ def pool_tables(family, table, segments, values, offsets, weights, sizes):
     pool_offsets = family.empty((sizes[2],), np.int64)
     if not segments:
         return out, rows, pool_offsets
-    widths, tpb = {}, threads_per_block()
+    widths = tuple(sorted({s.block.width for s in segments}))  # one kernel per set of widths
+    tpb = threads_per_block()
     firsts, fields = [0], []
     for s in segments:
         block = s.block
         firsts.append(firsts[-1] + blocks_for(s.bags, tpb // block.group))
         fields += [s.first_value, s.count, s.first_offset, s.bags, s.row_start, block.at,
                    block.rows, block.dim, s.combiner, s.out, s.out_stride, s.column, s.rows_at,
-                   s.pool_offsets_at, s.pool_first_value,
-                   widths.setdefault(block.width, len(widths)), block.group]
+                   s.pool_offsets_at, s.pool_first_value, widths.index(block.width), block.group]
     kernel = pool_tables_kernel(dtype_key(table.dtype),
-                                None if weights is None else dtype_key(weights.dtype), tuple(widths))
+                                None if weights is None else dtype_key(weights.dtype), widths)
     k_values = family.kernel_array(values)
-    launch(kernel, firsts[-1], tpb, family.kernel_array(table), k_values, family.kernel_array(offsets),
-           k_values if weights is None else family.kernel_array(weights),
+    k_weights = k_values if weights is None else family.kernel_array(weights)
+    launch(kernel, firsts[-1], tpb, family.kernel_array(table), k_values,
+           family.kernel_array(offsets), k_weights,
            family.kernel_array(family.put(np.array(firsts + fields, np.int64))), len(segments),
            family.kernel_array(out), rows, pool_offsets)
     return out, rows, pool_offsets

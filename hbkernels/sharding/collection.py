@@ -294,8 +294,12 @@ class EmbeddingCollection:
         arrays = {}
         self.tiers = {}
         blocks, sizes = self._plan_flats()
-        host_flats = {key: aligned_empty((size,), key[1], alignment=FLAT_ALIGN)
+        #: ``(device, dtype) -> the flat device array`` whose blocks are the weights of
+        #: this rank's static device groups of that dtype (:meth:`_plan_flats`)
+        self.flats = {key: self._family(key[0]).empty((size,), key[1])
                       for key, size in sizes.items()}
+        self._flat_of = {group: key for group, (key, _) in blocks.items()}
+        self._flat_plans = {}  # (group, replicated) -> what _flat_requests gives
         for group in self.layout.groups(self.comm.rank):
             if group.bits:
                 arrays[group] = quantized_tables.allocate(
@@ -308,11 +312,7 @@ class EmbeddingCollection:
                 arrays[group] = self._tier(group, initializer)
                 continue
             shape = (self.layout.rows[self.comm.rank, group], group.width)
-            if group in blocks:  # a view of its flat array's host copy
-                at = blocks[group][1]
-                weights = host_flats[blocks[group][0]][at:at + shape[0] * shape[1]].reshape(shape)
-            else:
-                weights = aligned_empty(shape, group.dtype)
+            weights = aligned_empty(shape, group.dtype)
             for shard in self.local_shards(group):
                 if group.dynamic:  # a dynamic table's rows are made as ids arrive
                     weights[shard.base:shard.base + shard.num_rows] = 0
@@ -324,19 +324,14 @@ class EmbeddingCollection:
             if group.storage == "host":
                 arrays[group] = self._tier(group, initializer, weights)
                 continue
-            if group in blocks:
-                arrays[group] = None  # (in its place among the groups) made below
-                continue
-            weights = self._family(group.device).put(weights)
-            arrays[group] = FusedArrays(weights, self.optimizer.init_state(weights))
-        #: ``(device, dtype) -> the flat device array`` whose blocks are the weights of
-        #: this rank's static device groups of that dtype (:meth:`_plan_flats`)
-        self.flats = {key: self._family(key[0]).put(flat) for key, flat in host_flats.items()}
-        self._flat_of = {group: key for group, (key, _) in blocks.items()}
-        self._flat_plans = {}  # (group, replicated) -> what _flat_requests gives
-        for group, (key, at) in blocks.items():
-            shape = (self.layout.rows[self.comm.rank, group], group.width)
-            weights = self.flats[key][at:at + shape[0] * shape[1]].reshape(shape)
+            family = self._family(group.device)
+            if group in blocks:  # its block of the flat array, filled from the host copy
+                key, at = blocks[group]
+                block = self.flats[key][at:at + shape[0] * shape[1]].reshape(shape)
+                block[...] = family.put(weights)
+                weights = block
+            else:
+                weights = family.put(weights)
             arrays[group] = FusedArrays(weights, self.optimizer.init_state(weights))
         return arrays
 
@@ -569,7 +564,7 @@ class EmbeddingCollection:
         if self.comm.world_size == 1:  # nothing leaves the rank: every group pools its own rows
             self._check_capacity(self._local_ids(inputs))
             exchanges = []
-            local = self._forward_locals(self.layout.exchange_groups, inputs, outputs, False)
+            local = [(group, False) for group in self.layout.exchange_groups]
         else:
             sent = [self._send_ids(group, inputs) for group in self.layout.exchange_groups]
             self._check_capacity({group.table: ids for group, ids in
@@ -578,7 +573,8 @@ class EmbeddingCollection:
             exchanges = [self._forward_exchange(group, inputs, outputs, s)
                          for group, s in zip(self.layout.exchange_groups, sent)]
             local = []
-        local += self._forward_locals(self.layout.replica_groups, inputs, outputs, True)
+        local = self._forward_locals(local + [(group, True) for group in self.layout.replica_groups],
+                                     inputs, outputs)
         self._saved = Saved(inputs, exchanges, local)
         result = {}
         for f, feature in inputs.items():
@@ -798,31 +794,33 @@ class EmbeddingCollection:
                            lambda k: inputs[requests[k][0]].inverse, outputs)
         return ExchangeContext(group, pools, total, order, send_counts, recv_keys, recv_counts)
 
-    def _forward_locals(self, groups, inputs, outputs, replicated):
-        """:meth:`_forward_local` of each of ``groups``; those in a flat array pooled
-        together, one launch per flat array (:meth:`_pool_flat`)."""
+    def _forward_locals(self, pairs, inputs, outputs):
+        """:meth:`_forward_local` of each ``(group, replicated)`` of ``pairs``; those in a
+        flat array pooled together, one launch per flat array (:meth:`_pool_flat`)."""
         flat = defaultdict(list)
-        for group in groups:
+        for group, replicated in pairs:
             if group in self._flat_of:
-                flat[self._flat_of[group]].append(group)
+                flat[self._flat_of[group]].append((group, replicated))
         pooled = {}
         for key, members in flat.items():
-            pooled.update(self._pool_flat(key, members, inputs, outputs, replicated))
-        return [pooled[group] if group in pooled else
-                self._forward_local(group, inputs, outputs, replicated) for group in groups]
+            pooled.update(self._pool_flat(key, members, inputs, outputs))
+        return [pooled[pair] if pair in pooled else
+                self._forward_local(pair[0], inputs, outputs, pair[1]) for pair in pairs]
 
-    def _pool_flat(self, key, groups, inputs, outputs, replicated):
-        """Pool the requests of ``groups`` (static fused arrays in :attr:`flats` ``[key]``)
-        in one launch (:mod:`hbkernels.cuda.pool_tables`); each feature's output, whole,
-        goes to ``outputs``. Returns ``{group: LocalContext}``, their pools (one per
-        combiner, as :meth:`_pool` makes them) views of what the launch wrote."""
+    def _pool_flat(self, key, pairs, inputs, outputs):
+        """Pool the requests of ``pairs`` ``(group, replicated)`` (static fused arrays in
+        :attr:`flats` ``[key]``, their replicated or sharded slices) in one launch
+        (:mod:`hbkernels.cuda.pool_tables`); each feature's output, whole, goes to
+        ``outputs`` (every slice of its table is in the launch). Returns ``{pair:
+        LocalContext}``, their pools (one per combiner, as :meth:`_pool` makes them) views
+        of what the launch wrote."""
         space = self._family(key[0])
         xp = space.xp
         pool_tables = kernels(space, "pool_tables")
         values, offsets, segments, placed, layouts = [], [], [], {}, []
         at = [0, 0, 0, 0, 0]  # the next feature's first value, offset and output element;
         #                       the next pool's first row and first bound
-        for group in groups:
+        for group, replicated in pairs:
             pools = []
             for combiner, members in self._flat_requests(space, group, replicated):
                 first_row, first_bound, bag, pieces = at[3], at[4], 0, []
@@ -848,7 +846,7 @@ class EmbeddingCollection:
                 if pieces:
                     at[4] += bag + 1
                     pools.append((combiner, first_row, at[3], first_bound, bag, pieces))
-            layouts.append((group, pools))
+            layouts.append(((group, replicated), pools))
         if not segments:
             return {}
         with self._phase("kernels"):
@@ -860,14 +858,14 @@ class EmbeddingCollection:
             batch, dim = inputs[f].batch, self.tables[inputs[f].table].dim
             outputs[f] = [(0, dim, out[first:first + batch * dim].reshape(batch, dim))]
         contexts = {}
-        for group, pools in layouts:
+        for (group, replicated), pools in layouts:
             made = []
             for combiner, first_row, end_row, first_bound, bags, pieces in pools:
                 made.append(Pool(combiner, rows[first_row:end_row],
                                  bounds[first_bound:first_bound + bags + 1],
                                  self._joined_weights(space, [inputs[f] for f, *_ in pieces]),
                                  pieces))
-            contexts[group] = LocalContext(group, made)
+            contexts[(group, replicated)] = LocalContext(group, made)
         return contexts
 
     def _flat_requests(self, space, group, replicated):
@@ -886,7 +884,8 @@ class EmbeddingCollection:
                 for route in self.layout.routes[spec.name]:
                     if route.group == group and SHARDINGS[route.kind].replicated == replicated:
                         combiner = spec.combiner or "sum"  # None: 1-id bags
-                        by_combiner[combiner].append((f, route, block, int(Combiner[combiner.upper()]),
+                        code = int(Combiner[combiner.upper()])
+                        by_combiner[combiner].append((f, route, block, code,
                                                       int(route.bases[self.comm.rank]), spec.dim))
             found = self._flat_plans[key] = sorted(by_combiner.items())
         return found
