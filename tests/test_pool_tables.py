@@ -20,7 +20,8 @@ def tables(dtypes):
     """A table of each width of :data:`DIMS`, combiners mixed (None: a sequence table),
     the dtypes taken in turn; table ``t4`` has two features, and ``u16`` shares the
     fused array of ``t16`` (same width and dtype) from its row 5 on."""
-    specs = [hbk.TableSpec(f"t{d}", num_rows=5 + i, dim=d, combiner=c, dtype=dtypes[i % len(dtypes)],
+    specs = [hbk.TableSpec(f"t{d}", num_rows=5 + i, dim=d, combiner=c,
+                           dtype=dtypes[i % len(dtypes)],
                            features=[f"t{d}", f"t{d}b"] if d == 4 else None)
              for i, (d, c) in enumerate(zip(DIMS, COMBINERS))]
     return specs + [hbk.TableSpec("u16", num_rows=4, dim=16, combiner="mean", dtype=specs[2].dtype)]
@@ -114,7 +115,8 @@ def test_empty_and_absent_features(cuda_backend, rng):
     out, _, pooling = launches(lambda: forward(coll, batch, {}))
     assert pooling == 1 and sorted(out) == sorted(batch)
     assert all(out[f].shape == (0, coll.tables[coll.feature_table[f]].dim) for f in out)
-    coll.backward({f: device_family("cuda").put(np.zeros(o.shape, np.float32)) for f, o in out.items()})
+    put = device_family("cuda").put
+    coll.backward({f: put(np.zeros(o.shape, np.float32)) for f, o in out.items()})
     for spec in specs:
         np.testing.assert_array_equal(host(coll.full_weights(spec.name)), before[spec.name])
     batch, _ = features(rng, specs[4:], 2, np.int64)  # only some tables

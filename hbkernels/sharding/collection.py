@@ -189,7 +189,9 @@ class EmbeddingCollection:
     this rank's arrays are :attr:`arrays` (fused group -> :class:`FusedArrays`). A
     table kept in a slow tier (``TableSpec.storage``) has a fused array of its own,
     its store's arrays in :attr:`arrays` and its cache in :attr:`tiers` (fused group ->
-    :class:`~hbkernels.sharding.tier.Tier`); ``docs/tiered.md``.
+    :class:`~hbkernels.sharding.tier.Tier`); ``docs/tiered.md``. On a GPU the weights of
+    the static, unquantized fused arrays are views of one flat array per device and
+    dtype, :attr:`flats` (``(device, dtype) -> array``).
     """
 
     def __init__(self, tables, comm=None, optimizer=None, plan="auto", batch_size_hint=None,
@@ -573,8 +575,8 @@ class EmbeddingCollection:
             exchanges = [self._forward_exchange(group, inputs, outputs, s)
                          for group, s in zip(self.layout.exchange_groups, sent)]
             local = []
-        local = self._forward_locals(local + [(group, True) for group in self.layout.replica_groups],
-                                     inputs, outputs)
+        local += [(group, True) for group in self.layout.replica_groups]
+        local = self._forward_locals(local, inputs, outputs)
         self._saved = Saved(inputs, exchanges, local)
         result = {}
         for f, feature in inputs.items():
