@@ -1,5 +1,6 @@
 """Fixtures shared by several test modules: optimizer tables, CSR bags with repeated
-ids, dense views of the reference gradients, Parquet files, a small training run. Test modules import
+ids, dense views of the reference gradients, Parquet files, a small training run, the
+kernels a call launches. Test modules import
 from here (and from ``conftest``), never from each other; the references
 themselves are :mod:`hbkernels.reference`."""
 import contextlib
@@ -18,6 +19,26 @@ RULES = ["SGD", "Adagrad", "RowWiseAdagrad", "Adam", "Ftrl"]
 TRAIN_SMALL = ["--table", "a:5000:1", "--table", "b:2000:4:var", "--table", "c:300:1",
                "--dense-features", "5", "--batch-size", "128", "--eval-samples", "512",
                "--dim", "7", "--bottom", "16", "--top", "16", "--threads", "1", "--seed", "3"]
+
+
+def recorded_launches(call):
+    """``(call(), the kernels it launched, in order)`` (the CUDA launcher's recorder; a
+    recorder already set still sees every launch)."""
+    from hbkernels.cuda import _launcher
+
+    seen, chained = [], _launcher.RECORDER[0]
+
+    def record(kernel, argtypes, threads):
+        seen.append(kernel)
+        if chained is not None:
+            chained(kernel, argtypes, threads)
+
+    _launcher.RECORDER[0] = record
+    try:
+        result = call()
+    finally:
+        _launcher.RECORDER[0] = chained
+    return result, seen
 
 
 @contextlib.contextmanager

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import recorded_launches
 
 import hbkernels as hbk
 
@@ -21,7 +22,7 @@ PACKAGE = Path(hbk.__file__).parent
 
 @pytest.fixture
 def cuda(cuda_backend):
-    from hbkernels.cuda import _device, _launcher
+    from hbkernels.cuda import _device
 
     hbk.synchronize()  # nothing left pending by an earlier test
 
@@ -36,18 +37,7 @@ def cuda(cuda_backend):
         from hbkernels.cuda._launch import fill_kernel
 
         call()  # compiles, and takes the error ledger, outside the count
-        seen, chained = [], _launcher.RECORDER[0]
-
-        def record(kernel, argtypes, threads):
-            seen.append(kernel)
-            if chained is not None:
-                chained(kernel, argtypes, threads)
-
-        _launcher.RECORDER[0] = record
-        try:
-            call()
-        finally:
-            _launcher.RECORDER[0] = chained
+        _, seen = recorded_launches(call)
         return sum(kernel is not fill_kernel for kernel in seen)
 
     cuda_backend.syncs, cuda_backend.launches = syncs, launches

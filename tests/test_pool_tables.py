@@ -4,6 +4,7 @@ each feature's output against ``hbkernels.reference`` of its own table; a traini
 step equal to the CPU collection's; the launches a forward makes."""
 import numpy as np
 import pytest
+from helpers import recorded_launches
 
 import hbkernels as hbk
 from hbkernels import reference
@@ -55,21 +56,9 @@ def forward(coll, batch, psw):
 
 def launches(call):
     """``(result, launches, pool_tables launches)`` of ``call()``."""
-    from hbkernels.cuda import _launcher
-
-    seen, chained = [], _launcher.RECORDER[0]
-
-    def record(kernel, argtypes, threads):
-        seen.append(getattr(kernel, "built_by", ("", ""))[1])
-        if chained is not None:
-            chained(kernel, argtypes, threads)
-
-    _launcher.RECORDER[0] = record
-    try:
-        result = call()
-    finally:
-        _launcher.RECORDER[0] = chained
-    return result, len(seen), seen.count("pool_tables_kernel")
+    result, seen = recorded_launches(call)
+    names = [getattr(kernel, "built_by", ("", ""))[1] for kernel in seen]
+    return result, len(names), names.count("pool_tables_kernel")
 
 
 def expected(coll, spec, values, offsets, psw):

@@ -88,8 +88,7 @@ def cases(ctx):
 
         out = [(f"{c.op} {c.mode}", HBK, c.call)
                for c in host_cases.op_cases(xp, lambda answers: contextlib.nullcontext(), b, d, e)]
-        for case in (host_cases.main_job_case(xp), host_cases.mixed_widths_case(xp)):
-            out.append((f"{case.op} {case.mode}", HBK, case.call))
+        out += [(f"{c.op} {c.mode}", HBK, c.call) for c in host_cases.collection_cases(xp)]
     else:
         table = ctx.random_table(e, d, "float32")
         ids = ctx.zipf_ids(b, e, 1.05)
@@ -140,8 +139,7 @@ def profile_null(calls=100, loops=5, out=None):
           f"{null_device.COSTS_SOURCE})")
     print(f"{'op':<30} {'mode':<22} {'µs':>8} {'python µs [min, max]':>26} "
           f"{'launch':>6} {'lib':>4} {'sync':>4} {'alloc':>5}")
-    todo = host_cases.op_cases(cp, null_device.answers) + [host_cases.main_job_case(cp),
-                                                           host_cases.mixed_widths_case(cp)]
+    todo = host_cases.op_cases(cp, null_device.answers) + host_cases.collection_cases(cp)
     rows = []
     for case in todo:
         with null_device.answers(case.answers):

@@ -143,3 +143,8 @@ def mixed_widths_case(xp, batch=B, seed=0):
     coll = hbk.EmbeddingCollection(specs, comm=hbk.dist.init("local"), device="cuda", seed=seed)
     return HostCase("collection forward", f"{len(specs)} widths, batch {batch}",
                     lambda: coll.forward(features))
+
+
+def collection_cases(xp):
+    """The collection's cases: :func:`main_job_case` and :func:`mixed_widths_case`."""
+    return [main_job_case(xp), mixed_widths_case(xp)]
