@@ -106,7 +106,11 @@ class SparseOptimizer:
     def _initial_value(self, name):
         return 0.0
 
-    def init_state(self, weights):
+    def init_state(self, weights, *, arrays=None):
+        """The state of a fresh ``weights``: each slot's array, full of its initial value,
+        and ``"step"``. ``arrays``: ``{slot: array}`` to fill and keep instead of new ones
+        (each of the slot's shape and dtype, on the weights' device: views of a larger
+        array, say)."""
         family, a = resolve(row_tables=("weights",), weights=weights)
         weights = a["weights"]
         check.table("weights", weights)
@@ -114,7 +118,16 @@ class SparseOptimizer:
         state = {"step": np.zeros(1, np.int64)}
         for name, per_row in self.slots:
             shape = (weights.shape[0],) if per_row else tuple(weights.shape)
-            state[name] = family.full(shape, self._initial_value(name), dtype, aligned=not per_row)
+            if arrays is None:
+                state[name] = family.full(shape, self._initial_value(name), dtype,
+                                          aligned=not per_row)
+                continue
+            given = arrays[name]
+            if tuple(given.shape) != shape or np.dtype(given.dtype) != dtype:
+                raise ValueError(f"arrays[{name!r}] must be {shape} {dtype.name}, "
+                                 f"got {tuple(given.shape)} {np.dtype(given.dtype).name}")
+            given[...] = self._initial_value(name)
+            state[name] = given
         return state
 
     def _state_arrays(self, family, weights, state):
@@ -153,8 +166,9 @@ class SparseOptimizer:
         hp[rules.LR] = self.lr
         return hp
 
-    def _step_constants(self, step):
-        """``(hyper-parameters, stochastic-rounding key)`` of step number ``step``."""
+    def step_constants(self, step):
+        """``(hyper-parameters, stochastic-rounding key)`` of step number ``step``
+        (1-based)."""
         key = _bits.seed_key(self.seed, step) if self.rounding == "stochastic" else 0
         return self.hyper(step), key
 
@@ -185,7 +199,7 @@ class SparseOptimizer:
         if uniq.shape[0] != ids.shape[0]:  # sum duplicate ids first, as torch coalesces
             ids, rows = uniq, segment_sum(rows, inverse, uniq.shape[0])
         step = int(state["step"][0]) + 1
-        hp, key = self._step_constants(step)
+        hp, key = self.step_constants(step)
         backend.sparse_update(
             family, self.rule, weights, s1, s2, hp, ids, rows,
             self.nonfinite == "skip", self.rounding == "stochastic", key,
@@ -214,7 +228,7 @@ class SparseOptimizer:
         comb = check.choice("combiner", combiner, check.COMBINERS)
         s1, s2 = self._state_arrays(family, weights, state)
         step = int(state["step"][0]) + 1
-        hp, key = self._step_constants(step)
+        hp, key = self.step_constants(step)
         backend = kernels(family, "sparse_update")
         counter = state["step"]
 

@@ -1,6 +1,6 @@
 """Fixtures shared by several test modules: optimizer tables, CSR bags with repeated
 ids, dense views of the reference gradients, Parquet files, a small training run, the
-kernels a call launches. Test modules import
+kernels a call launches, collections of mixed widths. Test modules import
 from here (and from ``conftest``), never from each other; the references
 themselves are :mod:`hbkernels.reference`."""
 import contextlib
@@ -11,11 +11,16 @@ from conftest import random_offsets
 
 import hbkernels as hbk
 from hbkernels import optim, reference
+from hbkernels._dispatch import device_family
 
 RULES = ["SGD", "Adagrad", "RowWiseAdagrad", "Adam", "Ftrl"]
 # a small ``hbkernels train``; --threads 1: the pools' size fixed, so torch's reductions
 # sum in the same order in every run however busy the machine is ("auto" follows the
 # other processes' load)
+# the collections of mixed widths (mixed_width_tables): a table of each width, combiners
+# mixed (None: a sequence table)
+MIXED_DIMS = (1, 4, 16, 24, 64, 128, 200)
+MIXED_COMBINERS = ("sum", "mean", "sqrtn", None, "mean", "sum", "sqrtn")
 TRAIN_SMALL = ["--table", "a:5000:1", "--table", "b:2000:4:var", "--table", "c:300:1",
                "--dense-features", "5", "--batch-size", "128", "--eval-samples", "512",
                "--dim", "7", "--bottom", "16", "--top", "16", "--threads", "1", "--seed", "3"]
@@ -172,3 +177,42 @@ def same_collections(a, b):
             for k in ("ids", "last", "count") if ka["pending"] is not None else ():
                 np.testing.assert_array_equal(ka["pending"][k], kb["pending"][k])
             assert a.hash_tables[name].step == b.hash_tables[name].step
+
+
+def mixed_width_tables(dtypes):
+    """A table of each width of :data:`MIXED_DIMS`, combiners mixed (None: a sequence table),
+    the dtypes taken in turn; table ``t4`` has two features, and ``u16`` shares the
+    fused array of ``t16`` (same width and dtype) from its row 5 on."""
+    specs = [hbk.TableSpec(f"t{d}", num_rows=5 + i, dim=d, combiner=c,
+                           dtype=dtypes[i % len(dtypes)],
+                           features=[f"t{d}", f"t{d}b"] if d == 4 else None)
+             for i, (d, c) in enumerate(zip(MIXED_DIMS, MIXED_COMBINERS))]
+    return specs + [hbk.TableSpec("u16", num_rows=4, dim=16, combiner="mean", dtype=specs[2].dtype)]
+
+
+def mixed_width_features(rng, specs, batch, id_dtype, weighted=()):
+    """``({feature: (values, offsets)}, {feature: weights})``: bags of 0 to 5 ids (the
+    first bag empty), ids drawn so that row 0 repeats and the table's last row appears."""
+    out, psw = {}, {}
+    for spec in specs:
+        for f in spec.features or [spec.name]:
+            lengths = rng.integers(0, 6, batch)
+            if batch:
+                lengths[0] = 0
+            offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+            values = np.where(rng.random(offsets[-1]) < 0.4, 0,
+                              rng.integers(0, spec.num_rows, offsets[-1])).astype(id_dtype)
+            if values.size:
+                values[-1] = spec.num_rows - 1
+            out[f] = (values, offsets)
+            if f in weighted:
+                psw[f] = rng.random(values.size).astype(np.float32)
+    return out, psw
+
+
+def forward_on(coll, batch, psw):
+    """``coll.forward`` of ``batch`` and ``psw`` (as :func:`mixed_width_features` gives
+    them), put on the collection's device."""
+    put = device_family(coll.device).put
+    return coll.forward({f: hbk.Ragged(put(v), put(o)) for f, (v, o) in batch.items()},
+                        per_sample_weights={f: put(w) for f, w in psw.items()} or None)

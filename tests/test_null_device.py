@@ -49,7 +49,7 @@ def test_the_profile_says_no_kernel_ran_and_covers_every_case(profile):
     public = {"embedding_bag", "embedding_bag_backward", "lookup", "lookup_backward",
               "per_sample_weights_backward", "segment_sum", "segment_reduce", "unique",
               "partition", "check_ragged", "HashTable.slots", "main job sparse step",
-              "collection forward"}
+              "collection forward", "collection step"}
     optimizers = {f"{name}.fused_step" for name in ("SGD", "Adagrad", "RowWiseAdagrad", "Adam",
                                                      "Ftrl")}
     assert public | optimizers <= ops

@@ -4,6 +4,9 @@ each feature's output against ``hbkernels.reference`` of its own table; a traini
 step equal to the CPU collection's; the launches a forward makes."""
 import numpy as np
 import pytest
+from helpers import forward_on as forward
+from helpers import mixed_width_features as features
+from helpers import mixed_width_tables as tables
 from helpers import recorded_launches
 
 import hbkernels as hbk
@@ -11,47 +14,7 @@ from hbkernels import reference
 from hbkernels._dispatch import device_family, host
 
 pytestmark = pytest.mark.cuda
-
-DIMS = (1, 4, 16, 24, 64, 128, 200)
-COMBINERS = ("sum", "mean", "sqrtn", None, "mean", "sum", "sqrtn")
 TOLERANCE = {"float32": 1e-5, "float16": 2e-3}
-
-
-def tables(dtypes):
-    """A table of each width of :data:`DIMS`, combiners mixed (None: a sequence table),
-    the dtypes taken in turn; table ``t4`` has two features, and ``u16`` shares the
-    fused array of ``t16`` (same width and dtype) from its row 5 on."""
-    specs = [hbk.TableSpec(f"t{d}", num_rows=5 + i, dim=d, combiner=c,
-                           dtype=dtypes[i % len(dtypes)],
-                           features=[f"t{d}", f"t{d}b"] if d == 4 else None)
-             for i, (d, c) in enumerate(zip(DIMS, COMBINERS))]
-    return specs + [hbk.TableSpec("u16", num_rows=4, dim=16, combiner="mean", dtype=specs[2].dtype)]
-
-
-def features(rng, specs, batch, id_dtype, weighted=()):
-    """``({feature: (values, offsets)}, {feature: weights})``: bags of 0 to 5 ids (the
-    first bag empty), ids drawn so that row 0 repeats and the table's last row appears."""
-    out, psw = {}, {}
-    for spec in specs:
-        for f in spec.features or [spec.name]:
-            lengths = rng.integers(0, 6, batch)
-            if batch:
-                lengths[0] = 0
-            offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-            values = np.where(rng.random(offsets[-1]) < 0.4, 0,
-                              rng.integers(0, spec.num_rows, offsets[-1])).astype(id_dtype)
-            if values.size:
-                values[-1] = spec.num_rows - 1
-            out[f] = (values, offsets)
-            if f in weighted:
-                psw[f] = rng.random(values.size).astype(np.float32)
-    return out, psw
-
-
-def forward(coll, batch, psw):
-    put = device_family(coll.device).put
-    return coll.forward({f: hbk.Ragged(put(v), put(o)) for f, (v, o) in batch.items()},
-                        per_sample_weights={f: put(w) for f, w in psw.items()} or None)
 
 
 def launches(call):

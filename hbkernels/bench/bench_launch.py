@@ -5,7 +5,7 @@ device work is a few microseconds and the call's time is what the host spends on
 Each provider runs ``calls`` times back to back, then waits once for the device; the
 row's median is the wall time per call over such loops. On a GPU every case of
 :mod:`.host_cases` runs (every public op, each optimizer's fused step, a hash table's
-lookup, the main job's sparse step, a collection's forward over seven widths), and a note
+lookup, the main job's sparse step, a collection's forward and step over seven widths), and a note
 gives hbkernels' kernel launches and host synchronisations per call (the backend's own
 counters).
 

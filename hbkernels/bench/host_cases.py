@@ -1,6 +1,6 @@
 """The calls whose host cost ``bench_launch`` measures: every public op, each optimizer's
 fused step, a hash table's lookup, the main job's sparse step and a collection's forward
-over tables of seven widths, on CUDA arrays, at sizes where the device's own work is a
+and training step over tables of seven widths, on CUDA arrays, at sizes where the device's own work is a
 few microseconds.
 
 Each :class:`HostCase` holds a call to repeat and, for the null device
@@ -128,9 +128,10 @@ def main_job_case(xp, batch=MAIN_BATCH, seed=0):
     return HostCase("main job sparse step", f"8 tables, batch {batch}", step)
 
 
-def mixed_widths_case(xp, batch=B, seed=0):
+def mixed_widths_case(xp, batch=B, seed=0, step=False):
     """A collection's forward over one table of each width of :data:`MIXED_DIMS` (E rows
-    each, combiners sum, mean and sqrtn in turn), ``batch`` bags of 0 to 4 ids each."""
+    each, combiners sum, mean and sqrtn in turn), ``batch`` bags of 0 to 4 ids each; with
+    ``step``, its forward then backward (Adagrad, which updates)."""
     rng = np.random.default_rng(seed)
     combiners = ("sum", "mean", "sqrtn")
     specs = [hbk.TableSpec(f"d{d}", num_rows=E, dim=d, combiner=combiners[i % 3])
@@ -141,10 +142,20 @@ def mixed_widths_case(xp, batch=B, seed=0):
         values = (rng.zipf(1.05, int(offsets[-1])) - 1) % E
         features[spec.name] = hbk.Ragged(xp.asarray(values), xp.asarray(offsets))
     coll = hbk.EmbeddingCollection(specs, comm=hbk.dist.init("local"), device="cuda", seed=seed)
-    return HostCase("collection forward", f"{len(specs)} widths, batch {batch}",
-                    lambda: coll.forward(features))
+    if not step:
+        return HostCase("collection forward", f"{len(specs)} widths, batch {batch}",
+                        lambda: coll.forward(features))
+    grads = {spec.name: xp.asarray(rng.standard_normal((batch, spec.dim)).astype(np.float32))
+             for spec in specs}
+
+    def forward_backward():
+        coll.forward(features)
+        coll.backward(grads)
+
+    return HostCase("collection step", f"{len(specs)} widths, batch {batch}", forward_backward)
 
 
 def collection_cases(xp):
-    """The collection's cases: :func:`main_job_case` and :func:`mixed_widths_case`."""
-    return [main_job_case(xp), mixed_widths_case(xp)]
+    """The collection's cases: :func:`main_job_case` and :func:`mixed_widths_case`'s forward
+    and step."""
+    return [main_job_case(xp), mixed_widths_case(xp), mixed_widths_case(xp, step=True)]

@@ -108,6 +108,9 @@ if simulator_enabled():
     def float32_bits(x):
         return np.float32(x).view(np.uint32)
 
+    def float64_from_bits(bits):
+        return np.int64(bits).view(np.float64)
+
     def half_to_float32(bits):
         return np.float32(np.uint16(bits).view(np.float16))
 
@@ -132,6 +135,10 @@ else:
     @cuda.jit(device=True, inline=True)
     def float32_bits(x):
         return np.uint32(libdevice.float_as_int(np.float32(x)))
+
+    @cuda.jit(device=True, inline=True)
+    def float64_from_bits(bits):
+        return libdevice.longlong_as_double(np.int64(bits))
 
     @intrinsic
     def half_to_float32(typingctx, bits):

@@ -133,7 +133,7 @@ def nonfinite_kernel(dtype):
     return nonfinite_kernel
 
 
-def _record_nonfinite(family, a, slots, slot):
+def record_nonfinite(family, a, slots, slot):
     size = a.shape[0] * a.shape[1]
     if size:
         tpb = threads_per_block()
@@ -146,7 +146,7 @@ def first_nonfinite_row(family, a):
     if a.shape[0] * a.shape[1] == 0:
         return -1
     slots = error_slots(1)
-    _record_nonfinite(family, a, slots, 0)
+    record_nonfinite(family, a, slots, 0)
     return read_error_slots(slots)[0]
 
 
@@ -226,13 +226,19 @@ def _stochastic_round(x32, key_lo, key_hi, row, col, min_exp, bits, max_value):
 # ---------------------------------------------------------------------------
 # the update kernel
 # ---------------------------------------------------------------------------
-@kernel_factory
-def _update_kernel(table_dtype, grad_dtype, fused, columns, passes):
-    """Update kernel for a table of ``table_dtype`` (a :func:`dtype_key`), computing in
-    its accumulator type, ``columns`` per lane (:func:`columns_per_lane`) and
-    ``passes`` passes of ``UNROLL·G`` columns over a row. ``fused``: the gradient is
-    summed from ``grad_out`` (of ``grad_dtype``) in that type, else loaded from
-    ``rows`` (``grad``, of ``grad_dtype``)."""
+@functools.lru_cache(maxsize=None)
+def row_updater(table_dtype, grad_dtype, fused, columns, passes, any_width=False):
+    """The inline device function ``update_row(weights, state1, state2, row, grad, order,
+    bag_of, coef, partials, sums, r, lane, group, rule, hp, inv_dim, skip_nonfinite,
+    stochastic, key_lo, key_hi) -> None`` that one row group of ``group`` lanes runs for
+    distinct row ``row`` (run ``r``): its gradient (summed as ``sums`` says when
+    ``fused``, else ``grad[r]``), the rule of ``hp`` (the widened hyper-parameters of
+    :func:`_make_rule`), the weight stored. ``columns`` per lane
+    (:func:`columns_per_lane`) and ``passes`` passes of ``UNROLL·G`` columns are
+    compile-time; ``weights.shape[1]`` gives the row's width. ``any_width``: ``columns``
+    is ``UNROLL`` and ``passes`` at least the row's (a pass past the row's end does
+    nothing), for rows of any width. Every lane of the group must call it for the same
+    row."""
     table_acc = accumulator_dtype(table_dtype)
     widen = WIDEN[table_acc]
     acc_type = from_dtype(table_acc)
@@ -315,6 +321,109 @@ def _update_kernel(table_dtype, grad_dtype, fused, columns, passes):
             w_new = _stochastic_round(w_new, key_lo, key_hi, row, c, min_exp, bits, max_value)
         weights[row, c] = store_weight(w_new)  # fp16, bf16: to nearest even (exact if stochastic)
 
+    @cuda.jit(device=True, inline=True)
+    def update_row(weights, state1, state2, row, grad, order, bag_of, coef, partials, sums, r,
+                   lane, group, rule, hp, inv_dim, skip_nonfinite, stochastic, key_lo, key_hi):
+        kept = cuda.local.array(kept_size, acc_type)  # g of every pass, when row-wide
+        dim = weights.shape[1]
+        lr = hp[0]
+        eps = hp[1]
+        pass_columns = UNROLL * group
+        mask = group_mask(cuda.threadIdx.x % 32, group)
+        rowwise = rule == rules.ROWWISE_ADAGRAD
+        need_row = rowwise or skip_nonfinite
+        # pass 0's weights and state are loaded before the gradient is summed, so
+        # their loads are in flight during the sum (no store comes in between)
+        e0, e1, e2, e3 = read_elements(weights, state1, state2, row, lane, group, rule)
+        row_step = zero
+        if need_row:
+            m = state1[row, 0] if rowwise else zero  # read before lane 0 writes it
+            ss = zero
+            nb = int32(0)
+            for p in range(passes):
+                g0 = g1 = g2 = g3 = zero
+                if not any_width or p * pass_columns < dim:
+                    g0, g1, g2, g3 = gradient(grad, order, bag_of, coef, partials, sums, r,
+                                              p * pass_columns + lane, lane, group)
+                kept[4 * p] = g0
+                kept[4 * p + 1] = g1
+                kept[4 * p + 2] = g2
+                kept[4 * p + 3] = g3
+                ss += g0 * g0 + g1 * g1 + g2 * g2 + g3 * g3
+                nb |= bad(g0) | bad(g1) | bad(g2) | bad(g3)
+            half = group // 2
+            while half > 0:  # butterfly: every lane gets the same sum
+                ss += shfl_xor(mask, ss, half)
+                nb |= shfl_xor(mask, nb, half)
+                half //= 2
+            if skip_nonfinite and nb != 0:
+                return
+            if rowwise:
+                m = m + ss * inv_dim
+                if lane == 0:
+                    state1[row, 0] = m
+                row_step = lr / (math.sqrt(m) + eps)
+        for p in range(passes):
+            c0 = p * pass_columns + lane
+            if need_row:
+                g0 = kept[4 * p]
+                g1 = kept[4 * p + 1]
+                g2 = kept[4 * p + 2]
+                g3 = kept[4 * p + 3]
+            elif not any_width or p * pass_columns < dim:  # every lane sums (shuffles inside)
+                g0, g1, g2, g3 = gradient(grad, order, bag_of, coef, partials, sums, r, c0,
+                                          lane, group)
+            else:  # a pass past the row's end
+                return
+            if c0 >= dim:
+                continue
+            c1 = c0 + group
+            c2 = c1 + group
+            c3 = c2 + group
+            if p > 0:
+                e0, e1, e2, e3 = read_elements(weights, state1, state2, row, c0, group, rule)
+            apply(weights, state1, state2, row, c0, g0, e0, rule, row_step, hp, stochastic,
+                  key_lo, key_hi)
+            if c1 < dim:
+                apply(weights, state1, state2, row, c1, g1, e1, rule, row_step, hp,
+                      stochastic, key_lo, key_hi)
+                if c2 < dim:
+                    apply(weights, state1, state2, row, c2, g2, e2, rule, row_step, hp,
+                          stochastic, key_lo, key_hi)
+                    if c3 < dim:
+                        apply(weights, state1, state2, row, c3, g3, e3, rule, row_step, hp,
+                              stochastic, key_lo, key_hi)
+
+    return update_row
+
+
+@functools.lru_cache(maxsize=None)
+def widened_hyper(table_dtype):
+    """The inline device function ``(lr64, eps64, one_m_b1_64, one_m_b2_64, l1_64,
+    two_l2_64, neg_power64, sqrt_power, step64) -> hp``: the rule's hyper-parameters in
+    the accumulator type of ``table_dtype``, as :func:`row_updater`'s ``hp``."""
+    widen = WIDEN[accumulator_dtype(table_dtype)]
+
+    @cuda.jit(device=True, inline=True)
+    def hyper(lr64, eps64, one_m_b1_64, one_m_b2_64, l1_64, two_l2_64, neg_power64, sqrt_power,
+              step64):
+        return (widen(lr64), widen(eps64), widen(one_m_b1_64), widen(one_m_b2_64), widen(l1_64),
+                widen(two_l2_64), widen(neg_power64), sqrt_power, widen(step64))
+
+    return hyper
+
+
+@kernel_factory
+def _update_kernel(table_dtype, grad_dtype, fused, columns, passes):
+    """Update kernel for a table of ``table_dtype`` (a :func:`dtype_key`), computing in
+    its accumulator type, ``columns`` per lane (:func:`columns_per_lane`) and
+    ``passes`` passes of ``UNROLL·G`` columns over a row. ``fused``: the gradient is
+    summed from ``grad_out`` (of ``grad_dtype``) in that type, else loaded from
+    ``rows`` (``grad``, of ``grad_dtype``)."""
+    widen = WIDEN[accumulator_dtype(table_dtype)]
+    update_row = row_updater(table_dtype, grad_dtype, fused, columns, passes)
+    hyper = widened_hyper(table_dtype)
+
     @jit_kernel(min_blocks_per_sm=2)
     def update_kernel(weights, state1, state2, ids, count, grad, order, bag_of, coef, partials,
                       starts, chunk, rule, lr64, eps64, one_m_b1_64,
@@ -323,85 +432,23 @@ def _update_kernel(table_dtype, grad_dtype, fused, columns, passes):
         for k in range(checks.shape[0]):  # a failed input check: nothing is written
             if checks[k] != NO_ERROR_SLOT:
                 return
-        kept = cuda.local.array(kept_size, acc_type)  # g of every pass, when row-wide
         num_ids = count[0]
         n = order.shape[0]
         num_rows = weights.shape[0]
-        dim = weights.shape[1]
-        lr = widen(lr64)
-        eps = widen(eps64)
         inv_dim = widen(inv_dim64)
-        hp = (lr, eps, widen(one_m_b1_64), widen(one_m_b2_64), widen(l1_64), widen(two_l2_64),
-              widen(neg_power64), sqrt_power, widen(step64))
+        hp = hyper(lr64, eps64, one_m_b1_64, one_m_b2_64, l1_64, two_l2_64, neg_power64,
+                   sqrt_power, step64)
         tid = cuda.grid(1)
         lane = tid % group
         step = cuda.gridsize(1) // group
-        pass_columns = UNROLL * group
-        mask = group_mask(cuda.threadIdx.x % 32, group)
-        rowwise = rule == rules.ROWWISE_ADAGRAD
-        need_row = rowwise or skip_nonfinite
         for r in range(tid // group, num_ids, step):
             row = int64(ids[r])
             if row < 0 or row >= num_rows:  # the -1 key (bad id) or untrusted garbage
                 continue
             sums = run_sum_range(starts, r, num_ids if fused else 0, n, chunk)
-            # pass 0's weights and state are loaded before the gradient is summed, so
-            # their loads are in flight during the sum (no store comes in between)
-            e0, e1, e2, e3 = read_elements(weights, state1, state2, row, lane, group, rule)
-            row_step = zero
-            if need_row:
-                m = state1[row, 0] if rowwise else zero  # read before lane 0 writes it
-                ss = zero
-                nb = int32(0)
-                for p in range(passes):
-                    g0, g1, g2, g3 = gradient(grad, order, bag_of, coef, partials, sums, r,
-                                              p * pass_columns + lane, lane, group)
-                    kept[4 * p] = g0
-                    kept[4 * p + 1] = g1
-                    kept[4 * p + 2] = g2
-                    kept[4 * p + 3] = g3
-                    ss += g0 * g0 + g1 * g1 + g2 * g2 + g3 * g3
-                    nb |= bad(g0) | bad(g1) | bad(g2) | bad(g3)
-                half = group // 2
-                while half > 0:  # butterfly: every lane gets the same sum
-                    ss += shfl_xor(mask, ss, half)
-                    nb |= shfl_xor(mask, nb, half)
-                    half //= 2
-                if skip_nonfinite and nb != 0:
-                    continue
-                if rowwise:
-                    m = m + ss * inv_dim
-                    if lane == 0:
-                        state1[row, 0] = m
-                    row_step = lr / (math.sqrt(m) + eps)
-            for p in range(passes):
-                c0 = p * pass_columns + lane
-                if need_row:
-                    g0 = kept[4 * p]
-                    g1 = kept[4 * p + 1]
-                    g2 = kept[4 * p + 2]
-                    g3 = kept[4 * p + 3]
-                else:  # every lane sums (shuffles inside), also past the row's end
-                    g0, g1, g2, g3 = gradient(grad, order, bag_of, coef, partials, sums, r, c0,
-                                              lane, group)
-                if c0 >= dim:
-                    continue
-                c1 = c0 + group
-                c2 = c1 + group
-                c3 = c2 + group
-                if p > 0:
-                    e0, e1, e2, e3 = read_elements(weights, state1, state2, row, c0, group, rule)
-                apply(weights, state1, state2, row, c0, g0, e0, rule, row_step, hp, stochastic,
-                      key_lo, key_hi)
-                if c1 < dim:
-                    apply(weights, state1, state2, row, c1, g1, e1, rule, row_step, hp,
-                          stochastic, key_lo, key_hi)
-                    if c2 < dim:
-                        apply(weights, state1, state2, row, c2, g2, e2, rule, row_step, hp,
-                              stochastic, key_lo, key_hi)
-                        if c3 < dim:
-                            apply(weights, state1, state2, row, c3, g3, e3, rule, row_step, hp,
-                                  stochastic, key_lo, key_hi)
+            update_row(weights, state1, state2, row, grad, order, bag_of, coef, partials, sums,
+                       r, lane, group, rule, hp, inv_dim, skip_nonfinite, stochastic, key_lo,
+                       key_hi)
 
     return update_kernel
 
@@ -501,9 +548,9 @@ def fused_sparse_update(family, rule, weights, state1, state2, hp, grad_out, val
     checked = finite or bounds != Bounds.UNCHECKED
     with _pending.checks(4, "fused_step", report, (values, offsets), when=checked) as slots:
         if finite:
-            _record_nonfinite(family, grad_out, slots, 0)
+            record_nonfinite(family, grad_out, slots, 0)
             if psw is not None:
-                _record_nonfinite(family, psw.reshape(-1, 1), slots, 1)
+                record_nonfinite(family, psw.reshape(-1, 1), slots, 1)
         dim = weights.shape[1]
         grad_acc = accumulator_dtype(weights.dtype)  # as the CPU: summed in the table's type
         keys, bag_of, coef, _ = prepare(family, values, offsets, psw, combiner, num_rows,

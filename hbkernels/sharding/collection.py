@@ -25,7 +25,9 @@ rows (no dedup), and a fused array pooled in one launch takes
 On a GPU the static, unquantized fused arrays of one dtype are blocks of one flat
 array (:attr:`EmbeddingCollection.flats`): the features a rank pools from its own
 rows over them take one launch, whatever the widths and combiners
-(:mod:`hbkernels.cuda.pool_tables`).
+(:mod:`hbkernels.cuda.pool_tables`), and at world size 1 their backward and update
+take the launches of one ``fused_step`` (:mod:`hbkernels.cuda.update_tables`; their
+optimizer state lies in flat arrays the same way, :attr:`EmbeddingCollection.state_flats`).
 A fused array in a slow tier first turns the rows a batch asks of it into rows of
 its cache (:mod:`hbkernels.sharding.tier`); the kernels then run on the cache.
 
@@ -44,6 +46,7 @@ seed and the table (:func:`initial_weights`), never on the plan or world size.
 >>> coll.full_weights("user").shape
 (10, 4)
 """
+import bisect
 import contextlib
 import json
 import math
@@ -56,6 +59,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .. import _rules
 from .. import _validate as check
 from .. import dist as _dist
 from .. import optim as _optim
@@ -97,6 +101,7 @@ class Pool(NamedTuple):
     psw: Any
     pieces: list
     bounds: str = "unchecked"
+    at: Any = None  # (first value, first bound) in its flat launch's rows and bounds
 
 
 class ExchangeContext(NamedTuple):
@@ -112,10 +117,12 @@ class ExchangeContext(NamedTuple):
 
 
 class LocalContext(NamedTuple):
-    """What backward needs of a fused array pooled from this rank's own rows."""
+    """What backward needs of a fused array pooled from this rank's own rows; ``flat``:
+    ``(key, rows, bounds)`` of the flat array's launch that pooled it, if one did."""
 
     group: Any
     pools: list
+    flat: Any = None
 
 
 class Saved(NamedTuple):
@@ -191,7 +198,8 @@ class EmbeddingCollection:
     its store's arrays in :attr:`arrays` and its cache in :attr:`tiers` (fused group ->
     :class:`~hbkernels.sharding.tier.Tier`); ``docs/tiered.md``. On a GPU the weights of
     the static, unquantized fused arrays are views of one flat array per device and
-    dtype, :attr:`flats` (``(device, dtype) -> array``).
+    dtype, :attr:`flats` (``(device, dtype) -> array``), and their optimizer state views
+    of :attr:`state_flats`.
     """
 
     def __init__(self, tables, comm=None, optimizer=None, plan="auto", batch_size_hint=None,
@@ -295,12 +303,21 @@ class EmbeddingCollection:
         :attr:`tiers`."""
         arrays = {}
         self.tiers = {}
-        blocks, sizes = self._plan_flats()
+        blocks, sizes, keys = self._plan_flats()
         #: ``(device, dtype) -> the flat device array`` whose blocks are the weights of
         #: this rank's static device groups of that dtype (:meth:`_plan_flats`)
         self.flats = {key: self._family(key[0]).empty((size,), key[1])
                       for key, size in sizes.items()}
-        self._flat_of = {group: key for group, (key, _) in blocks.items()}
+        #: ``((device, dtype), slot) -> the flat array`` of that optimizer slot's state of
+        #: the same groups: a per-element slot at the weights' element offsets, a per-row
+        #: one at the groups' first keys
+        self.state_flats = {
+            (key, slot): self._family(key[0]).empty((keys[key] if per_row else size,),
+                                                    check.accumulator_dtype(key[1]))
+            for key, size in sizes.items() for slot, per_row in self.optimizer.slots}
+        self._flat_of = {group: key for group, (key, _, _) in blocks.items()}
+        #: group -> (element offset, first key) in its flat array
+        self._flat_blocks = {group: (at, first) for group, (_, at, first) in blocks.items()}
         self._flat_plans = {}  # (group, replicated) -> what _flat_requests gives
         for group in self.layout.groups(self.comm.rank):
             if group.bits:
@@ -327,32 +344,40 @@ class EmbeddingCollection:
                 arrays[group] = self._tier(group, initializer, weights)
                 continue
             family = self._family(group.device)
+            state = None
             if group in blocks:  # its block of the flat array, filled from the host copy
-                key, at = blocks[group]
+                key, at, first = blocks[group]
                 block = self.flats[key][at:at + shape[0] * shape[1]].reshape(shape)
                 block[...] = family.put(weights)
                 weights = block
+                state = {slot: (self.state_flats[key, slot][first:first + shape[0]] if per_row else
+                                self.state_flats[key, slot][at:at + block.size].reshape(shape))
+                         for slot, per_row in self.optimizer.slots}
             else:
                 weights = family.put(weights)
-            arrays[group] = FusedArrays(weights, self.optimizer.init_state(weights))
+            arrays[group] = FusedArrays(weights, self.optimizer.init_state(weights, arrays=state))
         return arrays
 
     def _plan_flats(self):
-        """``({group: ((device, dtype), element offset)}, {(device, dtype): elements})``:
-        where each static, unquantized fused array this rank keeps on a GPU lies in the
-        one flat array of its device and dtype (blocks of :data:`FLAT_ALIGN` bytes), so
-        that a forward pools all of them in one launch."""
-        blocks, sizes = {}, defaultdict(int)
+        """``({group: ((device, dtype), element offset, first key)}, {(device, dtype):
+        elements}, {(device, dtype): keys})``: where each static, unquantized fused array
+        this rank keeps on a GPU lies in the one flat array of its device and dtype (blocks
+        of :data:`FLAT_ALIGN` bytes), so that a forward pools all of them in one launch and
+        a backward updates them in the launches of one fused step; its rows' keys (one more
+        for ids outside it, :mod:`hbkernels.cuda.update_tables`) follow the previous
+        array's."""
+        blocks, sizes, keys = {}, defaultdict(int), defaultdict(int)
         for group in self.layout.groups(self.comm.rank):
             if (group.bits or group.dynamic or group.storage != "device"
                     or not self._family(group.device).is_cuda):
                 continue
             key = (group.device, np.dtype(group.dtype))
             step = FLAT_ALIGN // key[1].itemsize
-            blocks[group] = (key, sizes[key])
-            elements = int(self.layout.rows[self.comm.rank, group]) * group.width
-            sizes[key] += max(step, -(-elements // step) * step)
-        return blocks, dict(sizes)
+            blocks[group] = (key, sizes[key], keys[key])
+            rows = int(self.layout.rows[self.comm.rank, group])
+            sizes[key] += max(step, -(-rows * group.width // step) * step)
+            keys[key] += rows + 1
+        return blocks, dict(sizes), dict(keys)
 
     def _agree_across_ranks(self):
         """:class:`~hbkernels.dist.CommError` on every rank, naming what differs, unless
@@ -866,8 +891,8 @@ class EmbeddingCollection:
                 made.append(Pool(combiner, rows[first_row:end_row],
                                  bounds[first_bound:first_bound + bags + 1],
                                  self._joined_weights(space, [inputs[f] for f, *_ in pieces]),
-                                 pieces))
-            contexts[(group, replicated)] = LocalContext(group, made)
+                                 pieces, at=(first_row, first_bound)))
+            contexts[(group, replicated)] = LocalContext(group, made, (key, rows, bounds))
         return contexts
 
     def _flat_requests(self, space, group, replicated):
@@ -1017,9 +1042,13 @@ class EmbeddingCollection:
                                           * group.width * self._wire_itemsize(np.float32))
             updates[group].append((ctx.recv_keys, received))
         fused_steps = {}  # group -> (its one pool, that pool's gradient): a fused backward and step
+        flat_steps = defaultdict(list)  # flat array -> its groups' contexts: one fused step
         for ctx in self._saved.locals:
             group = ctx.group
             space = self._family(group.device)
+            if self.comm.world_size == 1 and ctx.flat is not None:
+                flat_steps[ctx.flat[0]].append(ctx)
+                continue
             if self.comm.world_size == 1 and len(ctx.pools) == 1:
                 fused_steps[group] = (ctx.pools[0], self._pool_grad(space, ctx.pools[0], grads))
                 continue
@@ -1044,8 +1073,18 @@ class EmbeddingCollection:
                         ids = self.tiers[group].rows(ids)
             updates[group].append((ids, rows))
         self._saved = None
+        flat_groups = set()
+        for contexts in flat_steps.values():
+            with self._phase("kernels"):
+                self._flat_step(contexts, grads)
+            for ctx in contexts:
+                flat_groups.add(ctx.group)
+                for pool in ctx.pools:
+                    self._mark_changed(ctx.group, pool.values)
         for group in self.arrays:
             fused = self._fast(group)
+            if group in flat_groups:
+                continue
             if group in fused_steps:
                 pool, grad = fused_steps[group]
                 with self._phase("kernels"):
@@ -1065,6 +1104,61 @@ class EmbeddingCollection:
             with self._phase("kernels"):
                 self.optimizer.step(fused.weights, fused.state, SparseGrad(ids, rows))
             self._mark_changed(group, ids)
+
+    def _flat_step(self, contexts, grads):
+        """The fused backward and optimizer step of the fused arrays of ``contexts`` (one
+        flat array's, pooled by its launch) in the launches of one ``fused_step``
+        (:mod:`hbkernels.cuda.update_tables`): the same results as a ``fused_step`` of
+        each. Each array's step count advances (taken back if the gradient's check
+        fails at the next wait)."""
+        key, rows, bounds = contexts[0].flat
+        space = self._family(key[0])
+        xp = space.xp
+        update_tables = kernels(space, "update_tables")
+        tables, pools, parts, places, counters, by_row = [], [], [], [], [], []
+        grad_at = 0
+        for ctx in sorted(contexts, key=lambda c: self._flat_blocks[c.group][1]):
+            fused = self.arrays[ctx.group]
+            counters.append(fused.state["step"])
+            hp, rounding = self.optimizer.step_constants(int(counters[-1][0]) + 1)
+            width = ctx.group.width
+            bags = ids = 0
+            for pool in ctx.pools:
+                count, n_bags = int(pool.values.shape[0]), int(pool.offsets.shape[0]) - 1
+                pools.append(update_tables.Pool(len(tables), pool.at[0], count, pool.at[1],
+                                                n_bags, bags, int(Combiner[pool.combiner.upper()])))
+                by_row.append((pool.at[0], count, pool.psw))
+                for f, c0, c1, b0, _ in pool.pieces:
+                    places.append((grad_at + (bags + b0) * width, f, c1 - c0))
+                    parts.append(grads[f][:, c0:c1].reshape(-1))
+                bags += n_bags
+                ids += count
+            at, first_key = self._flat_blocks[ctx.group]
+            tables.append(update_tables.Table(at, int(fused.weights.shape[0]), width, first_key,
+                                              grad_at, bags, ids, hp[_rules.STEP_SIZE], rounding))
+            grad_at += bags * width
+        grad = (xp.concatenate(parts).astype(np.float32, copy=False) if parts
+                else xp.zeros(0, np.float32))
+        psw = None
+        if any(p is not None for _, _, p in by_row):
+            psw = xp.concatenate([xp.ones(n, np.float32) if p is None else p
+                                  for _, n, p in sorted(by_row, key=lambda x: x[0])])
+        starts = [place[0] for place in places]
+
+        def report(element):  # the step did not count
+            for counter in counters:
+                counter[0] -= 1
+            start, f, width = places[bisect.bisect_right(starts, element) - 1]
+            check.raise_nonfinite(f"grad of {f!r}", (element - start) // width)
+
+        opt = self.optimizer
+        update_tables.update_tables(
+            space, opt.rule, self.flats[key], *[self.state_flats[key, slot] for slot, _ in opt.slots],
+            *[None] * (2 - len(opt.slots)), [per_row for _, per_row in opt.slots] + [False] * 2, hp,
+            tables, pools, grad, rows, bounds, psw, opt.nonfinite == "raise",
+            opt.nonfinite == "skip", opt.rounding == "stochastic", report)
+        for counter in counters:
+            counter[0] += 1
 
     def _mark_changed(self, group, rows, store=False):
         """Note ``rows`` (of ``group``'s fused array, or its fast tier's unless ``store``;
