@@ -168,13 +168,38 @@ def rebuild(source):
     return (built if position is None else built[position]), args
 
 
+def _session_cache(dispatcher, argtypes, cc):
+    """Where this session keeps the compile of ``dispatcher`` for ``argtypes`` and ``cc``
+    (a path without suffix), or None outside a pytest-xdist session. The kernel model and
+    the compile check compile many of the same kernels: the second takes the first's."""
+    suite = os.environ.get("HBK_SUITE_DIR")
+    if not suite:
+        return None
+    import hashlib
+
+    fn = dispatcher.py_func
+    source = getattr(dispatcher, "built_by", None) or (fn.__module__, fn.__qualname__)
+    key = repr((source, tuple(str(t) for t in argtypes), tuple(cc)))
+    folder = os.path.join(suite, "compiled")
+    os.makedirs(folder, exist_ok=True)
+    return os.path.join(folder, hashlib.sha256(key.encode()).hexdigest()[:32])
+
+
 def compile_one(dispatcher, argtypes, cc, cubin=False):
     """Compile to PTX and link to a cubin for ``cc`` as the launcher does on a GPU
     (:mod:`hbkernels.cuda._compile`), and check that the PTX entry's parameters are
     what the launcher packs for ``argtypes``; returns the resources ptxas reports,
-    or ``(resources, the cubin's bytes)`` when ``cubin`` is true (for a disassembler)."""
+    or ``(resources, the cubin's bytes)`` when ``cubin`` is true (for a disassembler).
+    Within a pytest-xdist session a kernel compiled once is not compiled again."""
     from hbkernels.cuda import _compile
 
+    cache = _session_cache(dispatcher, argtypes, cc)
+    if cache and os.path.exists(cache + ".json"):
+        with open(cache + ".json") as f:
+            resources = json.load(f)
+        with open(cache + ".cubin", "rb") as f:
+            code = f.read()
+        return (resources, code) if cubin else resources
     ptx = _compile.ptx(dispatcher, argtypes, cc)
     _compile.check_entry(ptx, argtypes, _compile.entry_name(ptx))
     code, log = _compile.link(ptx, cc)
@@ -182,6 +207,12 @@ def compile_one(dispatcher, argtypes, cc, cubin=False):
     for key, pattern in _RESOURCES.items():
         values = [int(v) for v in re.findall(pattern, log)]
         resources[key] = max(values) if values else 0
+    if cache:  # the cubin first: the report's presence says both are whole
+        for suffix, data in ((".cubin", code), (".json", json.dumps(resources).encode())):
+            part = f"{cache}{suffix}.{os.getpid()}"
+            with open(part, "wb") as f:
+                f.write(data)
+            os.replace(part, cache + suffix)
     return (resources, code) if cubin else resources
 
 

@@ -408,7 +408,9 @@ def update_tables(family, rule, weights, state1, state2, per_row, hp, tables, po
             launch(partial_tables_kernel(dtype_key(acc), dtype_key(grad.dtype)), level_blocks, tpb,
                    k_grad, *sums, grouping.run, grouping.starts, grouping.ids, level, chunk, plan,
                    len(tables))
-        passes = max(-(-t.dim // (UNROLL * group_size(t.dim))) for t in tables)
+        # at least two: with one, the row's kept gradient stays in registers and ptxas
+        # spills under the launch bounds (sm_90); with two it lives in local memory
+        passes = max(2, *(-(-t.dim // (UNROLL * group_size(t.dim))) for t in tables))
         none = _device.scratch(0, acc)
         h = np.asarray(hp, np.float64).tolist()
         launch(update_tables_kernel(dtype_key(weights.dtype), dtype_key(grad.dtype), passes),
