@@ -107,16 +107,14 @@ TABLE_FIELDS = ("at", "rows", "dim", "key", "grad", "bags", "position", "ids", "
 
 @cuda.jit(device=True, inline=True)
 def _layout(pools, tables):
-    """``(first keys, the update's first blocks, pool fields, table fields)``: where each
-    part of the plan starts. The plan (int64) holds the number of pools, the pools'
-    first bags (one more: their total), the tables' first keys (one more: the end), the
-    tables' first blocks of the update (one more), the pools' :data:`POOL_FIELDS`, the
-    tables' :data:`TABLE_FIELDS`, then for each partial level the tables' first blocks
-    (one more)."""
-    keys = pools + 2
-    blocks = keys + tables + 1
+    """``(the update's first blocks, pool fields, table fields)``: where each part of the
+    plan starts. The plan (int64) holds the number of pools, the pools' first bags (one
+    more: their total), the tables' first blocks of the update (one more), the pools'
+    :data:`POOL_FIELDS`, the tables' :data:`TABLE_FIELDS`, then for each partial level the
+    tables' first blocks (one more)."""
+    blocks = pools + 2
     pool_fields = blocks + tables + 1
-    return keys, blocks, pool_fields, pool_fields + pools * len(POOL_FIELDS)
+    return blocks, pool_fields, pool_fields + pools * len(POOL_FIELDS)
 
 
 # ---------------------------------------------------------------------------
@@ -136,7 +134,7 @@ def prepare_tables_kernel(acc_dtype, weights_dtype, scaled):
     @cuda.jit(cache=False)
     def prepare_tables_kernel(rows, bounds, weights, plan, tables, keys, bag_of, coef):
         pools = plan[0]
-        _, _, pool_fields, table_fields = _layout(pools, tables)
+        _, pool_fields, table_fields = _layout(pools, tables)
         for b in range(cuda.grid(1), plan[1 + pools], cuda.gridsize(1)):
             p = feature_of(plan, 1, pools, b)
             at = pool_fields + p * pool_width
@@ -200,7 +198,7 @@ def _table_of_block(plan, at, tables, block):
     range."""
     which = feature_of(plan, at, tables, block)
     first = plan[at + which]
-    _, _, _, table_fields = _layout(plan[0], tables)
+    _, _, table_fields = _layout(plan[0], tables)
     return table_fields + which * len(TABLE_FIELDS), block - first, plan[at + which + 1] - first
 
 
@@ -234,7 +232,7 @@ def partial_tables_kernel(acc_dtype, grad_dtype):
     @jit_kernel(min_blocks_per_sm=2)
     def partial_tables_kernel(grad, order, bag_of, coef, partials, widest, run, starts, ids,
                               level, chunk, plan, tables):
-        _, _, _, table_fields = _layout(plan[0], tables)
+        _, _, table_fields = _layout(plan[0], tables)
         t, local, blocks = _table_of_block(
             plan, table_fields + tables * len(TABLE_FIELDS) + (level - 1) * (tables + 1), tables,
             cuda.blockIdx.x)
@@ -297,7 +295,7 @@ def update_tables_kernel(table_dtype, grad_dtype, passes):
         for k in range(checks.shape[0]):  # a failed input check: nothing is written
             if checks[k] != NO_ERROR_SLOT:
                 return
-        _, first_blocks, _, _ = _layout(plan[0], tables)
+        first_blocks, _, _ = _layout(plan[0], tables)
         t, local, blocks = _table_of_block(plan, first_blocks, tables, cuda.blockIdx.x)
         position = plan[t + T_POSITION]
         n_ids = plan[t + T_IDS]
@@ -344,7 +342,6 @@ def _plan(tables, pools, tpb, chunk):
     firsts = [0]
     for p in pools:
         firsts.append(firsts[-1] + p.bags)
-    keys = [t.key for t in tables] + [tables[-1].key + tables[-1].rows + 1]
     levels = max(_segments.partial_levels(t.ids, chunk)[0] for t in tables)
     blocks = [[0] for _ in range(levels + 1)]  # the update's, then each level's
     position, partial_rows, fields = 0, 0, []
@@ -365,7 +362,7 @@ def _plan(tables, pools, tpb, chunk):
         partial_rows += own_rows
     pool_fields = [x for p in pools for x in (p.table, p.first_row, p.count, p.first_bound, p.bag,
                                               p.combiner)]
-    plan = np.array([len(pools)] + firsts + keys + blocks[0] + pool_fields + fields +
+    plan = np.array([len(pools)] + firsts + blocks[0] + pool_fields + fields +
                     [b for level in blocks[1:] for b in level], np.int64)
     return plan, [level[-1] for level in blocks], partial_rows
 
