@@ -208,11 +208,10 @@ def compile_one(dispatcher, argtypes, cc, cubin=False):
         values = [int(v) for v in re.findall(pattern, log)]
         resources[key] = max(values) if values else 0
     if cache:  # the cubin first: the report's presence says both are whole
-        for suffix, data in ((".cubin", code), (".json", json.dumps(resources).encode())):
-            part = f"{cache}{suffix}.{os.getpid()}"
-            with open(part, "wb") as f:
-                f.write(data)
-            os.replace(part, cache + suffix)
+        from hbkernels._files import write_atomic, write_json_atomic
+
+        write_atomic(cache + ".cubin", lambda f: f.write(code))
+        write_json_atomic(cache + ".json", resources)
     return (resources, code) if cubin else resources
 
 
