@@ -118,7 +118,8 @@ class ExchangeContext(NamedTuple):
 
 class LocalContext(NamedTuple):
     """What backward needs of a fused array pooled from this rank's own rows; ``flat``:
-    ``(key, rows, bounds)`` of the flat array's launch that pooled it, if one did."""
+    ``(key, rows, bounds, per-sample weights or None)`` of the flat array's launch that
+    pooled it, if one did."""
 
     group: Any
     pools: list
@@ -845,6 +846,7 @@ class EmbeddingCollection:
         xp = space.xp
         pool_tables = kernels(space, "pool_tables")
         values, offsets, segments, placed, layouts = [], [], [], {}, []
+        row_features = []  # the feature of each segment: whose ids the launch's rows are
         at = [0, 0, 0, 0, 0]  # the next feature's first value, offset and output element;
         #                       the next pool's first row and first bound
         for group, replicated in pairs:
@@ -868,6 +870,7 @@ class EmbeddingCollection:
                         block, first_value, n, first_offset, feature.batch, row_start, code, out,
                         dim, route.c0, at[3], at[4] + bag, at[3] - first_row))
                     pieces.append((f, route.c0, route.c1, bag, feature.batch))
+                    row_features.append(feature)
                     at[3] += n
                     bag += feature.batch
                 if pieces:
@@ -884,15 +887,17 @@ class EmbeddingCollection:
         for f, (_, _, first) in placed.items():
             batch, dim = inputs[f].batch, self.tables[inputs[f].table].dim
             outputs[f] = [(0, dim, out[first:first + batch * dim].reshape(batch, dim))]
+        psw = self._joined_weights(space, row_features)  # each row's weight, or None
         contexts = {}
         for (group, replicated), pools in layouts:
             made = []
             for combiner, first_row, end_row, first_bound, bags, pieces in pools:
+                weighted = any(inputs[f].psw is not None for f, *_ in pieces)
                 made.append(Pool(combiner, rows[first_row:end_row],
                                  bounds[first_bound:first_bound + bags + 1],
-                                 self._joined_weights(space, [inputs[f] for f, *_ in pieces]),
+                                 psw[first_row:end_row] if weighted else None,
                                  pieces, at=(first_row, first_bound)))
-            contexts[(group, replicated)] = LocalContext(group, made, (key, rows, bounds))
+            contexts[(group, replicated)] = LocalContext(group, made, (key, rows, bounds, psw))
         return contexts
 
     def _flat_requests(self, space, group, replicated):
@@ -1111,11 +1116,11 @@ class EmbeddingCollection:
         (:mod:`hbkernels.cuda.update_tables`): the same results as a ``fused_step`` of
         each. Each array's step count advances (taken back if the gradient's check
         fails at the next wait)."""
-        key, rows, bounds = contexts[0].flat
+        key, rows, bounds, psw = contexts[0].flat
         space = self._family(key[0])
         xp = space.xp
         update_tables = kernels(space, "update_tables")
-        tables, pools, parts, places, counters, by_row = [], [], [], [], [], []
+        tables, pools, parts, places, counters = [], [], [], [], []
         grad_at = 0
         for ctx in sorted(contexts, key=lambda c: self._flat_blocks[c.group][1]):
             fused = self.arrays[ctx.group]
@@ -1127,7 +1132,6 @@ class EmbeddingCollection:
                 count, n_bags = int(pool.values.shape[0]), int(pool.offsets.shape[0]) - 1
                 pools.append(update_tables.Pool(len(tables), pool.at[0], count, pool.at[1],
                                                 n_bags, bags, int(Combiner[pool.combiner.upper()])))
-                by_row.append((pool.at[0], count, pool.psw))
                 for f, c0, c1, b0, _ in pool.pieces:
                     places.append((grad_at + (bags + b0) * width, f, c1 - c0))
                     parts.append(grads[f][:, c0:c1].reshape(-1))
@@ -1139,10 +1143,6 @@ class EmbeddingCollection:
             grad_at += bags * width
         grad = (xp.concatenate(parts).astype(np.float32, copy=False) if parts
                 else xp.zeros(0, np.float32))
-        psw = None
-        if any(p is not None for _, _, p in by_row):
-            psw = xp.concatenate([xp.ones(n, np.float32) if p is None else p
-                                  for _, n, p in sorted(by_row, key=lambda x: x[0])])
         starts = [place[0] for place in places]
 
         def report(element):  # the step did not count
@@ -1151,7 +1151,8 @@ class EmbeddingCollection:
             start, f, width = places[bisect.bisect_right(starts, element) - 1]
             check.raise_nonfinite(f"grad of {f!r}", (element - start) // width)
 
-        opt = self.optimizer
+        opt = self.optimizer  # hp: the last array's; the rule's constants other than its
+        #                       step size (taken from each table) are the same for all
         update_tables.update_tables(
             space, opt.rule, self.flats[key], *[self.state_flats[key, slot] for slot, _ in opt.slots],
             *[None] * (2 - len(opt.slots)), [per_row for _, per_row in opt.slots] + [False] * 2, hp,
