@@ -3,11 +3,12 @@
 ``shfl_idx(mask, value, src)`` returns ``value`` of lane ``src`` (0-31, in this
 thread's warp); ``shfl_xor(mask, value, m)`` that of lane ``lane ^ m``. ``mask``
 names the lanes taking part: every lane in it must make the same call
-(:func:`group_mask` gives a row group's lanes). On a GPU these are
-``cuda.shfl_sync``. The simulator has no shuffles; there a lane writes its value
-to its warp's exchange row, waits at the simulator's barrier (which releases when
-every live thread of the block waits at one), reads the source lane's entry and
-waits again. Lanes of one row group run the same sequence of barriers, so the
+(:func:`group_mask` gives a row group's lanes). ``match_any(value)`` (every lane of
+a full warp calls it) returns the mask of the lanes holding the same ``value``. On
+a GPU these are ``cuda.shfl_sync`` and ``cuda.match_any_sync``. The simulator has no
+shuffles; there a lane writes its value to its warp's exchange row, waits at the
+simulator's barrier (which releases when every live thread of the block waits at
+one), reads the source lane's entry (or every lane's) and waits again. Lanes of one row group run the same sequence of barriers, so the
 exchange is exact as long as values only move inside a group, which is how the
 kernels use it.
 """
@@ -54,6 +55,14 @@ if simulator_enabled():
         lane = threading.current_thread().thread_id % 32
         return shfl_idx(mask, value, lane ^ int(lane_mask))
 
+    def match_any(value):
+        thread, slots = _slots()
+        slots[thread.thread_id % 32] = value
+        thread.syncthreads()
+        peers = sum(1 << k for k, other in enumerate(slots) if other is not None and other == value)
+        thread.syncthreads()
+        return np.uint32(peers)
+
 else:
 
     @cuda.jit(device=True, inline=True)
@@ -63,3 +72,7 @@ else:
     @cuda.jit(device=True, inline=True)
     def shfl_xor(mask, value, lane_mask):
         return cuda.shfl_xor_sync(mask, value, lane_mask)
+
+    @cuda.jit(device=True)
+    def match_any(value):
+        return cuda.match_any_sync(FULL_MASK, value)
