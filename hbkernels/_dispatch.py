@@ -186,6 +186,16 @@ class CudaFamily:
             return module.asarray(a)
         return numba_cuda().to_device(c_order(np, a))
 
+    def copy_in(self, dst, a):
+        """Copy the NumPy array ``a`` into the device array ``dst`` of its size (queued on
+        the current stream; nothing allocated on the device)."""
+        if self.name == "cupy":
+            dst.set(a)
+        elif self.name == "numba":
+            dst.copy_to_device(a)
+        else:
+            dst[...] = a
+
     def reshape(self, a, shape):
         return a.reshape(shape)
 

@@ -101,9 +101,10 @@ def op_cases(xp, answering, b=B, d=D, e=E, seed=0):
     return out
 
 
-def main_job_case(xp, batch=MAIN_BATCH, seed=0):
+def main_job_case(xp, batch=MAIN_BATCH, seed=0, reserved=False):
     """``hbkernels train``'s sparse step on one rank: the collection of its 8 default
-    tables (Adagrad, sum, D = 16), forward then backward (which updates)."""
+    tables (Adagrad, sum, D = 16), forward then backward (which updates); ``reserved``:
+    after ``reserve`` for the batch's sizes (no allocation, no wait)."""
     from hbkernels.cli.train import DEFAULT_TABLES
     from hbkernels.data.__main__ import parse_table
 
@@ -120,12 +121,15 @@ def main_job_case(xp, batch=MAIN_BATCH, seed=0):
         grads[t.name] = xp.asarray(rng.standard_normal((batch, 16)).astype(np.float32))
     coll = hbk.EmbeddingCollection(specs, comm=hbk.dist.init("local"),
                                    optimizer=hbk.optim.Adagrad(lr=0.05), device="cuda", seed=seed)
+    if reserved:
+        coll.reserve(batch, {f: int(x.values.shape[0]) for f, x in features.items()})
 
     def step():
         coll.forward(features)
         coll.backward(grads)
 
-    return HostCase("main job sparse step", f"8 tables, batch {batch}", step)
+    return HostCase("main job sparse step",
+                    f"8 tables, batch {batch}{', reserved' if reserved else ''}", step)
 
 
 def mixed_widths_case(xp, batch=B, seed=0, step=False):
@@ -156,6 +160,7 @@ def mixed_widths_case(xp, batch=B, seed=0, step=False):
 
 
 def collection_cases(xp):
-    """The collection's cases: :func:`main_job_case` and :func:`mixed_widths_case`'s forward
-    and step."""
-    return [main_job_case(xp), mixed_widths_case(xp), mixed_widths_case(xp, step=True)]
+    """The collection's cases: :func:`main_job_case` (plain and reserved) and
+    :func:`mixed_widths_case`'s forward and step."""
+    return [main_job_case(xp), main_job_case(xp, reserved=True), mixed_widths_case(xp),
+            mixed_widths_case(xp, step=True)]

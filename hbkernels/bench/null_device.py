@@ -119,6 +119,9 @@ class NullArray:
     def fill(self, value):
         _library(lambda a: a.fill(value), self, out=self)
 
+    def set(self, host):  # a host to device copy into this array
+        _library(_setitem, self, Ellipsis, np.asarray(host), out=self)
+
     def __getattr__(self, name):  # sum, max, cumsum, argsort, ...: a library call each
         attr = getattr(self._a, name)
         if not callable(attr):

@@ -204,17 +204,29 @@ def pool_tables_kernel(table_dtype, weights_dtype, widths):
     return pool_tables_kernel
 
 
-def pool_tables(family, table, segments, values, offsets, weights, sizes):
-    """One launch pooling every segment: ``(out, rows, pool offsets)``, flat arrays of
-    ``sizes`` elements (``out`` of ``table``'s dtype, the others int64; the elements no
-    segment writes are left as they are in fresh arrays). ``table``: the flat array the
-    segments' blocks lie in; ``values``, ``offsets`` (int64), ``weights`` (or None) as the
-    module doc says."""
+class Pooled(NamedTuple):
+    """One pooling launch's results and plan, on the device (:func:`reserve`)."""
+
+    out: object
+    rows: object
+    pool_offsets: object
+    plan: object  # the segments' first blocks and fields
+    count: int  # segments
+    blocks: int
+    kernel: object
+
+
+def reserve(family, table, segments, weighted, sizes):
+    """The :class:`Pooled` of a launch of ``segments`` over the flat ``table``, weights
+    of ``weighted`` dtype (None: none): ``out``, ``rows`` and pool offsets of ``sizes``
+    elements (``out`` of ``table``'s dtype, the others int64; the elements no segment
+    writes are left as they are), and the plan. Calls with the same segments may reuse
+    it: each overwrites what the last wrote."""
     out = family.empty((sizes[0],), table.dtype)
     rows = family.empty((sizes[1],), np.int64)
     pool_offsets = family.empty((sizes[2],), np.int64)
     if not segments:
-        return out, rows, pool_offsets
+        return Pooled(out, rows, pool_offsets, None, 0, 0, None)
     widths = tuple(sorted({s.block.width for s in segments}))  # one kernel per set of widths
     tpb = threads_per_block()
     firsts, fields = [0], []
@@ -225,11 +237,22 @@ def pool_tables(family, table, segments, values, offsets, weights, sizes):
                    block.rows, block.dim, s.combiner, s.out, s.out_stride, s.column, s.rows_at,
                    s.pool_offsets_at, s.pool_first_value, widths.index(block.width), block.group]
     kernel = pool_tables_kernel(dtype_key(table.dtype),
-                                None if weights is None else dtype_key(weights.dtype), widths)
-    k_values = family.kernel_array(values)
-    k_weights = k_values if weights is None else family.kernel_array(weights)
-    launch(kernel, firsts[-1], tpb, family.kernel_array(table), k_values,
-           family.kernel_array(offsets), k_weights,
-           family.kernel_array(family.put(np.array(firsts + fields, np.int64))), len(segments),
-           family.kernel_array(out), rows, pool_offsets)
-    return out, rows, pool_offsets
+                                None if weighted is None else dtype_key(weighted), widths)
+    plan = family.kernel_array(family.put(np.array(firsts + fields, np.int64)))
+    return Pooled(out, rows, pool_offsets, plan, len(segments), firsts[-1], kernel)
+
+
+def pool_tables(family, table, segments, values, offsets, weights, sizes, into=None):
+    """One launch pooling every segment: ``(out, rows, pool offsets)``, those of
+    :func:`reserve` (made here, or ``into``, made for the same segments). ``table``: the
+    flat array the segments' blocks lie in; ``values``, ``offsets`` (int64), ``weights``
+    (or None) as the module doc says."""
+    pooled = into or reserve(family, table, segments, None if weights is None else weights.dtype,
+                             sizes)
+    if pooled.count:
+        k_values = family.kernel_array(values)
+        launch(pooled.kernel, pooled.blocks, threads_per_block(), family.kernel_array(table),
+               k_values, family.kernel_array(offsets),
+               k_values if weights is None else family.kernel_array(weights), pooled.plan,
+               pooled.count, family.kernel_array(pooled.out), pooled.rows, pooled.pool_offsets)
+    return pooled.out, pooled.rows, pooled.pool_offsets

@@ -1,6 +1,8 @@
 """CSR input checks on the GPU: the first bad offset, then the first id out of range,
 left pending (:mod:`._pending`): one launch, nothing read back, for one input or for
 several features' at once."""
+from typing import NamedTuple
+
 import numpy as np
 from numba import cuda
 
@@ -52,13 +54,15 @@ def check_ragged(family, values, offsets, num_rows, bounds):
 def _features_kernel(values, offsets, table, features, slots):
     """Feature ``f``'s offset faults in slot ``2f``, its first id out of range in slot
     ``2f + 1``. ``table``: the features' first values and first bags (``features + 1``
-    each, the totals last), then their row limits (-1: ids not checked)."""
+    each, the totals last), their row limits (-1: ids not checked), then their counts
+    of values (a feature's values may end before the next one's first)."""
     n_values = values.shape[0]
     n_bags = table[2 * features + 1]
+    counts = 3 * features + 2
     for i in range(cuda.grid(1), max(n_values, n_bags, features), cuda.gridsize(1)):
         if i < features and table[features + 1 + i] == table[features + 2 + i]:
             # no bags: the one offset must be 0 and there must be no values
-            if offsets[table[features + 1 + i] + i] != 0 or table[i] != table[i + 1]:
+            if offsets[table[features + 1 + i] + i] != 0 or table[counts + i] != 0:
                 cuda.atomic.min(slots, 2 * i, 0)
         if i < n_bags:
             f = feature_of(table, features + 1, features, i)
@@ -66,32 +70,52 @@ def _features_kernel(values, offsets, table, features, slots):
             at = i + f  # feature f's offsets start at its first bag + f
             check_bag_offsets_at(slots, 2 * f, b, offsets[at], offsets[at + 1],
                                  table[features + 2 + f] - table[features + 1 + f],
-                                 table[f + 1] - table[f])
+                                 table[counts + f])
         if i < n_values:
             f = feature_of(table, 0, features, i)
             limit = table[2 * features + 2 + f]
+            j = i - table[f]
             v = values[i]
-            if limit >= 0 and (v < 0 or v >= limit):
-                cuda.atomic.min(slots, 2 * f + 1, i - table[f])
+            if limit >= 0 and j < table[counts + f] and (v < 0 or v >= limit):
+                cuda.atomic.min(slots, 2 * f + 1, j)
 
 
-def check_features(family, features, values, offsets, limits):
+class Staged(NamedTuple):
+    """Features' inputs already joined on the device, each in a region of its own:
+    ``values`` and ``offsets`` (int64) and the check's ``table`` (int64, laid out as
+    ``_features_kernel`` reads it, this call's counts in place)."""
+
+    values: object
+    offsets: object
+    table: object
+
+
+def features_table(first_values, first_bags, limits, counts):
+    """The host table of :class:`Staged` (``features + 1`` first values and first bags,
+    the totals last; row limits, None: ids not checked; counts of values)."""
+    return np.array([*first_values, *first_bags, *(-1 if x is None else x for x in limits),
+                     *counts], np.int64)
+
+
+def check_features(family, features, values, offsets, limits, staged=None):
     """Check the CSR input of several features at once (``values[k]``, ``offsets[k]``
     of feature named ``features[k]``): offsets always, ids against ``limits[k]`` rows
-    (None: not checked). One launch over the joined inputs, left pending: its error
-    (the first feature's first, naming the feature) is raised by a later wait."""
+    (None: not checked). One launch over the joined inputs (joined here, or ``staged``:
+    a :class:`Staged` holding them, nothing allocated), left pending: its error (the
+    first feature's first, naming the feature) is raised by a later wait."""
     count = len(features)
-    table = np.empty(3 * count + 2, np.int64)
-    value, bag = 0, 0
-    for k in range(count):
-        table[k], table[count + 1 + k] = value, bag
-        table[2 * count + 2 + k] = -1 if limits[k] is None else limits[k]
-        value += values[k].shape[0]
-        bag += offsets[k].shape[0] - 1
-    table[count], table[2 * count + 1] = value, bag
-    xp = family.xp
-    joined_values = xp.concatenate(values, dtype=np.int64)
-    joined_offsets = xp.concatenate(offsets, dtype=np.int64)
+    if staged is None:
+        value, bag = [0], [0]
+        for k in range(count):
+            value.append(value[-1] + values[k].shape[0])
+            bag.append(bag[-1] + offsets[k].shape[0] - 1)
+        xp = family.xp
+        staged = Staged(xp.concatenate(values, dtype=np.int64),
+                        xp.concatenate(offsets, dtype=np.int64),
+                        family.put(features_table(value, bag, limits, np.diff(value))))
+        work = max(value[-1], bag[-1], count)
+    else:
+        work = max(staged.values.shape[0], staged.offsets.shape[0] - count, count)
 
     def report(bad):
         for k in range(count):
@@ -101,6 +125,6 @@ def check_features(family, features, values, offsets, limits):
     tpb = threads_per_block()
     with _pending.checks(2 * count, "EmbeddingCollection.forward", report,
                          (*values, *offsets)) as slots:
-        launch(_features_kernel, blocks_for(max(value, bag, count), tpb), tpb,
-               family.kernel_array(joined_values), family.kernel_array(joined_offsets),
-               family.kernel_array(family.put(table)), count, slots)
+        launch(_features_kernel, blocks_for(work, tpb), tpb,
+               family.kernel_array(staged.values), family.kernel_array(staged.offsets),
+               family.kernel_array(staged.table), count, slots)

@@ -18,9 +18,12 @@ Pipeline, as the one-table step's:
    update writes nothing when it holds an error);
 2. ``prepare_tables_kernel``: one thread per bag writes each position's sort key, its
    bag in its table's gradient and its coefficient (``embedding_bag_backward.prepare``'s,
-   bit for bit);
-3. :func:`._segments.group`: the positions sorted by key, so a table's occurrences take
-   the sorted positions ``[Σ earlier tables' ids, + its ids)``, known to the host;
+   bit for bit); a pool's positions past its last bag take the key of ids outside the
+   table (so a pool's ``count`` may be a capacity its bags do not fill);
+3. :func:`._segments.group` (or, into memory allocated once by :func:`reserve`, the
+   radix sort of :mod:`.radix_sort`): the positions sorted by key, so a table's
+   occurrences take the sorted positions ``[Σ earlier tables' ids, + its ids)``, known to
+   the host;
 4. ``partial_tables_kernel`` per level, then ``update_tables_kernel``: each table takes a
    range of the grid's blocks, so a block's lanes share one width, with row groups of
    :func:`group_size` lanes. The partial rows of a table's long runs are cut by windows
@@ -32,8 +35,9 @@ Pipeline, as the one-table step's:
 
 Sums are taken in the order the one-table step takes them, so each table's weights and
 state come out with the same bits as its own ``fused_step``. The launches: the check's
-(with ``finite``), the per-bag pass, the sort's two, one per partial level (none while no
-table has more than ``CHUNK`` ids), the update.
+(with ``finite``), the per-bag pass, the sort's two (:mod:`.radix_sort`'s ``5 * passes +
+3`` into reserved memory), one per partial level (none while no table has more than
+``CHUNK`` ids), the update.
 """
 import math
 from typing import NamedTuple
@@ -43,7 +47,7 @@ from numba import cuda, int64, uint64
 
 from .. import _rules as rules
 from .._modes import Combiner
-from . import _device, _pending, _segments
+from . import _device, _pending, _segments, radix_sort
 from ._launch import (
     NO_ERROR_SLOT,
     UNROLL,
@@ -149,6 +153,12 @@ def prepare_tables_kernel(acc_dtype, weights_dtype, scaled):
             key0 = plan[t + T_KEY]
             num_rows = plan[t + T_ROWS]
             bag = plan[at + P_BAG] + local
+            if local == plan[2 + p] - plan[1 + p] - 1:  # the pool's rows past its last bag
+                for j in range(first + end, first + n_values):
+                    keys[j] = key0 + num_rows
+                    bag_of[j] = -1
+                    if scaled:
+                        coef[j] = widen(0)
             if not scaled:
                 for j in range(first + start, first + end):
                     row = rows[j]
@@ -367,39 +377,87 @@ def _plan(tables, pools, tpb, chunk):
     return plan, [level[-1] for level in blocks], partial_rows
 
 
+class StepSpace(NamedTuple):
+    """The arrays of an update of fixed tables and pools, allocated once (:func:`reserve`)."""
+
+    plan_host: object  # the plan as last copied to the device
+    plan: object
+    keys: object
+    bag_of: object
+    coef: object
+    partials: object
+    sort: object  # a radix_sort.SortSpace
+
+
+def _arrays(tables, pools, acc, scaled, partial_rows, n):
+    """``(keys, bag_of, coef, partials)`` of an update of ``n`` positions."""
+    keys = _device.scratch(n, key_dtype(tables[-1].key + tables[-1].rows + 1))
+    bag_of = _device.scratch(n, _segments.index_dtype(max(t.bags for t in tables)))
+    coef = _device.scratch(n if scaled else 0, acc)
+    partials = _device.scratch(max(partial_rows, 1) * max(t.dim for t in tables), acc)
+    return keys, bag_of, coef, partials
+
+
+def _scaled(pools, psw):
+    """Whether the coefficients are written: weights, or a mean or sqrtn pool."""
+    return psw is not None or any(p.combiner != Combiner.SUM for p in pools)
+
+
+def reserve(family, tables, pools, weights_dtype, weighted):
+    """The :class:`StepSpace` of updates of ``tables`` through ``pools`` (each pool at least
+    one bag; rows past a pool's last bag update nothing, so a pool's ``count`` may be its
+    capacity), ``weights_dtype`` the tables', ``weighted`` whether per-sample weights come.
+    The sort is :mod:`.radix_sort`'s: no step allocates, calls a library or reads the
+    device (a step whose plan changed, an Adam step size, copies it to the device)."""
+    if any(not p.bags for p in pools):
+        raise ValueError("a reserved update's pools each need at least one bag")
+    plan, _, partial_rows = _plan(tables, pools, threads_per_block(), _segments.CHUNK)
+    n = sum(p.count for p in pools)
+    acc = accumulator_dtype(weights_dtype)
+    keys, bag_of, coef, partials = _arrays(tables, pools, acc, weighted or _scaled(pools, None),
+                                           partial_rows, n)
+    last = tables[-1].key + tables[-1].rows
+    return StepSpace(plan, family.kernel_array(family.put(plan)), keys, bag_of, coef, partials,
+                     radix_sort.SortSpace(n, last, keys.dtype))
+
+
 def update_tables(family, rule, weights, state1, state2, per_row, hp, tables, pools, grad, rows,
-                  bounds, psw, finite, skip_nonfinite, stochastic, report):
+                  bounds, psw, finite, skip_nonfinite, stochastic, report, into=None):
     """Apply the rule ``rule`` (hyper-parameters ``hp``, their step size taken from each
     table) to ``tables`` from ``grad`` through ``pools`` (see the module doc; ``state1``,
     ``state2``: the flat state arrays or None, ``per_row`` whether each is per row).
     ``finite``: the gradient is checked first, ``report(element)`` called at the wait that
-    reads a NaN or Inf at that element of ``grad`` (nothing is written then)."""
+    reads a NaN or Inf at that element of ``grad`` (nothing is written then). ``into``:
+    the :func:`reserve` d arrays of these tables and pools."""
     n = sum(p.count for p in pools)
     if not n:
         return
     tpb = threads_per_block()
     chunk = _segments.CHUNK
     plan_host, blocks, partial_rows = _plan(tables, pools, tpb, chunk)
-    plan = family.kernel_array(family.put(plan_host))
     acc = accumulator_dtype(weights.dtype)
+    scaled = _scaled(pools, psw)
+    if into is None:
+        plan = family.kernel_array(family.put(plan_host))
+        keys, bag_of, coef, partials = _arrays(tables, pools, acc, scaled, partial_rows, n)
+    else:
+        plan, keys, bag_of, coef, partials = into.plan, into.keys, into.bag_of, into.coef, into.partials
+        if not np.array_equal(plan_host, into.plan_host):  # a step size or a rounding key
+            family.copy_in(into.plan, plan_host)
+            into.plan_host[:] = plan_host
     k_grad = family.kernel_array(grad)
     with _pending.checks(1, "fused_step", lambda bad: report(bad[0]), (grad,),
                          when=finite) as slots:
         if finite:
             record_nonfinite(family, grad.reshape(-1, 1), slots, 0)
-        keys = _device.scratch(n, key_dtype(tables[-1].key + tables[-1].rows + 1))
-        bag_of = _device.scratch(n, _segments.index_dtype(max(t.bags for t in tables)))
-        scaled = psw is not None or any(p.combiner != Combiner.SUM for p in pools)
-        coef = _device.scratch(n if scaled else 0, acc)
         k_rows = family.kernel_array(rows)
         kernel = prepare_tables_kernel(dtype_key(acc), None if psw is None else dtype_key(psw.dtype),
                                        scaled)
         launch(kernel, blocks_for(sum(p.bags for p in pools), tpb), tpb, k_rows,
                family.kernel_array(bounds), k_rows if psw is None else family.kernel_array(psw),
                plan, len(tables), keys, bag_of, coef)
-        grouping = _segments.group(keys)
+        grouping = _segments.group(keys) if into is None else into.sort.group(keys)
         widest = max(t.dim for t in tables)
-        partials = _device.scratch(max(partial_rows, 1) * widest, acc)
         sums = (grouping.order, bag_of, coef, partials, widest)
         for level, level_blocks in enumerate(blocks[1:], 1):
             launch(partial_tables_kernel(dtype_key(acc), dtype_key(grad.dtype)), level_blocks, tpb,

@@ -132,6 +132,43 @@ class Saved(NamedTuple):
     locals: list
 
 
+class _FlatPlan(NamedTuple):
+    """One flat array's update (:meth:`EmbeddingCollection._flat_plan`)."""
+
+    tables: list  # update_tables.Table
+    pools: list  # update_tables.Pool
+    places: list  # (first element in the flat gradient, feature, c0, c1, bags) per piece
+    counters: list  # each fused array's step count (its state's "step")
+    hp: Any  # the rule's hyper-parameters (the last array's step)
+    size: int  # elements of the flat gradient
+
+
+class _ReservedFlat(NamedTuple):
+    """A flat array's part of a :class:`_Reservation`."""
+
+    pooled: Any  # the pooling launch's pool_tables.Pooled
+    contexts: dict  # (group, replicated) -> LocalContext, its pools views of what it writes
+    outputs: dict  # feature -> [(0, dim, [B, dim] view of the launch's output)]
+    step: Any  # update_tables.StepSpace
+    grad: Any  # the flat fp32 gradient the update reads
+    psw: Any  # the per-sample weights of the launch's rows, or None
+    segments: list  # (feature, first row) of each pool, in the rows
+
+
+class _Reservation(NamedTuple):
+    """The memory of a training step sized once (:meth:`EmbeddingCollection.reserve`)."""
+
+    batch: int
+    capacity: dict  # feature -> ids at most
+    weighted: frozenset
+    firsts: dict  # feature -> (first value, first offset) in the staged inputs
+    staged: Any  # ragged.Staged: every feature's values and offsets, the check's table
+    table: Any  # the check's table on the host (its counts rewritten each forward)
+    psw: Any  # per-sample weights (ones where a feature has none), or None
+    ones: Any  # offsets of one-id bags, 0..batch
+    flats: dict  # flat key -> _ReservedFlat
+
+
 def _device_of(device):
     """``"cpu"`` or ``"cuda"`` for the collection's ``device`` argument."""
     if device in ("cpu", "cuda"):
@@ -280,6 +317,7 @@ class EmbeddingCollection:
         self._chain = []  # directories of the last full save and the incremental ones after it
         self._full_bytes, self._chain_bytes = 0, 0  # of the last full save; of the saves after it
         self._marks = {}  # dynamic table -> what its next incremental save compares with
+        self._reserved = None  # a _Reservation: the memory of a step, sized once (reserve)
         self.stats = {}
         self.timings = defaultdict(float)
         self._timing = False
@@ -531,7 +569,9 @@ class EmbeddingCollection:
                 values = resolve(values=x)[1]["values"]
                 if values.ndim != 1:
                     raise ValueError(f"feature {f!r}: one-hot ids must be 1-D, got shape {tuple(values.shape)}")
-                offsets = space.xp.arange(values.shape[0] + 1, dtype=np.int64)
+                reserved = self._reserved
+                offsets = (reserved.ones if reserved is not None and values.shape[0] == reserved.batch
+                           else space.xp.arange(values.shape[0] + 1, dtype=np.int64))
             family, a = resolve(("psw",), values=values, offsets=offsets, psw=psws.get(f))
             if family != space:
                 raise TypeError(f"feature {f!r} is a {family.name} array but the collection lives on "
@@ -545,7 +585,8 @@ class EmbeddingCollection:
                 raise ValueError(f"feature {f!r}: {e}") from None
             # a dynamic table takes any int64 id: its offsets only
             checked.append((f, values, offsets, None if spec.dynamic else spec.num_rows))
-            values = values.astype(np.int64, copy=False)
+            if self._reserved is None:  # (a reserved step copies them into its own int64 array)
+                values = values.astype(np.int64, copy=False)
             sequence_offsets = None
             if spec.combiner is None:  # a sequence table: each id is a bag of its own
                 sequence_offsets, offsets = offsets, space.xp.arange(values.shape[0] + 1, dtype=np.int64)
@@ -559,11 +600,149 @@ class EmbeddingCollection:
             psw = None if psw is None else psw.astype(np.float32, copy=False)
             inputs[f] = _Feature(spec.name, values, offsets, psw, int(offsets.shape[0]) - 1,
                                  uniq, inverse, sequence_offsets)
-        if checked:
+        if self._reserved is not None:
+            kernels(space, "ragged").check_features(space, *zip(*checked),
+                                                    staged=self._stage(space, inputs))
+        elif checked:
             kernels(space, "ragged").check_features(space, *zip(*checked))
         if space.is_cuda and self.comm.world_size > 1:
             synchronize()  # the checks' errors here, where the peers are told, not mid-exchange
         return inputs
+
+    def _stage(self, space, inputs):
+        """Copy this forward's inputs into the reserved arrays (nothing allocated): the
+        check's ``Staged`` arrays. Refuses a batch the reservation does not hold."""
+        r = self._reserved
+        if list(inputs) != list(r.capacity):
+            raise ValueError(f"a reserved step takes every feature {list(r.capacity)}, got "
+                             f"{list(inputs)}")
+        for f, feature in inputs.items():
+            n = int(feature.values.shape[0])
+            if feature.batch > r.batch:
+                raise ValueError(f"feature {f!r}: {feature.batch} bags, more than the {r.batch} "
+                                 f"reserved (reserve's batch_size)")
+            if n > r.capacity[f]:
+                raise ValueError(f"feature {f!r}: {n} ids, more than the {r.capacity[f]} reserved "
+                                 f"(reserve's max_ids)")
+            if (feature.psw is not None) != (f in r.weighted):
+                raise ValueError(f"feature {f!r}: per-sample weights "
+                                 f"{'missing' if f in r.weighted else 'not reserved'} "
+                                 f"(reserve's weighted={sorted(r.weighted)})")
+        count = len(inputs)
+        for k, (f, feature) in enumerate(inputs.items()):
+            n = int(feature.values.shape[0])
+            v0, o0 = r.firsts[f]
+            if n:
+                r.staged.values[v0:v0 + n] = feature.values
+                if feature.psw is not None:
+                    r.psw[v0:v0 + n] = feature.psw
+            r.staged.offsets[o0:o0 + feature.batch + 1] = feature.offsets
+            if feature.batch < r.batch:  # the bags past the batch's: empty
+                r.staged.offsets[o0 + feature.batch + 1:o0 + r.batch + 1] = n
+            r.table[3 * count + 2 + k] = n
+        space.copy_in(r.staged.table, r.table)
+        return r.staged
+
+    def reserve(self, batch_size, max_ids, *, weighted=()):
+        """Size, once, the device memory of a training step on the GPU. After it, a
+        :meth:`forward` of every feature with at most ``batch_size`` bags each and at most
+        ``max_ids`` ids (an int, or ``{feature: int}``), per-sample weights for exactly the
+        features in ``weighted``, and the :meth:`backward` after it allocate nothing on the
+        device and wait for nothing; their launches, and the shapes of their kernels, do
+        not depend on the batch (a feature's bags are padded to ``batch_size`` with empty
+        ones, its ids to its reserved count). A forward outside these sizes raises
+        ``ValueError`` naming the feature. The outputs of a forward are views of reserved
+        memory: the next forward overwrites them.
+
+        For one rank (``world_size`` 1) with static, unquantized tables of pooled bags on
+        a GPU; anything else raises ``ValueError``. Calling it again replaces the
+        reservation."""
+        space = self._family(self.device)
+        if not space.is_cuda:
+            raise ValueError(f"reserve sizes a step on a GPU; this collection lives on {self.device}")
+        if self.comm.world_size != 1:
+            raise ValueError(f"reserve takes one rank; this collection has {self.comm.world_size}")
+        outside = sorted({t for t in self.tables if any(
+            route.group not in self._flat_of for route in self.layout.routes[t])})
+        sequence = sorted(t for t, spec in self.tables.items() if spec.combiner is None)
+        if outside or sequence:
+            raise ValueError(f"reserve covers static, unquantized tables of pooled bags on the GPU; "
+                             f"not {outside + sequence}")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        features = list(self.feature_table)
+        caps = max_ids if isinstance(max_ids, dict) else dict.fromkeys(features, max_ids)
+        if set(caps) != set(features):
+            raise ValueError(f"max_ids must name every feature {features}, got {sorted(caps)}")
+        for f in features:
+            c = caps[f]
+            if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or not 1 <= c < 2**30:
+                raise ValueError(f"max_ids of {f!r} must be an int in [1, 2**30), got {c!r}")
+        weighted = frozenset(weighted)
+        if weighted - set(features):
+            raise ValueError(f"weighted names unknown features {sorted(weighted - set(features))}")
+        batch = int(batch_size)
+        caps = {f: int(caps[f]) for f in features}
+        self._reserved = None
+        firsts, value, offset = {}, 0, 0
+        for f in features:
+            firsts[f] = (value, offset)
+            value += caps[f]
+            offset += batch + 1
+        table = kernels(space, "ragged").features_table(
+            [firsts[f][0] for f in features] + [value], [k * batch for k in range(len(features) + 1)],
+            [self.tables[self.feature_table[f]].num_rows for f in features], [0] * len(features))
+        staged = kernels(space, "ragged").Staged(space.zeros((value,), np.int64),
+                                                 space.zeros((offset,), np.int64), space.put(table))
+        psw = space.full((value,), 1.0, np.float32) if weighted else None
+        by_key = defaultdict(list)
+        for pair in ([(group, False) for group in self.layout.exchange_groups]
+                     + [(group, True) for group in self.layout.replica_groups]):
+            by_key[self._flat_of[pair[0]]].append(pair)
+        flats = {key: self._reserve_flat(space, key, pairs, batch, caps, firsts, psw)
+                 for key, pairs in by_key.items()}
+        self._reserved = _Reservation(batch, caps, weighted, firsts, staged, table, psw,
+                                      space.xp.arange(batch + 1, dtype=np.int64), flats)
+
+    def _reserve_flat(self, space, key, pairs, batch, caps, firsts, psw):
+        """The :class:`_ReservedFlat` of flat array ``key`` for ``pairs`` (group,
+        replicated): one pool per feature's slice, over the feature's reserved ids."""
+        pool_tables = kernels(space, "pool_tables")
+        segments, layouts, outs = [], [], {}
+        out_at, row_at, bound_at = 0, 0, 0
+        for group, replicated in pairs:
+            pools = []
+            for combiner, members in self._flat_requests(space, group, replicated):
+                for f, route, block, code, row_start, dim in members:
+                    if f not in outs:
+                        outs[f] = (out_at, dim)
+                        out_at += batch * dim
+                    segments.append(pool_tables.Segment(
+                        block, firsts[f][0], caps[f], firsts[f][1], batch, row_start, code,
+                        outs[f][0], dim, route.c0, row_at, bound_at, 0))
+                    pools.append((combiner, row_at, row_at + caps[f], bound_at,
+                                  [(f, route.c0, route.c1, 0, batch)]))
+                    row_at += caps[f]
+                    bound_at += batch + 1
+            layouts.append(((group, replicated), pools))
+        pooled = pool_tables.reserve(space, self.flats[key], segments,
+                                     None if psw is None else psw.dtype, (out_at, row_at, bound_at))
+        rows, bounds = pooled.rows, pooled.pool_offsets
+        row_psw = None if psw is None else space.full((row_at,), 1.0, np.float32)
+        contexts, firsts_of_rows = {}, []
+        for pair, pools in layouts:
+            contexts[pair] = LocalContext(pair[0], [
+                Pool(combiner, rows[r0:r1], bounds[b0:b0 + batch + 1],
+                     None if row_psw is None else row_psw[r0:r1], pieces, at=(r0, b0))
+                for combiner, r0, r1, b0, pieces in pools], (key, rows, bounds, row_psw))
+            firsts_of_rows += [(pieces[0][0], r0) for _, r0, _, _, pieces in pools]
+        outputs = {f: [(0, dim, pooled.out[at:at + batch * dim].reshape(batch, dim))]
+                   for f, (at, dim) in outs.items()}
+        plan = self._flat_plan(list(contexts.values()))
+        step = kernels(space, "update_tables").reserve(space, plan.tables, plan.pools,
+                                                       self.flats[key].dtype, psw is not None)
+        return _ReservedFlat(pooled, contexts, outputs, step,
+                             space.zeros((max(plan.size, 1),), np.float32), row_psw, firsts_of_rows)
 
     def forward(self, features, *, per_sample_weights=None, insert=True):
         """Pooled embeddings of this rank's batch: ``{feature: [B, dim]}`` (table dtype);
@@ -845,6 +1024,20 @@ class EmbeddingCollection:
         space = self._family(key[0])
         xp = space.xp
         pool_tables = kernels(space, "pool_tables")
+        if self._reserved is not None:  # the reserved launch, over the staged inputs
+            r = self._reserved
+            flat = r.flats[key]
+            for f, first_row in flat.segments:
+                n = int(inputs[f].values.shape[0])
+                if f in r.weighted and n:
+                    flat.psw[first_row:first_row + n] = inputs[f].psw
+            with self._phase("kernels"):
+                pool_tables.pool_tables(space, self.flats[key], None, r.staged.values,
+                                        r.staged.offsets, r.psw, None, into=flat.pooled)
+            for f, pieces in flat.outputs.items():  # a smaller batch: its bags' rows
+                batch = inputs[f].batch
+                outputs[f] = pieces if batch == r.batch else [(0, pieces[0][1], pieces[0][2][:batch])]
+            return flat.contexts
         values, offsets, segments, placed, layouts = [], [], [], {}, []
         row_features = []  # the feature of each segment: whose ids the launch's rows are
         at = [0, 0, 0, 0, 0]  # the next feature's first value, offset and output element;
@@ -1084,8 +1277,9 @@ class EmbeddingCollection:
                 self._flat_step(contexts, grads)
             for ctx in contexts:
                 flat_groups.add(ctx.group)
-                for pool in ctx.pools:
-                    self._mark_changed(ctx.group, pool.values)
+                for pool in ctx.pools:  # (a reserved pool's rows past its feature's are padding)
+                    self._mark_changed(ctx.group, pool.values if self._reserved is None else
+                                       pool.values[:int(inputs[pool.pieces[0][0]].values.shape[0])])
         for group in self.arrays:
             fused = self._fast(group)
             if group in flat_groups:
@@ -1110,18 +1304,13 @@ class EmbeddingCollection:
                 self.optimizer.step(fused.weights, fused.state, SparseGrad(ids, rows))
             self._mark_changed(group, ids)
 
-    def _flat_step(self, contexts, grads):
-        """The fused backward and optimizer step of the fused arrays of ``contexts`` (one
-        flat array's, pooled by its launch) in the launches of one ``fused_step``
-        (:mod:`hbkernels.cuda.update_tables`): the same results as a ``fused_step`` of
-        each. Each array's step count advances (taken back if the gradient's check
-        fails at the next wait)."""
-        key, rows, bounds, psw = contexts[0].flat
-        space = self._family(key[0])
-        xp = space.xp
-        update_tables = kernels(space, "update_tables")
-        tables, pools, parts, places, counters = [], [], [], [], []
+    def _flat_plan(self, contexts):
+        """The :class:`_FlatPlan` of the update of ``contexts`` (one flat array's)."""
+        update_tables = kernels(self._family(contexts[0].flat[0][0]), "update_tables")
+        stochastic = self.optimizer.rounding == "stochastic"
+        tables, pools, places, counters = [], [], [], []
         grad_at = 0
+        hp = None
         for ctx in sorted(contexts, key=lambda c: self._flat_blocks[c.group][1]):
             fused = self.arrays[ctx.group]
             counters.append(fused.state["step"])
@@ -1132,33 +1321,58 @@ class EmbeddingCollection:
                 count, n_bags = int(pool.values.shape[0]), int(pool.offsets.shape[0]) - 1
                 pools.append(update_tables.Pool(len(tables), pool.at[0], count, pool.at[1],
                                                 n_bags, bags, int(Combiner[pool.combiner.upper()])))
-                for f, c0, c1, b0, _ in pool.pieces:
-                    places.append((grad_at + (bags + b0) * width, f, c1 - c0))
-                    parts.append(grads[f][:, c0:c1].reshape(-1))
+                for f, c0, c1, b0, batch in pool.pieces:
+                    places.append((grad_at + (bags + b0) * width, f, c0, c1, batch))
                 bags += n_bags
                 ids += count
             at, first_key = self._flat_blocks[ctx.group]
             tables.append(update_tables.Table(at, int(fused.weights.shape[0]), width, first_key,
-                                              grad_at, bags, ids, hp[_rules.STEP_SIZE], rounding))
+                                              grad_at, bags, ids, hp[_rules.STEP_SIZE],
+                                              rounding if stochastic else 0))
             grad_at += bags * width
-        grad = (xp.concatenate(parts).astype(np.float32, copy=False) if parts
-                else xp.zeros(0, np.float32))
-        starts = [place[0] for place in places]
+        return _FlatPlan(tables, pools, places, counters, hp, grad_at)
+
+    def _flat_step(self, contexts, grads):
+        """The fused backward and optimizer step of the fused arrays of ``contexts`` (one
+        flat array's, pooled by its launch) in the launches of one ``fused_step``
+        (:mod:`hbkernels.cuda.update_tables`): the same results as a ``fused_step`` of
+        each. Each array's step count advances (taken back if the gradient's check
+        fails at the next wait)."""
+        key, rows, bounds, psw = contexts[0].flat
+        space = self._family(key[0])
+        xp = space.xp
+        plan = self._flat_plan(contexts)
+        reserved = None if self._reserved is None else self._reserved.flats[key]
+        if reserved is not None:  # the gradient copied into the reserved one, piece by piece
+            grad = reserved.grad
+            for start, f, c0, c1, batch in plan.places:
+                block = grad[start:start + batch * (c1 - c0)].reshape(batch, c1 - c0)
+                given = int(grads[f].shape[0])
+                block[:given] = grads[f][:, c0:c1]
+                if given < batch:  # the empty bags' rows: checked, never read
+                    block[given:] = 0
+        elif plan.places:
+            grad = xp.concatenate([grads[f][:, c0:c1].reshape(-1)
+                                   for _, f, c0, c1, _ in plan.places]).astype(np.float32, copy=False)
+        else:
+            grad = xp.zeros(0, np.float32)
+        starts = [place[0] for place in plan.places]
 
         def report(element):  # the step did not count
-            for counter in counters:
+            for counter in plan.counters:
                 counter[0] -= 1
-            start, f, width = places[bisect.bisect_right(starts, element) - 1]
-            check.raise_nonfinite(f"grad of {f!r}", (element - start) // width)
+            start, f, c0, c1, _ = plan.places[bisect.bisect_right(starts, element) - 1]
+            check.raise_nonfinite(f"grad of {f!r}", (element - start) // (c1 - c0))
 
         opt = self.optimizer  # hp: the last array's; the rule's constants other than its
         #                       step size (taken from each table) are the same for all
-        update_tables.update_tables(
+        kernels(space, "update_tables").update_tables(
             space, opt.rule, self.flats[key], *[self.state_flats[key, slot] for slot, _ in opt.slots],
-            *[None] * (2 - len(opt.slots)), [per_row for _, per_row in opt.slots] + [False] * 2, hp,
-            tables, pools, grad, rows, bounds, psw, opt.nonfinite == "raise",
-            opt.nonfinite == "skip", opt.rounding == "stochastic", report)
-        for counter in counters:
+            *[None] * (2 - len(opt.slots)), [per_row for _, per_row in opt.slots] + [False] * 2,
+            plan.hp, plan.tables, plan.pools, grad, rows, bounds, psw, opt.nonfinite == "raise",
+            opt.nonfinite == "skip", opt.rounding == "stochastic", report,
+            into=None if reserved is None else reserved.step)
+        for counter in plan.counters:
             counter[0] += 1
 
     def _mark_changed(self, group, rows, store=False):
