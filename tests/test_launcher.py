@@ -137,6 +137,24 @@ def test_a_launch_packs_what_the_kernel_reads(fake_gpu):
     assert cc == (9, 0) and argtypes[1] == types.Array(types.int32, 1, "C")
 
 
+def test_a_prepared_launch_packs_once_and_launches_as_launch_does(fake_gpu, monkeypatch):
+    kernel = object()
+    table, ids = FakeCupy((100, 16), np.float32), FakeCupy((33,), np.int32)
+    _launcher.launch(kernel, 7, 256, table, ids, 33)
+    run = _launcher.prepare(kernel, 7, 256, table, ids, 33)
+    before = _launcher.LAUNCHES[0]
+    with monkeypatch.context() as m:
+        m.setattr(_launcher, "arguments", None)  # a call packs nothing
+        run()
+        run()
+    assert _launcher.LAUNCHES[0] - before == 2
+    assert fake_gpu.launched[1] == fake_gpu.launched[2] == fake_gpu.launched[0]
+    assert len(fake_gpu.compiled) == 1
+    monkeypatch.setitem(_launcher._GPU, "device", lambda: 1)  # another device: as launch does
+    run()
+    assert fake_gpu.launched[3][1] == fake_gpu.launched[0][1] and len(fake_gpu.compiled) == 2
+
+
 def test_one_compile_per_signature(fake_gpu):
     kernel = object()
     for n in range(3):

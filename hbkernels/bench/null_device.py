@@ -442,20 +442,29 @@ def install():
     from hbkernels.cuda import _kernel_cache, _launcher
 
     _kernel_cache.compiled = lambda kernel, argtypes, cc, fresh=False: (b"", "null")
-    launch = _launcher.launch
+    launch, prepare = _launcher.launch, _launcher.prepare
 
-    def counted_launch(kernel, blocks, threads, *args):
+    def written(args):
         t0 = time.perf_counter()  # the null device's own bookkeeping, left out
         for a in args:  # a kernel may write any array it is given
             if type(a) is NullArray:
                 _WRITTEN.add(id(_base(a._a)))
         EXCLUDED[0] += time.perf_counter() - t0
+
+    def counted_launch(kernel, blocks, threads, *args):
+        written(args)
         return launch(kernel, blocks, threads, *args)
 
-    _launcher.launch = counted_launch
-    for name, module in list(sys.modules.items()):  # modules that imported launch by name
-        if name.startswith("hbkernels.cuda") and getattr(module, "launch", None) is launch:
-            module.launch = counted_launch
+    def counted_prepare(kernel, blocks, threads, *args):  # (its launches write them all)
+        written(args)
+        return prepare(kernel, blocks, threads, *args)
+
+    for name, module in list(sys.modules.items()):  # modules that imported them by name
+        if name.startswith("hbkernels.cuda"):
+            if getattr(module, "launch", None) is launch:
+                module.launch = counted_launch
+            if getattr(module, "prepare", None) is prepare:
+                module.prepare = counted_prepare
 
 
 def snapshot():

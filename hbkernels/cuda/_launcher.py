@@ -1,5 +1,7 @@
 """Every kernel launch of the CUDA backend: ``launch(kernel, blocks, threads, *args)``,
-queued on the current stream (CuPy's; Numba's default under the simulator).
+queued on the current stream (CuPy's; Numba's default under the simulator), or
+``prepare(kernel, blocks, threads, *args)()`` for a launch repeated with the same
+arguments (packed once).
 
 Arguments are device arrays (CuPy, Numba, anything with ``__cuda_array_interface__``;
 NumPy arrays under the simulator; bf16 arrays as their int16 bits), Python
@@ -223,6 +225,14 @@ def _simulate(kernel, blocks, threads, args):
     kernel[blocks, threads, 0](*views)
 
 
+def _pack(loaded, buffer, flat):
+    try:
+        loaded.packer.pack_into(buffer, 0, *flat)
+    except struct.error as error:
+        raise OverflowError(f"an argument of kernel {loaded.name} does not fit its parameter "
+                            f"type: {error}") from None
+
+
 def launch(kernel, blocks, threads, *args):
     """Launch ``kernel`` (a ``cuda.jit`` kernel) on ``blocks`` x ``threads`` (1-D) threads
     with ``args`` on the current stream; returns at once (nothing is waited for)."""
@@ -238,10 +248,56 @@ def launch(kernel, blocks, threads, *args):
     device = gpu["device"]()
     loaded = _LOADED.get((kernel, kinds, device)) or _load(kernel, kinds, device)
     held = loaded.buffers()
-    try:
-        loaded.packer.pack_into(held[0], 0, *flat)
-    except struct.error as error:
-        raise OverflowError(f"an argument of kernel {loaded.name} does not fit its parameter "
-                            f"type: {error}") from None
+    _pack(loaded, held[0], flat)
     gpu["launch"](loaded.function, blocks, 1, 1, threads, 1, 1, 0,
                   gpu["stream"]().ptr, held[2], 0)
+
+
+class Prepared:
+    """A launch whose kernel, grid and arguments never change (:func:`prepare`): calling
+    it launches again, on the current stream, with the arguments packed once. It keeps
+    its arguments alive. On a device other than the one it was prepared on it launches
+    as :func:`launch` does."""
+
+    __slots__ = ("kernel", "blocks", "threads", "args", "device", "function", "kinds",
+                 "buffer", "pointers", "address")
+
+    def __init__(self, kernel, blocks, threads, args):
+        self.kernel, self.blocks, self.threads, self.args = kernel, blocks, threads, args
+        self.device = None
+        if _SIMULATOR:
+            return
+        gpu = _GPU or _gpu()
+        kinds, flat = arguments(args)
+        self.kinds = tuple(numba_type(k) for k in kinds)
+        self.device = gpu["device"]()
+        loaded = _LOADED.get((kernel, kinds, self.device)) or _load(kernel, kinds, self.device)
+        self.function = loaded.function
+        self.buffer = ctypes.create_string_buffer(max(loaded.count, 1) * _SLOT)
+        base = ctypes.addressof(self.buffer)
+        self.pointers = (ctypes.c_void_p * max(loaded.count, 1))(
+            *[base + _SLOT * i for i in range(loaded.count)])
+        self.address = ctypes.addressof(self.pointers)
+        _pack(loaded, self.buffer, flat)
+
+    def __call__(self):
+        if _SIMULATOR:
+            launch(self.kernel, self.blocks, self.threads, *self.args)
+            return
+        gpu = _GPU
+        if gpu["device"]() != self.device:
+            launch(self.kernel, self.blocks, self.threads, *self.args)
+            return
+        LAUNCHES[0] += 1
+        _device.QUEUED[0] = True
+        if RECORDER[0] is not None:
+            RECORDER[0](self.kernel, self.kinds, self.threads)
+        gpu["launch"](self.function, self.blocks, 1, 1, self.threads, 1, 1, 0,
+                      gpu["stream"]().ptr, self.address, 0)
+
+
+def prepare(kernel, blocks, threads, *args):
+    """A :class:`Prepared` launch of ``kernel`` with ``args`` (as :func:`launch` takes
+    them), for a launch made many times with the same arguments: each call costs the host
+    the driver's call alone."""
+    return Prepared(kernel, blocks, threads, args)

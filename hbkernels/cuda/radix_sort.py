@@ -34,7 +34,7 @@ from numba import cuda, int32, int64, uint32
 
 from . import _device
 from ._launch import WARP, kernel_factory, threads_per_block
-from ._launcher import launch
+from ._launcher import prepare
 from ._segments import Grouping, index_dtype
 from ._warp import match_any
 
@@ -269,25 +269,35 @@ class SortSpace:
         out = (self.passes - 1) % 2
         self.grouping = Grouping(self.arrays.order[out], self.arrays.run, self.arrays.starts,
                                  self.arrays.ids, self.arrays.count)
+        self._launches = None  # (keys, their prepared launches)
 
     def group(self, keys):
         """:attr:`grouping` of ``keys`` (``capacity`` keys of the space's dtype, each in
-        ``[0, max_key]``), queued on the current stream."""
+        ``[0, max_key]``), queued on the current stream. The launches of the last keys
+        array given are kept, their arguments packed (:func:`._launcher.prepare`)."""
+        if self._launches is None or self._launches[0] is not keys:
+            self._launches = (keys, self._prepare(keys))
+        for run in self._launches[1]:
+            run()
+        return self.grouping
+
+    def _prepare(self, keys):
         a = self.arrays
         n, tiles, chunks, tpb = self.capacity, self.tiles, self.chunks, self.tpb
         digit_counts, chunk_sums, scan_rows, scan_chunks, scatter_digits, head_counts, runs = (
             radix_kernels(tpb))
+        out = []
         source, order = keys, a.order[1]
         for p in range(self.passes):
             shift = p * DIGIT_BITS
-            launch(digit_counts, tiles, tpb, source, n, shift, a.counts, tiles)
-            launch(chunk_sums, chunks, tpb, a.counts, DIGITS * tiles, a.sums)
-            launch(scan_rows, 1, tpb, a.sums, 1, chunks, a.total)
-            launch(scan_chunks, chunks, tpb, a.counts, DIGITS * tiles, a.sums)
-            launch(scatter_digits, tiles, tpb, source, order, a.keys[p % 2], a.order[p % 2],
-                   a.counts, n, shift, tiles, p == 0)
+            out += [prepare(digit_counts, tiles, tpb, source, n, shift, a.counts, tiles),
+                    prepare(chunk_sums, chunks, tpb, a.counts, DIGITS * tiles, a.sums),
+                    prepare(scan_rows, 1, tpb, a.sums, 1, chunks, a.total),
+                    prepare(scan_chunks, chunks, tpb, a.counts, DIGITS * tiles, a.sums),
+                    prepare(scatter_digits, tiles, tpb, source, order, a.keys[p % 2],
+                            a.order[p % 2], a.counts, n, shift, tiles, p == 0)]
             source, order = a.keys[p % 2], a.order[p % 2]
-        launch(head_counts, tiles, tpb, source, n, a.heads)
-        launch(scan_rows, 1, tpb, a.heads, 1, tiles, a.total)
-        launch(runs, tiles, tpb, source, n, a.heads, a.run, a.starts, a.ids, a.count)
-        return self.grouping
+        return out + [prepare(head_counts, tiles, tpb, source, n, a.heads),
+                      prepare(scan_rows, 1, tpb, a.heads, 1, tiles, a.total),
+                      prepare(runs, tiles, tpb, source, n, a.heads, a.run, a.starts, a.ids,
+                              a.count)]
