@@ -165,18 +165,20 @@ def raise_bad_offsets(family, offsets_arr, n_values, k, length="len(values)"):
     raise ValueError(f"malformed offsets: {problem}")
 
 
-def raise_ragged(family, values, offsets, bad_offset, bad_id, num_rows):
-    """Raise for the first bad offset or id a backend's check found (-1: none)."""
+def raise_ragged(family, values, offsets, bad_offset, bad_id, num_rows, length="len(values)"):
+    """Raise for the first bad offset or id a backend's check found (-1: none); ``length``
+    names what the last offset must be (:func:`raise_bad_offsets`)."""
     if bad_offset != -1:
-        raise_bad_offsets(family, offsets, values.shape[0], bad_offset)
+        raise_bad_offsets(family, offsets, values.shape[0], bad_offset, length)
     if bad_id != -1:
         raise_bad_id(family, "values", values, bad_id, num_rows)
 
 
-def raise_feature(family, feature, values, offsets, bad_offset, bad_id, num_rows):
+def raise_feature(family, feature, values, offsets, bad_offset, bad_id, num_rows,
+                  length="len(values)"):
     """:func:`raise_ragged` for the CSR input of feature ``feature``, its name in the error."""
     try:
-        raise_ragged(family, values, offsets, bad_offset, bad_id, num_rows)
+        raise_ragged(family, values, offsets, bad_offset, bad_id, num_rows, length)
     except BoundsError as e:
         raise BoundsError(f"feature {feature!r}: values", e.position, e.value, e.limit) from None
     except ValueError as e:

@@ -30,10 +30,12 @@ def host(a):
 
 
 def batches(rng):
-    """Four batches: int32 then int64 ids; the third with no ids for ``d`` and exactly the
-    reserved count for ``a2``; the fourth of fewer bags."""
+    """Five ``(batch, psw, padded)``: int32 then int64 ids; the third with no ids for ``d``
+    and exactly the reserved count for ``a2``; the fourth of fewer bags; the fifth with
+    ``padded``, the same batch with every feature's values (and weights) padded to the
+    reserved count by ids out of every table (and NaN weights), never read."""
     out = []
-    for step in range(4):
+    for step in range(5):
         batch, psw = mixed_width_features(rng, SPECS, BATCH - 2 if step == 3 else BATCH,
                                           np.int64 if step % 2 else np.int32, weighted=["b"])
         if step == 2:
@@ -42,7 +44,13 @@ def batches(rng):
             lengths[-1] += CAP - lengths.sum()
             batch["a2"] = (rng.integers(0, 60, CAP).astype(np.int32),
                            np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
-        out.append((batch, psw))
+        pad = None
+        if step == 4:
+            pad = ({f: (np.concatenate([v, np.full(CAP - v.size, -7, v.dtype)]), o)
+                    for f, (v, o) in batch.items()},
+                   {f: np.concatenate([w, np.full(CAP - w.size, np.nan, w.dtype)])
+                    for f, w in psw.items()})
+        out.append((batch, psw, pad))
     return out
 
 
@@ -52,8 +60,8 @@ def batches(rng):
 def test_reserved_steps_equal_unreserved_ones(rng, make):
     plain, reserved = collection(make()), collection(make())
     reserved.reserve(BATCH, CAP, weighted=["b"])
-    for batch, psw in batches(rng):
-        outs = [forward_on(c, batch, psw) for c in (plain, reserved)]
+    for batch, psw, pad in batches(rng):
+        outs = [forward_on(plain, batch, psw), forward_on(reserved, *(pad or (batch, psw)))]
         for f in outs[0]:
             np.testing.assert_array_equal(host(outs[1][f]), host(outs[0][f]), err_msg=f)
         put = device_family("cuda").put
@@ -70,7 +78,7 @@ def test_reserved_steps_equal_unreserved_ones(rng, make):
 def test_a_reserved_step_allocates_and_waits_for_nothing(rng, monkeypatch):
     coll = collection(hbk.optim.Adagrad(lr=0.1))
     coll.reserve(BATCH, CAP, weighted=["b"])
-    (batch, psw), *_ = batches(rng)
+    (batch, psw, _), *_ = batches(rng)
     put = device_family("cuda").put
     features = {f: hbk.Ragged(put(v), put(o)) for f, (v, o) in batch.items()}
     weights = {f: put(w) for f, w in psw.items()}
@@ -97,7 +105,7 @@ def test_a_reserved_step_allocates_and_waits_for_nothing(rng, monkeypatch):
 def test_bad_ids_still_raise_at_the_wait(rng):
     coll = collection(hbk.optim.Adagrad(lr=0.1))
     coll.reserve(BATCH, CAP, weighted=["b"])
-    (batch, psw), *_ = batches(rng)
+    (batch, psw, _), *_ = batches(rng)
     values, offsets = batch["c"]
     batch["c"] = (np.where(np.arange(values.size) == values.size - 1, 30, values), offsets)
     forward_on(coll, batch, psw)
@@ -105,15 +113,27 @@ def test_bad_ids_still_raise_at_the_wait(rng):
         hbk.synchronize()
 
 
+def test_a_last_offset_past_the_values_is_an_error(rng):
+    coll = collection(hbk.optim.Adagrad(lr=0.1))
+    coll.reserve(BATCH, CAP, weighted=["b"])
+    (batch, psw, _), *_ = batches(rng)
+    values, offsets = batch["c"]
+    batch["c"] = (values, offsets + (np.arange(BATCH + 1) == BATCH))  # one past the values
+    forward_on(coll, batch, psw)
+    with pytest.raises(ValueError, match=r"feature 'c': malformed offsets: offsets\[5\] = "
+                                         r"\d+, expected at most len\(values\)"):
+        hbk.synchronize()
+
+
 def test_batches_outside_the_reservation_are_refused(rng):
     coll = collection(hbk.optim.Adagrad(lr=0.1))
     coll.reserve(BATCH, {"a": CAP, "a2": CAP, "b": CAP, "c": 3, "d": CAP}, weighted=["b"])
-    (batch, psw), *_ = batches(rng)
+    (batch, psw, _), *_ = batches(rng)
     batch["c"] = (np.zeros(4, np.int64), np.array([0, 4, 4, 4, 4, 4]))
     with pytest.raises(ValueError, match="feature 'c': 4 ids, more than the 3 reserved"):
         forward_on(coll, batch, psw)
     coll.reserve(BATCH, CAP, weighted=["b"])  # (a new reservation replaces the last)
-    (batch, psw), *_ = batches(rng)
+    (batch, psw, _), *_ = batches(rng)
     with pytest.raises(ValueError, match="feature 'b': per-sample weights missing"):
         forward_on(coll, batch, {})
     large, _ = mixed_width_features(rng, SPECS, BATCH + 1, np.int64, weighted=["b"])

@@ -13,7 +13,8 @@ are the same; an id outside its block adds nothing and counts in no denominator.
 Nothing is checked or recorded: the caller has checked the ids and offsets.
 
 On the way it writes what a backward takes (what ``join_bags`` gives, with no launch of
-its own): the segment's rows ``values[j] + row_start`` at ``rows[rows_at + j]``, and its
+its own): the segment's rows ``values[j] + row_start`` at ``rows[rows_at + j]`` (-1 for
+positions past its last bag, a count its bags do not fill), and its
 bags' bounds, each plus ``pool_first_value``, at ``pool_offsets[pool_offsets_at + b]``
 (``b <= bags``). Segments laid out one after another there (each starting at the
 previous one's last bound and at its first value plus its count) make one batch of
@@ -116,6 +117,9 @@ def segment_pooler(table_dtype, weights_dtype, width):
                 pool_offsets[b + 1] = pool_first_value + end
                 for j in range(start, end):
                     rows[j] = values[j] + row_start
+                if b == offsets.shape[0] - 2:  # ids past the last bag (padding): no row
+                    for j in range(end, n_values):
+                        rows[j] = -1
             for c in range(lane, vectors, group):
                 col = c * width
                 acc = zero

@@ -54,11 +54,14 @@ def check_ragged(family, values, offsets, num_rows, bounds):
 def _features_kernel(values, offsets, table, features, slots):
     """Feature ``f``'s offset faults in slot ``2f``, its first id out of range in slot
     ``2f + 1``. ``table``: the features' first values and first bags (``features + 1``
-    each, the totals last), their row limits (-1: ids not checked), then their counts
-    of values (a feature's values may end before the next one's first)."""
+    each, the totals last), their row limits (-1: ids not checked), their counts of
+    values (a feature's values may end before the next one's first), then whether the
+    values are padded (a feature's last offset at most its count, the ids past it not
+    checked)."""
     n_values = values.shape[0]
     n_bags = table[2 * features + 1]
     counts = 3 * features + 2
+    padded = table[4 * features + 2] != 0
     for i in range(cuda.grid(1), max(n_values, n_bags, features), cuda.gridsize(1)):
         if i < features and table[features + 1 + i] == table[features + 2 + i]:
             # no bags: the one offset must be 0 and there must be no values
@@ -68,15 +71,20 @@ def _features_kernel(values, offsets, table, features, slots):
             f = feature_of(table, features + 1, features, i)
             b = i - table[features + 1 + f]
             at = i + f  # feature f's offsets start at its first bag + f
-            check_bag_offsets_at(slots, 2 * f, b, offsets[at], offsets[at + 1],
+            hi = offsets[at + 1]
+            n_f = table[counts + f]
+            check_bag_offsets_at(slots, 2 * f, b, offsets[at], hi,
                                  table[features + 2 + f] - table[features + 1 + f],
-                                 table[counts + f])
+                                 min(hi, n_f) if padded else n_f)
         if i < n_values:
             f = feature_of(table, 0, features, i)
             limit = table[2 * features + 2 + f]
             j = i - table[f]
+            used = table[counts + f]
+            if padded:
+                used = min(used, offsets[table[features + 2 + f] + f])
             v = values[i]
-            if limit >= 0 and j < table[counts + f] and (v < 0 or v >= limit):
+            if limit >= 0 and j < used and (v < 0 or v >= limit):
                 cuda.atomic.min(slots, 2 * f + 1, j)
 
 
@@ -90,19 +98,21 @@ class Staged(NamedTuple):
     table: object
 
 
-def features_table(first_values, first_bags, limits, counts):
+def features_table(first_values, first_bags, limits, counts, padded=False):
     """The host table of :class:`Staged` (``features + 1`` first values and first bags,
-    the totals last; row limits, None: ids not checked; counts of values)."""
+    the totals last; row limits, None: ids not checked; counts of values; whether they
+    are padded)."""
     return np.array([*first_values, *first_bags, *(-1 if x is None else x for x in limits),
-                     *counts], np.int64)
+                     *counts, int(padded)], np.int64)
 
 
-def check_features(family, features, values, offsets, limits, staged=None):
+def check_features(family, features, values, offsets, limits, staged=None, padded=False):
     """Check the CSR input of several features at once (``values[k]``, ``offsets[k]``
     of feature named ``features[k]``): offsets always, ids against ``limits[k]`` rows
     (None: not checked). One launch over the joined inputs (joined here, or ``staged``:
-    a :class:`Staged` holding them, nothing allocated), left pending: its error (the
-    first feature's first, naming the feature) is raised by a later wait."""
+    a :class:`Staged` holding them, nothing allocated; ``padded``: its table says the
+    values are padded), left pending: its error (the first feature's first, naming the
+    feature) is raised by a later wait."""
     count = len(features)
     if staged is None:
         value, bag = [0], [0]
@@ -120,7 +130,8 @@ def check_features(family, features, values, offsets, limits, staged=None):
     def report(bad):
         for k in range(count):
             raise_feature(family, features[k], values[k], offsets[k], bad[2 * k],
-                          bad[2 * k + 1], limits[k])
+                          bad[2 * k + 1], limits[k],
+                          "at most len(values)" if padded else "len(values)")
 
     tpb = threads_per_block()
     with _pending.checks(2 * count, "EmbeddingCollection.forward", report,

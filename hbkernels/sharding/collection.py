@@ -602,7 +602,7 @@ class EmbeddingCollection:
                                  uniq, inverse, sequence_offsets)
         if self._reserved is not None:
             kernels(space, "ragged").check_features(space, *zip(*checked),
-                                                    staged=self._stage(space, inputs))
+                                                    staged=self._stage(space, inputs), padded=True)
         elif checked:
             kernels(space, "ragged").check_features(space, *zip(*checked))
         if space.is_cuda and self.comm.world_size > 1:
@@ -628,7 +628,7 @@ class EmbeddingCollection:
                 raise ValueError(f"feature {f!r}: per-sample weights "
                                  f"{'missing' if f in r.weighted else 'not reserved'} "
                                  f"(reserve's weighted={sorted(r.weighted)})")
-        count = len(inputs)
+        count, changed = len(inputs), False
         for k, (f, feature) in enumerate(inputs.items()):
             n = int(feature.values.shape[0])
             v0, o0 = r.firsts[f]
@@ -637,10 +637,14 @@ class EmbeddingCollection:
                 if feature.psw is not None:
                     r.psw[v0:v0 + n] = feature.psw
             r.staged.offsets[o0:o0 + feature.batch + 1] = feature.offsets
-            if feature.batch < r.batch:  # the bags past the batch's: empty
-                r.staged.offsets[o0 + feature.batch + 1:o0 + r.batch + 1] = n
-            r.table[3 * count + 2 + k] = n
-        space.copy_in(r.staged.table, r.table)
+            if feature.batch < r.batch:  # the bags past the batch's: empty, at its last offset
+                r.staged.offsets[o0 + feature.batch + 1:o0 + r.batch + 1] = \
+                    feature.offsets[feature.batch:feature.batch + 1]
+            if r.table[3 * count + 2 + k] != n:
+                r.table[3 * count + 2 + k] = n
+                changed = True
+        if changed:  # (inputs padded to fixed sizes copy nothing here)
+            space.copy_in(r.staged.table, r.table)
         return r.staged
 
     def reserve(self, batch_size, max_ids, *, weighted=()):
@@ -650,9 +654,11 @@ class EmbeddingCollection:
         features in ``weighted``, and the :meth:`backward` after it allocate nothing on the
         device and wait for nothing; their launches, and the shapes of their kernels, do
         not depend on the batch (a feature's bags are padded to ``batch_size`` with empty
-        ones, its ids to its reserved count). A forward outside these sizes raises
-        ``ValueError`` naming the feature. The outputs of a forward are views of reserved
-        memory: the next forward overwrites them.
+        ones, its ids to its reserved count). A feature's ``values`` may also come padded:
+        ids past its last offset are not read or checked, so inputs of fixed shapes make
+        every step copy the same. A forward outside these sizes raises ``ValueError``
+        naming the feature. The outputs of a forward are views of reserved memory: the
+        next forward overwrites them.
 
         For one rank (``world_size`` 1) with static, unquantized tables of pooled bags on
         a GPU; anything else raises ``ValueError``. Calling it again replaces the
@@ -691,7 +697,8 @@ class EmbeddingCollection:
             offset += batch + 1
         table = kernels(space, "ragged").features_table(
             [firsts[f][0] for f in features] + [value], [k * batch for k in range(len(features) + 1)],
-            [self.tables[self.feature_table[f]].num_rows for f in features], [0] * len(features))
+            [self.tables[self.feature_table[f]].num_rows for f in features], [0] * len(features),
+            padded=True)
         staged = kernels(space, "ragged").Staged(space.zeros((value,), np.int64),
                                                  space.zeros((offset,), np.int64), space.put(table))
         psw = space.full((value,), 1.0, np.float32) if weighted else None
@@ -1277,9 +1284,8 @@ class EmbeddingCollection:
                 self._flat_step(contexts, grads)
             for ctx in contexts:
                 flat_groups.add(ctx.group)
-                for pool in ctx.pools:  # (a reserved pool's rows past its feature's are padding)
-                    self._mark_changed(ctx.group, pool.values if self._reserved is None else
-                                       pool.values[:int(inputs[pool.pieces[0][0]].values.shape[0])])
+                for pool in ctx.pools:  # (rows past a reserved pool's bags are -1)
+                    self._mark_changed(ctx.group, pool.values)
         for group in self.arrays:
             fused = self._fast(group)
             if group in flat_groups:
