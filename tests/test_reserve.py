@@ -145,8 +145,10 @@ def test_batches_outside_the_reservation_are_refused(rng):
 
 
 @pytest.mark.parametrize("args, message", [
-    ((0, 4), "batch_size must be an int >= 1"),
-    ((4, 0), "max_ids of 'a' must be an int"),
+    ((0, 4), "batch_size must be >= 1"),
+    ((4, 0), "max_ids of 'a' must be >= 1"),
+    ((4, 2**30), "max_ids of 'a' must be < 2\\*\\*30"),
+    ((4.0, 3), "batch_size must be an integer"),
     ((4, {"a": 3}), "max_ids must name every feature"),
     ((4, 3, ["zz"]), "unknown features"),
 ])

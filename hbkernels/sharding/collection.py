@@ -674,21 +674,18 @@ class EmbeddingCollection:
         if outside or sequence:
             raise ValueError(f"reserve covers static, unquantized tables of pooled bags on the GPU; "
                              f"not {outside + sequence}")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        batch = check.count("batch_size", batch_size, minimum=1)
         features = list(self.feature_table)
         caps = max_ids if isinstance(max_ids, dict) else dict.fromkeys(features, max_ids)
         if set(caps) != set(features):
             raise ValueError(f"max_ids must name every feature {features}, got {sorted(caps)}")
-        for f in features:
-            c = caps[f]
-            if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or not 1 <= c < 2**30:
-                raise ValueError(f"max_ids of {f!r} must be an int in [1, 2**30), got {c!r}")
+        caps = {f: check.count(f"max_ids of {f!r}", caps[f], minimum=1) for f in features}
+        for f, c in caps.items():
+            if c >= 2**30:
+                raise ValueError(f"max_ids of {f!r} must be < 2**30, got {c}")
         weighted = frozenset(weighted)
         if weighted - set(features):
             raise ValueError(f"weighted names unknown features {sorted(weighted - set(features))}")
-        batch = int(batch_size)
-        caps = {f: int(caps[f]) for f in features}
         self._reserved = None
         firsts, value, offset = {}, 0, 0
         for f in features:
