@@ -7,8 +7,8 @@
 #
 #   (no option)  every stage, 420 s at most: env, preflight, tests (every test the cuda or gpu
 #                marker selects, the benchmarks' kernels compiled beside them), null, host,
-#                roofline, quantized, train, second
-#   --quick      preflight, null, host, roofline, train, second: 180 s at most, for a rerun
+#                roofline, quantized, train, graph (the main job with --cuda-graph), second
+#   --quick      preflight, null, host, roofline, train, graph, second: 180 s at most, for a rerun
 #                after a fix
 #   --simulate   every stage in Numba's CUDA simulator at tiny sizes, the tests stage on a few
 #                files: a rehearsal on a machine without a GPU, in about 2 minutes
@@ -255,6 +255,9 @@ mkdir -p "$WORK/train"
 cd "$WORK/train" || exit 1
 stage train 30 "$PY" -m hbkernels train --device cuda --steps "${STEPS[0]}" "${JOB[@]}" \
   --metrics "$WORK/train/train-metrics.json"
+collect
+stage graph 30 "$PY" -m hbkernels train --device cuda --cuda-graph --steps "${STEPS[0]}" "${JOB[@]}" \
+  --metrics "$WORK/train/graph-metrics.json"
 collect
 stage second 20 "$PY" -m hbkernels train --device cuda --steps "${STEPS[1]}" "${JOB[@]}" \
   --metrics "$WORK/train/second-metrics.json"

@@ -23,6 +23,7 @@ CONFIG_KEYS = ("data", "tables", "dense_features", "alpha", "label", "dense_colu
                "sparse_lr", "dense_lr", "shuffle_buffer", "dynamic", "evict", "admit_count",
                "capacity_fraction")
 LATEST = "latest"
+GRAPH_WARMUP = 3  # steps run uncaptured (on a side stream) before the step is captured
 
 
 def parquet_clicks(args, path, rank, world_size, shuffle_buffer):
@@ -114,6 +115,13 @@ class Trainer:
         self.train_seconds = 0.0      # of every run that led to this step (resumes included)
         self.timed_seconds, self.timed_samples = 0.0, 0   # this run's, for samples/s
         self.first_step_seconds = None  # this run's first step: kernels compiled or loaded
+        if args.cuda_graph and (device != "cuda" or self.world > 1):
+            raise CLIError("--cuda-graph captures the step of one rank on a GPU (--device cuda); "
+                           f"this run has {self.world} rank(s) on {device}")
+        self.static = None  # --cuda-graph: the step's fixed input tensors
+        self.graph = None  # (torch CUDAGraph, the collection's CapturedStep, loss, count)
+        self.uncaptured = 0  # --cuda-graph on a GPU: steps run before the capture
+        self.side_stream = None  # and the stream they run on
         self.build()
 
     def make_config(self):
@@ -188,9 +196,12 @@ class Trainer:
         torch.manual_seed(a.seed)
         self.model = DLRM(EmbeddingCollectionModule(coll), self.features, self.num_dense, a.dim,
                           bottom=a.bottom, top=a.top).to(self.torch_device)
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=a.dense_lr, fused=True)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=a.dense_lr, fused=True,
+                                          capturable=a.cuda_graph and self.torch_device == "cuda")
         self.dense_params = [p for p in self.model.parameters() if p.requires_grad]
         self.collection = coll
+        if a.cuda_graph:
+            coll.reserve(a.batch_size, self.max_ids(a.batch_size))
         if state is not None:
             dense = torch.load(state["dir"] / "dense.pt", map_location=self.torch_device, weights_only=True)
             missing, unexpected = self.model.load_state_dict(dense["model"], strict=False)
@@ -215,6 +226,54 @@ class Trainer:
         sparse = {f: (t(x.values), t(x.offsets)) if isinstance(x, Ragged) else t(x)
                   for f, x in batch.sparse.items()}
         return t(batch.dense), sparse, t(batch.label)
+
+    def max_ids(self, size):
+        """``{feature: most ids}`` of a batch of ``size`` samples: ``size`` times a
+        synthetic table's longest bag (one id per sample for Parquet columns)."""
+        if not self.synthetic:
+            return dict.fromkeys(self.features, size)
+        return {t.name: size * (2 * t.hotness - 1 if t.variable else t.hotness)
+                for t in self.args.tables}
+
+    def static_tensors(self, batch):
+        """``tensors(batch)`` copied into the step's fixed input tensors (made at the
+        first batch; each feature's values padded to its reserved count, ids past the
+        last offset never read): what a captured step reads."""
+        from .types import Ragged
+
+        torch, b = self.torch, len(batch)
+        if self.static is None:
+            size = self.args.batch_size
+            caps = self.max_ids(size)
+
+            def like(a, n):
+                return torch.zeros((n,) + a.shape[1:], dtype=torch.from_numpy(a[:0]).dtype,
+                                   device=self.torch_device)
+
+            sparse = {}
+            for f, x in batch.sparse.items():
+                if isinstance(x, Ragged):
+                    if not self.synthetic:
+                        raise CLIError(f"--cuda-graph takes Parquet columns of one id per sample; "
+                                       f"{f!r} is a list column")
+                    sparse[f] = (like(x.values, caps[f]), like(x.offsets, size + 1))
+                else:
+                    sparse[f] = like(x, size)
+            self.static = (like(batch.dense, size), sparse, like(batch.label, size))
+        dense, sparse, label = self.static
+
+        def fill(dst, a):
+            dst[:a.shape[0]].copy_(torch.from_numpy(np.ascontiguousarray(a)))
+            return dst[:a.shape[0]]
+
+        out = {}
+        for f, x in batch.sparse.items():
+            if isinstance(x, Ragged):
+                fill(sparse[f][0], x.values)
+                out[f] = (sparse[f][0], fill(sparse[f][1], x.offsets))
+            else:
+                out[f] = fill(sparse[f], x)
+        return fill(dense, batch.dense), out, fill(label, batch.label)
 
     def local_slice(self, size):
         return size * self.rank // self.world, size * (self.rank + 1) // self.world
@@ -260,8 +319,50 @@ class Trainer:
 
     # -- steps --------------------------------------------------------------------------------
     def train_step(self, batch, global_count):
+        if not self.args.cuda_graph:
+            return self.step_on(*self.tensors(batch), global_count)
+        inputs = self.static_tensors(batch)
+        if self.torch_device != "cuda" or len(batch) != self.args.batch_size:
+            return self.step_on(*inputs, global_count)  # the simulator; a last, smaller batch
         torch = self.torch
-        dense, sparse, label = self.tensors(batch)
+        if self.graph is None and self.uncaptured < GRAPH_WARMUP:
+            self.uncaptured += 1  # (torch's rule: before a capture, steps on a side stream)
+            if self.side_stream is None:
+                self.side_stream = torch.cuda.Stream()
+            side = self.side_stream
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                loss = self.step_on(*inputs, global_count)
+            torch.cuda.current_stream().wait_stream(side)
+            return loss
+        if self.graph is None or self.graph[3] != global_count:
+            self.capture(*inputs, global_count)
+        graph, step, loss_sum, _ = self.graph
+        from .adapters.torch import cuda_stream_of
+
+        with cuda_stream_of(loss_sum):
+            step.replay(graph.replay)
+        return float(loss_sum) / global_count
+
+    def capture(self, dense, sparse, label, global_count):
+        """Capture the step over the fixed inputs (``static_tensors``) into a CUDA graph:
+        the forward, the loss, the backward (which updates the tables) and the dense
+        optimizer's step; the capture runs nothing."""
+        torch = self.torch
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)  # the captured backward writes its own
+        graph = torch.cuda.CUDAGraph()
+        with self.collection.capture() as step, torch.cuda.graph(graph):
+            logits = self.model(dense, sparse)
+            loss_sum = torch.nn.functional.binary_cross_entropy_with_logits(logits, label,
+                                                                             reduction="sum")
+            (loss_sum / global_count).backward()
+            self.optimizer.step()
+        self.graph = (graph, step, loss_sum.detach(), global_count)
+
+    def step_on(self, dense, sparse, label, global_count):
+        """One step, uncaptured, over tensors on the dense part's device."""
+        torch = self.torch
         self.model.train()
         self.optimizer.zero_grad(set_to_none=False)
         logits = self.model(dense, sparse)
@@ -378,6 +479,7 @@ class Trainer:
         metrics = {
             "world_size": self.world, "backend": self.comm.backend, "device": self.device,
             "steps": self.step, "batch_size": a.batch_size, "samples_per_s": rate,
+            "cuda_graph": bool(a.cuda_graph and self.graph is not None),
             "train_seconds": self.train_seconds, "first_step_seconds": self.first_step_seconds,
             "plan": self.collection.plan.to_json(),
             "threads": ({"mode": "auto", "last": self.governor.threads,

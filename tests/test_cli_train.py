@@ -402,20 +402,37 @@ TINY = ["--steps", "2", "--batch-size", "16", "--eval-samples", "16", "--threads
 @pytest.mark.cuda
 def test_train_on_the_cuda_path_gives_the_cpu_results(tmp_path):
     """``hbkernels train --device cuda`` with the CUDA kernels in Numba's simulator (the
-    tables on the simulator's CUDA arrays, torch on the CPU): the CPU's losses and eval."""
+    tables on the simulator's CUDA arrays, torch on the CPU): the CPU's losses and eval;
+    with ``--cuda-graph`` (the step in memory sized once, its inputs padded to fixed
+    sizes, uncaptured on the simulator), the same losses bit for bit."""
     metrics = {}
-    for device in ("cpu", "cuda"):
-        out = tmp_path / f"{device}.json"
-        res = subprocess.run([sys.executable, "-m", "hbkernels", "train", "--device", device,
-                              *TINY, "--metrics", str(out)], capture_output=True, text=True,
-                             timeout=600, cwd=tmp_path, env=_env(NUMBA_ENABLE_CUDASIM="1"))
+    runs = {"cpu": ["--device", "cpu"], "cuda": ["--device", "cuda"],
+            "graph": ["--device", "cuda", "--cuda-graph"]}
+    for name, how in runs.items():
+        out = tmp_path / f"{name}.json"
+        res = subprocess.run([sys.executable, "-m", "hbkernels", "train", *how, *TINY,
+                              "--steps", "3", "--table", "v:40:2:var", "--metrics", str(out)],
+                             capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                             env=_env(NUMBA_ENABLE_CUDASIM="1"))
         assert res.returncode == 0, res.stderr[-3000:]
-        metrics[device] = json.loads(out.read_text())
+        metrics[name] = json.loads(out.read_text())
     assert metrics["cuda"]["device"] == "cuda"
     np.testing.assert_allclose(losses(metrics["cuda"]), losses(metrics["cpu"]), rtol=1e-5)
+    np.testing.assert_array_equal(losses(metrics["graph"]), losses(metrics["cuda"]))
     cpu, cuda = metrics["cpu"]["final"], metrics["cuda"]["final"]
     assert cuda["eval_auc"] == pytest.approx(cpu["eval_auc"], abs=1e-9)
     assert cuda["eval_logloss"] == pytest.approx(cpu["eval_logloss"], rel=1e-5)
+    assert metrics["graph"]["final"] == cuda
+
+
+@pytest.mark.parametrize("how, message", [
+    (["--device", "cpu"], "--cuda-graph captures the step of one rank on a GPU"),
+    (["--device", "cuda", "--dynamic"], "--cuda-graph captures steps of static tables")])
+def test_cuda_graph_refuses_what_it_cannot_capture(tmp_path, how, message):
+    res = subprocess.run([sys.executable, "-m", "hbkernels", "train", "--cuda-graph", *how, *TINY,
+                          "--metrics", str(tmp_path / "m.json")], capture_output=True, text=True,
+                         timeout=600, cwd=tmp_path, env=_env(NUMBA_ENABLE_CUDASIM="1"))
+    assert res.returncode != 0 and message in res.stderr + res.stdout, res.stderr[-2000:]
 
 
 @pytest.mark.cuda

@@ -23,7 +23,7 @@ SUMMARY = re.compile(r"(?P<stage>\w+) rc=(?P<rc>\d+|skipped) seconds=\d+ limit=(
                      r"selected=(?P<selected>\d+|-) passed=(?P<passed>\d+|-) failed=(\d+|-) "
                      r"errors=(\d+|-) skipped=(\d+|-)(?: -- (?P<why>.+))?")
 STAGES = ["env", "preflight", "warmup", "tests", "null", "host", "roofline", "quantized", "train",
-          "second"]
+          "graph", "second"]
 OUT_FILES = {"summary.txt", "failures.txt", "junit.xml", "roofline.csv", "env.log", "results.tgz",
              "kernel-cache.tgz"}
 
@@ -89,7 +89,7 @@ def test_a_stage_killed_at_its_limit_leaves_its_line_and_the_tarball(rehearsal):
     with tarfile.open(out / "results.tgz") as tar:
         members = {m.name.removeprefix("./") for m in tar.getmembers()}
     for log in ("env.log", "preflight.log", "tests.log", "warmup.log", "null.log", "null.csv",
-                "host.log", "roofline.log", "quantized.log", "train.log", "second.log", "host.csv",
+                "host.log", "roofline.log", "quantized.log", "train.log", "graph.log", "second.log", "host.csv",
                 "summary.txt", "tests/tally.json", "tests/failures.txt"):
         assert log in members, (log, sorted(members))
     assert not any(m.startswith(("kernels", "numba-cache", "shim")) for m in members)

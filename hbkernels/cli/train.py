@@ -122,6 +122,10 @@ def add_command(subparsers):
     model.add_argument("--plan", default="auto", help=f"table placement: {', '.join(PLANS)}")
     model.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                        help="auto: the GPU where CUDA and CuPy work, else the CPU")
+    model.add_argument("--cuda-graph", action="store_true",
+                       help="capture the training step (sparse forward, dense part, backward, "
+                            "update) in a CUDA graph once and replay it: one rank, static tables, "
+                            "a GPU (under Numba's simulator the same step runs uncaptured)")
     model.add_argument("--sparse-lr", type=at_least(0.0, float, strictly=True), default=0.05, help="Adagrad rate of the tables")
     model.add_argument("--dense-lr", type=at_least(0.0, float, strictly=True), default=1e-3, help="Adam rate of the MLPs")
     model.add_argument("--seed", type=int, default=0, help="of the data, the tables and the MLPs")
@@ -159,6 +163,9 @@ def check_args(args):
         raise CLIError(f"--eval-bits takes {', '.join(map(str, BITS))}, got {bad_bits}")
     if args.eval_bits and args.dynamic:
         raise CLIError("--eval-bits: dynamic tables (--dynamic) cannot be quantized")
+    if args.cuda_graph and args.dynamic:
+        raise CLIError("--cuda-graph captures steps of static tables; --dynamic tables change "
+                       "size as ids arrive")
     if args.capacity_fraction > 1:
         raise CLIError(f"--capacity-fraction must be in (0, 1], got {args.capacity_fraction}")
     synthetic = args.data == "synthetic"

@@ -18,6 +18,10 @@ of an op (:func:`._device.to_host`), a CUDA family's ``sync`` and ``to_numpy``; 
 call whose slots would not fit (:data:`CAPACITY` slots, :data:`MAX_PENDING` calls,
 or more than :data:`MAX_HELD_BYTES` of input arrays kept for the messages), which is
 then the one call that waits.
+
+:func:`capture` notes the calls of a step captured into a CUDA graph apart: their slots
+stay theirs (never handed out again), and :meth:`Captured.replayed` notes them again
+after each replay of the graph.
 """
 import contextlib
 import threading
@@ -43,8 +47,10 @@ class _Ledger:
     def __init__(self):
         self.array = _device.full(CAPACITY, NO_ERROR_SLOT, np.int64)
         _device.wait(_stream())  # filled before a kernel on any stream can write into it
+        self.pinned = 0  # slots [0, pinned) belong to captured calls (capture)
         self.used = 0
         self.held = 0
+        self.capturing = False
         self.views = {}  # (first, count) -> the slots' view of the array
         self.calls = []  # (op, first slot, count, report, stream or None)
 
@@ -116,6 +122,9 @@ def _room(count, op, ledger):
     if ledger is None:
         ledger = _LEDGERS[_device.device_id()] = _Ledger()
         return ledger
+    if ledger.capturing:  # a flush waits: not allowed while a CUDA graph is being captured
+        raise RuntimeError(f"{op}: too many checked calls in one captured step (at most "
+                           f"{MAX_PENDING} calls and {CAPACITY} error slots)")
     flush(wait=True)
     if ledger.used + count > CAPACITY:  # not flushed: inside another checks block
         raise RuntimeError(f"{op}: no error slots left for a check nested in another")
@@ -174,7 +183,7 @@ def _read(ledger, wait):
     values = _device.read(ledger.array[:used], count=wait)
     ledger.array[:used] = NO_ERROR_SLOT
     _device.wait(current)  # reset before a later kernel, on any stream, writes into it
-    ledger.calls, ledger.used, ledger.held = [], 0, 0
+    ledger.calls, ledger.used, ledger.held = [], ledger.pinned, 0
     for op, first, count, report, _ in calls:
         positions = error_positions(values[first:first + count])
         if any(p != -1 for p in positions):
@@ -184,3 +193,49 @@ def _read(ledger, wait):
                 if error.args and isinstance(error.args[0], str):
                     error.args = (f"{op}: {error.args[0]}",) + error.args[1:]
                 _FOUND.append(error)
+
+
+class Captured:
+    """The checked calls of a step captured into a CUDA graph (:func:`capture`), on the
+    slots kept for them."""
+
+    __slots__ = ("device", "calls")
+
+    def __init__(self, device):
+        self.device, self.calls = device, []
+
+    def replayed(self):
+        """Note the captured calls again, right after a replay of the graph is queued
+        (before any wait): the next flush reads what the replay found. Replays between
+        two flushes share one note (a slot keeps the first bad position of any)."""
+        with _LOCK:
+            ledger = _LEDGERS[self.device]
+            if self.calls and not any(call is self.calls[0] for call in ledger.calls):
+                ledger.calls.extend(self.calls)
+
+
+@contextlib.contextmanager
+def capture():
+    """The context of a step being captured into a CUDA graph: the pending checks are
+    read first (this waits; enter it before the capture begins); the checked calls
+    inside take slots that are never handed out again, and at the end they are not
+    noted but held by the :class:`Captured` it gives, for its ``replayed()``. A call
+    that would need a flush inside raises ``RuntimeError``."""
+    device = _device.device_id()
+    with _LOCK:
+        ledger = _LEDGERS.get(device)
+        if ledger is None:
+            ledger = _LEDGERS[device] = _Ledger()
+        flush(wait=True)
+        if ledger.capturing:
+            raise RuntimeError("a step is being captured already")
+        ledger.capturing = True
+    captured = Captured(device)
+    try:
+        yield captured
+    finally:
+        with _LOCK:
+            ledger.capturing = False
+            captured.calls = ledger.calls
+            ledger.calls = []
+            ledger.pinned = ledger.used

@@ -421,14 +421,30 @@ def reserve(family, tables, pools, weights_dtype, weighted):
                      radix_sort.SortSpace(n, last, keys.dtype))
 
 
+def _copy_plan(family, into, plan_host):
+    """Copy ``plan_host`` into ``into`` (a :class:`StepSpace`) when it differs from the plan
+    there (a step size or a rounding key changed)."""
+    if not np.array_equal(plan_host, into.plan_host):
+        family.copy_in(into.plan, plan_host)
+        into.plan_host[:] = plan_host
+
+
+def upload_plan(family, into, tables, pools):
+    """Copy the plan of ``tables`` and ``pools`` into ``into`` when it changed: what an
+    :func:`update_tables` call with ``upload=False`` left to the host (a replay of a step
+    captured into a CUDA graph runs with the plan in ``into``)."""
+    _copy_plan(family, into, _plan(tables, pools, threads_per_block(), _segments.CHUNK)[0])
+
+
 def update_tables(family, rule, weights, state1, state2, per_row, hp, tables, pools, grad, rows,
-                  bounds, psw, finite, skip_nonfinite, stochastic, report, into=None):
+                  bounds, psw, finite, skip_nonfinite, stochastic, report, into=None, upload=True):
     """Apply the rule ``rule`` (hyper-parameters ``hp``, their step size taken from each
     table) to ``tables`` from ``grad`` through ``pools`` (see the module doc; ``state1``,
     ``state2``: the flat state arrays or None, ``per_row`` whether each is per row).
     ``finite``: the gradient is checked first, ``report(element)`` called at the wait that
     reads a NaN or Inf at that element of ``grad`` (nothing is written then). ``into``:
-    the :func:`reserve` d arrays of these tables and pools."""
+    the :func:`reserve` d arrays of these tables and pools; ``upload=False``: the plan in
+    ``into`` is left as it is (see :func:`upload_plan`)."""
     n = sum(p.count for p in pools)
     if not n:
         return
@@ -442,9 +458,8 @@ def update_tables(family, rule, weights, state1, state2, per_row, hp, tables, po
         keys, bag_of, coef, partials = _arrays(tables, pools, acc, scaled, partial_rows, n)
     else:
         plan, keys, bag_of, coef, partials = into.plan, into.keys, into.bag_of, into.coef, into.partials
-        if not np.array_equal(plan_host, into.plan_host):  # a step size or a rounding key
-            family.copy_in(into.plan, plan_host)
-            into.plan_host[:] = plan_host
+        if upload:
+            _copy_plan(family, into, plan_host)
     k_grad = family.kernel_array(grad)
     with _pending.checks(1, "fused_step", lambda bad: report(bad[0]), (grad,),
                          when=finite) as slots:

@@ -169,6 +169,30 @@ class _Reservation(NamedTuple):
     flats: dict  # flat key -> _ReservedFlat
 
 
+class CapturedStep:
+    """A training step captured into a CUDA graph (:meth:`EmbeddingCollection.capture`);
+    :meth:`replay` runs it with the host's part of a step around it."""
+
+    def __init__(self):
+        self._checks = None  # the checks' graphs.Captured
+        self._before = []  # what the host does before each replay
+        self._after = []  # and after it
+
+    def replay(self, launch):
+        """One step: ``launch()`` queues a replay of the graph (``graph.replay`` in torch,
+        on the current stream). Before it, the step's id counts and its step sizes
+        (Adam's) or rounding keys reach the device where they changed; after it, the
+        step's checks are noted (their errors raise at the next wait, as an uncaptured
+        step's do), each table's step count advances, and the rows it updated are noted
+        for an incremental save."""
+        for before in self._before:
+            before()
+        launch()
+        self._checks.replayed()
+        for after in self._after:
+            after()
+
+
 def _device_of(device):
     """``"cpu"`` or ``"cuda"`` for the collection's ``device`` argument."""
     if device in ("cpu", "cuda"):
@@ -318,6 +342,7 @@ class EmbeddingCollection:
         self._full_bytes, self._chain_bytes = 0, 0  # of the last full save; of the saves after it
         self._marks = {}  # dynamic table -> what its next incremental save compares with
         self._reserved = None  # a _Reservation: the memory of a step, sized once (reserve)
+        self._capturing = None  # while a step is captured (capture): its CapturedStep
         self.stats = {}
         self.timings = defaultdict(float)
         self._timing = False
@@ -644,7 +669,19 @@ class EmbeddingCollection:
                 r.table[3 * count + 2 + k] = n
                 changed = True
         if changed:  # (inputs padded to fixed sizes copy nothing here)
+            if self._capturing is not None:
+                raise RuntimeError("a captured step's features must have the id counts of the "
+                                   "step before it (pad values to fixed sizes)")
             space.copy_in(r.staged.table, r.table)
+        if self._capturing is not None:  # a step between two replays may have changed them
+            captured = r.table.copy()
+
+            def restore():
+                if not np.array_equal(r.table, captured):
+                    space.copy_in(r.staged.table, captured)
+                    r.table[:] = captured
+
+            self._capturing._before.append(restore)
         return r.staged
 
     def reserve(self, batch_size, max_ids, *, weighted=()):
@@ -707,6 +744,31 @@ class EmbeddingCollection:
                  for key, pairs in by_key.items()}
         self._reserved = _Reservation(batch, caps, weighted, firsts, staged, table, psw,
                                       space.xp.arange(batch + 1, dtype=np.int64), flats)
+
+    @contextlib.contextmanager
+    def capture(self):
+        """The context in which a training step (a :meth:`forward` and its
+        :meth:`backward`) is captured into a CUDA graph: enter it after :meth:`reserve`
+        and at least one step of the same sizes, and outside the graph's capture (it
+        waits for the device first). The step inside is recorded, not counted: its
+        :class:`CapturedStep` (what the context gives) runs each replay with the host's
+        part of a step around it (``step.replay(graph.replay)``). Before each replay, the
+        next batch is copied into the captured step's input arrays, each feature's values
+        padded to the captured length. Steps outside the graph may run between replays.
+        A captured step that would copy from the host (id counts other than those of the
+        step before it) raises ``RuntimeError``."""
+        if self._reserved is None:
+            raise RuntimeError("capture needs reserve first (a captured step allocates nothing)")
+        if self._capturing is not None:
+            raise RuntimeError("a step of this collection is being captured already")
+        step = CapturedStep()
+        with kernels(self._family(self.device), "graphs").capture_checks() as checks:
+            self._capturing = step
+            try:
+                yield step
+            finally:
+                self._capturing = None
+        step._checks = checks
 
     def _reserve_flat(self, space, key, pairs, batch, caps, firsts, psw):
         """The :class:`_ReservedFlat` of flat array ``key`` for ``pairs`` (group,
@@ -1282,7 +1344,11 @@ class EmbeddingCollection:
             for ctx in contexts:
                 flat_groups.add(ctx.group)
                 for pool in ctx.pools:  # (rows past a reserved pool's bags are -1)
-                    self._mark_changed(ctx.group, pool.values)
+                    if self._capturing is not None:  # after each replay
+                        self._capturing._after.append(
+                            lambda group=ctx.group, rows=pool.values: self._mark_changed(group, rows))
+                    else:
+                        self._mark_changed(ctx.group, pool.values)
         for group in self.arrays:
             fused = self._fast(group)
             if group in flat_groups:
@@ -1374,9 +1440,23 @@ class EmbeddingCollection:
             *[None] * (2 - len(opt.slots)), [per_row for _, per_row in opt.slots] + [False] * 2,
             plan.hp, plan.tables, plan.pools, grad, rows, bounds, psw, opt.nonfinite == "raise",
             opt.nonfinite == "skip", opt.rounding == "stochastic", report,
-            into=None if reserved is None else reserved.step)
-        for counter in plan.counters:
-            counter[0] += 1
+            into=None if reserved is None else reserved.step, upload=self._capturing is None)
+        if self._capturing is None:
+            for counter in plan.counters:
+                counter[0] += 1
+            return
+
+        def counted():
+            for counter in plan.counters:
+                counter[0] += 1
+
+        def upload():  # the plan of the step after the counted ones
+            upcoming = self._flat_plan(contexts)
+            kernels(space, "update_tables").upload_plan(space, reserved.step, upcoming.tables,
+                                                        upcoming.pools)
+
+        self._capturing._before.append(upload)
+        self._capturing._after.append(counted)
 
     def _mark_changed(self, group, rows, store=False):
         """Note ``rows`` (of ``group``'s fused array, or its fast tier's unless ``store``;
