@@ -11,9 +11,18 @@ under the system's temporary directory (``hbkernels-numba-<uid>``, created
 mode 0700 and used only when this user owns it and nobody else can write to
 it); where that fails too, the kernels compile on every run without a cache.
 :func:`cache_info` says which of these is in effect.
+
+Processes that start together (the ranks of a job, a test runner's workers) need the same
+kernels at the same time: each function's compiles are taken in turn across the
+processes of this user (a lock file per function, :func:`_one_compiler`), so the second
+process loads from the cache what the first compiled instead of compiling it too.
 """
+import contextlib
+import hashlib
 import os
 import tempfile
+import threading
+import time
 
 import numba
 from numba import njit
@@ -40,12 +49,73 @@ def _use_dir(path):
     numba.config.CACHE_DIR = path
 
 
+LOCK_WAIT_SECONDS = 300  # then compile anyway: a stopped process never stalls another for long
+_HELD = threading.local()  # the lock files this thread holds (a compile inside a compile)
+
+
+@contextlib.contextmanager
+def _one_compiler(name):
+    """Hold the lock file of function ``name`` (shared by this user's processes), waiting
+    for it at most :data:`LOCK_WAIT_SECONDS`; nothing is held where no lock file can be
+    made or ``fcntl`` is missing."""
+    try:
+        import fcntl
+    except ImportError:  # not a POSIX system
+        yield
+        return
+    held = getattr(_HELD, "names", None)
+    if held is None:
+        held = _HELD.names = set()
+    folder = private_temp_dir("compile-locks")
+    if name in held or folder is None:
+        yield
+        return
+    path = os.path.join(folder, hashlib.sha256(name.encode()).hexdigest()[:24])
+    try:
+        f = open(path, "a")
+    except OSError:
+        yield
+        return
+    with f:
+        deadline = time.monotonic() + LOCK_WAIT_SECONDS
+        locked = False
+        while not locked and time.monotonic() < deadline:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                locked = True
+            except OSError:
+                time.sleep(0.05)
+        held.add(name)
+        try:
+            yield
+        finally:
+            held.discard(name)
+            if locked:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _compiles_in_turn(dispatcher):
+    """``dispatcher`` whose compiles (a signature not in memory: loaded from the cache, or
+    compiled and saved there) take :func:`_one_compiler`'s lock of its function."""
+    compile_ = dispatcher.compile
+    fn = dispatcher.py_func
+    name = f"{fn.__module__}.{fn.__qualname__}"
+
+    def compile(sig):
+        with _one_compiler(name):
+            return compile_(sig)
+
+    dispatcher.compile = compile
+    return dispatcher
+
+
 def cached_njit(function, **options):
     """``njit(cache=True, **options)(function)`` with the fallbacks of this module:
-    never raises for want of a cache location, compiles nothing."""
+    never raises for want of a cache location, compiles nothing; its compiles are taken
+    in turn by this user's processes (:func:`_compiles_in_turn`)."""
     if _state["mode"] != "off":
         try:
-            dispatcher = njit(cache=True, **options)(function)
+            dispatcher = _compiles_in_turn(njit(cache=True, **options)(function))
             if _state["mode"] is None:
                 _state["mode"] = "numba"
             return dispatcher
@@ -56,7 +126,7 @@ def cached_njit(function, **options):
         if path is not None:
             _use_dir(path)
             try:
-                dispatcher = njit(cache=True, **options)(function)
+                dispatcher = _compiles_in_turn(njit(cache=True, **options)(function))
                 _state.update(mode="temporary", dir=path)
                 return dispatcher
             except RuntimeError as error:
