@@ -14,7 +14,7 @@ it); where that fails too, the kernels compile on every run without a cache.
 
 Processes that start together (the ranks of a job, a test runner's workers) need the same
 kernels at the same time: each function's compiles are taken in turn across the
-processes of this user (a lock file per function, :func:`_one_compiler`), so the second
+processes of this user (a lock file per function, :func:`compile_lock`), so the second
 process loads from the cache what the first compiled instead of compiling it too.
 """
 import contextlib
@@ -54,7 +54,7 @@ _HELD = threading.local()  # the lock files this thread holds (a compile inside 
 
 
 @contextlib.contextmanager
-def _one_compiler(name):
+def compile_lock(name):
     """Hold the lock file of function ``name`` (shared by this user's processes), waiting
     for it at most :data:`LOCK_WAIT_SECONDS`; nothing is held where no lock file can be
     made or ``fcntl`` is missing."""
@@ -96,13 +96,13 @@ def _one_compiler(name):
 
 def _compiles_in_turn(dispatcher):
     """``dispatcher`` whose compiles (a signature not in memory: loaded from the cache, or
-    compiled and saved there) take :func:`_one_compiler`'s lock of its function."""
+    compiled and saved there) take :func:`compile_lock`'s lock of its function."""
     compile_ = dispatcher.compile
     fn = dispatcher.py_func
     name = f"{fn.__module__}.{fn.__qualname__}"
 
     def compile(sig):
-        with _one_compiler(name):
+        with compile_lock(name):
             return compile_(sig)
 
     dispatcher.compile = compile

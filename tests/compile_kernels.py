@@ -190,16 +190,26 @@ def compile_one(dispatcher, argtypes, cc, cubin=False):
     (:mod:`hbkernels.cuda._compile`), and check that the PTX entry's parameters are
     what the launcher packs for ``argtypes``; returns the resources ptxas reports,
     or ``(resources, the cubin's bytes)`` when ``cubin`` is true (for a disassembler).
-    Within a pytest-xdist session a kernel compiled once is not compiled again."""
+    Within a pytest-xdist session a kernel compiled once is not compiled again (by any
+    of its processes: one compiles, the others wait for its result)."""
+    cache = _session_cache(dispatcher, argtypes, cc)
+    if not cache:
+        return _compile_one(dispatcher, argtypes, cc, cubin, None)
+    from hbkernels._numba_cache import compile_lock
+
+    with compile_lock(cache):  # another process compiling it: its result, once written
+        if os.path.exists(cache + ".json"):
+            with open(cache + ".json") as f:
+                resources = json.load(f)
+            with open(cache + ".cubin", "rb") as f:
+                code = f.read()
+            return (resources, code) if cubin else resources
+        return _compile_one(dispatcher, argtypes, cc, cubin, cache)
+
+
+def _compile_one(dispatcher, argtypes, cc, cubin, cache):
     from hbkernels.cuda import _compile
 
-    cache = _session_cache(dispatcher, argtypes, cc)
-    if cache and os.path.exists(cache + ".json"):
-        with open(cache + ".json") as f:
-            resources = json.load(f)
-        with open(cache + ".cubin", "rb") as f:
-            code = f.read()
-        return (resources, code) if cubin else resources
     ptx = _compile.ptx(dispatcher, argtypes, cc)
     _compile.check_entry(ptx, argtypes, _compile.entry_name(ptx))
     code, log = _compile.link(ptx, cc)
