@@ -13,8 +13,8 @@ it); where that fails too, the kernels compile on every run without a cache.
 :func:`cache_info` says which of these is in effect.
 
 Processes that start together (the ranks of a job, a test runner's workers) need the same
-kernels at the same time: each function's compiles are taken in turn across the
-processes of this user (a lock file per function, :func:`compile_lock`), so the second
+kernels at the same time: each kernel's compiles are taken in turn across the
+processes of this user (a lock file per kernel and signature, :func:`compile_lock`), so the second
 process loads from the cache what the first compiled instead of compiling it too.
 """
 import contextlib
@@ -55,7 +55,7 @@ _HELD = threading.local()  # the lock files this thread holds (a compile inside 
 
 @contextlib.contextmanager
 def compile_lock(name):
-    """Hold the lock file of function ``name`` (shared by this user's processes), waiting
+    """Hold the lock file of ``name`` (shared by this user's processes), waiting
     for it at most :data:`LOCK_WAIT_SECONDS`; nothing is held where no lock file can be
     made or ``fcntl`` is missing."""
     try:
@@ -94,15 +94,26 @@ def compile_lock(name):
                 fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def _constant(value):
+    """``value`` (a closure's variable) as text that is the same in every process."""
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return repr(value)
+    if isinstance(value, tuple):
+        return "(" + ",".join(map(_constant, value)) + ")"
+    return f"{type(value).__qualname__}:{getattr(value, '__qualname__', '')}"
+
+
 def _compiles_in_turn(dispatcher):
     """``dispatcher`` whose compiles (a signature not in memory: loaded from the cache, or
-    compiled and saved there) take :func:`compile_lock`'s lock of its function."""
+    compiled and saved there) take :func:`compile_lock`'s lock of the function, its
+    closure's variables (a kernel factory's constants) and the signature."""
     compile_ = dispatcher.compile
     fn = dispatcher.py_func
-    name = f"{fn.__module__}.{fn.__qualname__}"
+    cells = ",".join(_constant(c.cell_contents) for c in fn.__closure__ or ())
+    name = f"{fn.__module__}.{fn.__qualname__}({cells})"
 
     def compile(sig):
-        with compile_lock(name):
+        with compile_lock(f"{name}{sig}"):
             return compile_(sig)
 
     dispatcher.compile = compile
