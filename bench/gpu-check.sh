@@ -7,11 +7,11 @@
 #
 #   (no option)  every stage, 420 s at most: env, preflight, tests (every test the cuda or gpu
 #                marker selects, the benchmarks' kernels compiled beside them), null, host,
-#                roofline, quantized, train, graph (the main job with --cuda-graph), second
-#   --quick      preflight, null, host, roofline, train, graph, second: 180 s at most, for a rerun
+#                roofline, quantized, train, second, graph (the main job with --cuda-graph)
+#   --quick      preflight, null, host, roofline, train, second, graph: 180 s at most, for a rerun
 #                after a fix
 #   --simulate   every stage in Numba's CUDA simulator at tiny sizes, the tests stage on a few
-#                files: a rehearsal on a machine without a GPU, in about 2 minutes
+#                files: a rehearsal on a machine without a GPU, in about 3 minutes
 #   --kernels TGZ   the kernel-cache.tgz of an earlier run, unpacked into the kernel cache first:
 #                the kernels it holds are not compiled again
 #
@@ -54,7 +54,7 @@ mkdir -p "$WORK" && WORK=$(cd "$WORK" && pwd) || exit 2
 case $MODE in
   full) TOTAL=420 ;;
   quick) TOTAL=180 ;;
-  simulate) TOTAL=240 ;;
+  simulate) TOTAL=300 ;;
 esac
 GRACE=5      # seconds between a stage's interrupt at its limit and its kill
 RESERVE=8    # seconds kept for the last packing of OUT
@@ -256,8 +256,8 @@ cd "$WORK/train" || exit 1
 stage train 30 "$PY" -m hbkernels train --device cuda --steps "${STEPS[0]}" "${JOB[@]}" \
   --metrics "$WORK/train/train-metrics.json"
 collect
-stage graph 30 "$PY" -m hbkernels train --device cuda --cuda-graph --steps "${STEPS[0]}" "${JOB[@]}" \
-  --metrics "$WORK/train/graph-metrics.json"
-collect
 stage second 20 "$PY" -m hbkernels train --device cuda --steps "${STEPS[1]}" "${JOB[@]}" \
   --metrics "$WORK/train/second-metrics.json"
+collect
+stage graph 30 "$PY" -m hbkernels train --device cuda --cuda-graph --steps "${STEPS[0]}" "${JOB[@]}" \
+  --metrics "$WORK/train/graph-metrics.json"
