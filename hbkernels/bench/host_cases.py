@@ -101,10 +101,12 @@ def op_cases(xp, answering, b=B, d=D, e=E, seed=0):
     return out
 
 
-def main_job_case(xp, batch=MAIN_BATCH, seed=0, reserved=False):
+def main_job_case(xp, batch=MAIN_BATCH, seed=0, reserved=False, captured=False):
     """``hbkernels train``'s sparse step on one rank: the collection of its 8 default
     tables (Adagrad, sum, D = 16), forward then backward (which updates); ``reserved``:
-    after ``reserve`` for the batch's sizes (no allocation, no wait)."""
+    after ``reserve`` for the batch's sizes (no allocation, no wait); ``captured``: that
+    step captured into a CUDA graph (CuPy's stream capture) once, then each call copies
+    a batch from the host into the captured inputs and replays the graph."""
     from hbkernels.cli.train import DEFAULT_TABLES
     from hbkernels.data.__main__ import parse_table
 
@@ -121,15 +123,33 @@ def main_job_case(xp, batch=MAIN_BATCH, seed=0, reserved=False):
         grads[t.name] = xp.asarray(rng.standard_normal((batch, 16)).astype(np.float32))
     coll = hbk.EmbeddingCollection(specs, comm=hbk.dist.init("local"),
                                    optimizer=hbk.optim.Adagrad(lr=0.05), device="cuda", seed=seed)
-    if reserved:
+    if reserved or captured:
         coll.reserve(batch, {f: int(x.values.shape[0]) for f, x in features.items()})
 
     def step():
         coll.forward(features)
         coll.backward(grads)
 
-    return HostCase("main job sparse step",
-                    f"8 tables, batch {batch}{', reserved' if reserved else ''}", step)
+    if not captured:
+        return HostCase("main job sparse step",
+                        f"8 tables, batch {batch}{', reserved' if reserved else ''}", step)
+    step()  # a step of the same sizes before the capture
+    stream = xp.cuda.Stream(non_blocking=True)
+    with stream:
+        with coll.capture() as captured_step:
+            stream.begin_capture()
+            step()
+            graph = stream.end_capture()
+    batch_on_host = {f: (xp.asnumpy(x.values), xp.asnumpy(x.offsets)) for f, x in features.items()}
+
+    def replay():
+        with stream:
+            for f, (values, offsets) in batch_on_host.items():
+                features[f].values.set(values)
+                features[f].offsets.set(offsets)
+            captured_step.replay(lambda: graph.launch(stream))
+
+    return HostCase("main job sparse step", f"8 tables, batch {batch}, captured", replay)
 
 
 def mixed_widths_case(xp, batch=B, seed=0, step=False):
@@ -160,7 +180,7 @@ def mixed_widths_case(xp, batch=B, seed=0, step=False):
 
 
 def collection_cases(xp):
-    """The collection's cases: :func:`main_job_case` (plain and reserved) and
+    """The collection's cases: :func:`main_job_case` (plain, reserved and captured) and
     :func:`mixed_widths_case`'s forward and step."""
-    return [main_job_case(xp), main_job_case(xp, reserved=True), mixed_widths_case(xp),
-            mixed_widths_case(xp, step=True)]
+    return [main_job_case(xp), main_job_case(xp, reserved=True), main_job_case(xp, captured=True),
+            mixed_widths_case(xp), mixed_widths_case(xp, step=True)]

@@ -332,8 +332,30 @@ class _Device:
 class _Stream:
     ptr = 0x5EED
 
+    def __init__(self, non_blocking=False):
+        pass
+
     def synchronize(self):
         COUNTS["syncs"] += 1
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def begin_capture(self):
+        pass
+
+    def end_capture(self):
+        return _Graph()
+
+
+class _Graph:
+    """A captured CUDA graph: its launch is one library call."""
+
+    def launch(self, stream=None):
+        COUNTS["library"] += 1
 
 
 class _Function:
