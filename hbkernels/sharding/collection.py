@@ -1450,10 +1450,17 @@ class EmbeddingCollection:
             for counter in plan.counters:
                 counter[0] += 1
 
-        def upload():  # the plan of the step after the counted ones
-            upcoming = self._flat_plan(contexts)
-            kernels(space, "update_tables").upload_plan(space, reserved.step, upcoming.tables,
-                                                        upcoming.pools)
+        uploaded = [None]  # each table's step size and rounding key in the device's plan
+
+        def upload():  # the plan of the step after the counted ones, where it changed
+            constants = [self.optimizer.step_constants(int(counter[0]) + 1)
+                         for counter in plan.counters]
+            key = [(hp[_rules.STEP_SIZE], rounding) for hp, rounding in constants]
+            if key != uploaded[0]:
+                upcoming = self._flat_plan(contexts)
+                kernels(space, "update_tables").upload_plan(space, reserved.step,
+                                                            upcoming.tables, upcoming.pools)
+                uploaded[0] = key
 
         self._capturing._before.append(upload)
         self._capturing._after.append(counted)
