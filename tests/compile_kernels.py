@@ -39,6 +39,7 @@ ARCH = "sm_90"  # what the suite compiles for: an H100
 LAUNCHES = {}  # (source, argument types) -> launches seen, filled by record_launches
 BLOCK_THREADS = {}  # the same keys -> set of threads per block those launches used (simulator)
 GEOMETRY = ("tpb",)  # factory parameters rebuilt at the real GPU's values
+MOST_SIZES = 4  # factory sizes compiled per kernel and argument types (see representatives)
 
 
 # -- step 1: record, under the simulator --------------------------------------------------
@@ -49,6 +50,28 @@ def kernel_source(kernel):
         return built_by
     fn = kernel.fn
     return (fn.__module__, fn.__qualname__, None, None)
+
+
+def representatives(launches):
+    """The keys of ``launches`` to compile: of the launches of one kernel, one set of argument
+    types and the same factory flags, those whose factory integers (a width D, a count:
+    the same code at another size) are the smallest, the largest, and spread between them,
+    :data:`MOST_SIZES` in all; every other launch is compiled."""
+    groups = {}
+    for key in launches:
+        (module, name, args, position), argtypes = key
+        args = args or ()
+        sizes = tuple(a for a in args if isinstance(a, int) and not isinstance(a, bool))
+        flags = tuple(None if isinstance(a, int) and not isinstance(a, bool) else repr(a)
+                      for a in args)
+        groups.setdefault((module, name, position, argtypes, flags), []).append((sizes, key))
+    chosen = set()
+    for members in groups.values():
+        members.sort(key=lambda m: m[0])
+        last = len(members) - 1
+        picks = {round(i * last / (MOST_SIZES - 1)) for i in range(MOST_SIZES)}
+        chosen.update(members[i][1] for i in picks)
+    return chosen
 
 
 def record_launches():
@@ -347,7 +370,8 @@ class Background:
         return path, self.reports[-1]
 
     def poll(self, most=None):
-        """Send the launches recorded since the last batch (at most ``most`` of them), at
+        """Send the launches recorded since the last batch (those of :func:`representatives`,
+        at most ``most`` of them), at
         most once every ``every`` s and only once the worker has compiled every batch sent
         before (what it has not been given when :meth:`finish` runs is split over fresh
         processes there)."""
@@ -362,15 +386,17 @@ class Background:
         self.last = now
         if self.worker is None:
             self.worker = self._start("serve", stdin=subprocess.PIPE)
-        if self.worker.poll() is None:
-            new = [kv for kv in LAUNCHES.items() if kv[0] not in self.sent][:most]
+        chosen = representatives(LAUNCHES)
+        new = [kv for kv in LAUNCHES.items() if kv[0] not in self.sent and kv[0] in chosen][:most]
+        if new and self.worker.poll() is None:
             self.worker.stdin.write(" ".join(self._batch(new)) + "\n")
             self.worker.stdin.flush()
 
     def finish(self, shards, timeout):
         """Every report row: the worker's batches plus the rest, split over ``shards`` fresh
         processes that run while the worker drains its queue."""
-        rest = sorted((kv for kv in LAUNCHES.items() if kv[0] not in self.sent),
+        chosen = representatives(LAUNCHES)
+        rest = sorted((kv for kv in LAUNCHES.items() if kv[0] not in self.sent and kv[0] in chosen),
                       key=lambda kv: str(kv[0]))
         shards = max(1, min(shards, len(rest)))
         for i in range(shards if rest else 0):  # contiguous runs: a factory's launches stay together
