@@ -216,3 +216,48 @@ def forward_on(coll, batch, psw):
     put = device_family(coll.device).put
     return coll.forward({f: hbk.Ragged(put(v), put(o)) for f, (v, o) in batch.items()},
                         per_sample_weights={f: put(w) for f, w in psw.items()} or None)
+
+
+# -- reserved steps (EmbeddingCollection.reserve, capture) ----------------------------------
+RESERVE_BATCH = 5  # a reserved step's bags (test_reserve, test_capture)
+RESERVE_CAP = 24  # and ids per feature
+
+RESERVE_SPECS = [hbk.TableSpec("a", num_rows=60, dim=4, combiner="sum", features=["a", "a2"]),
+                 hbk.TableSpec("b", num_rows=40, dim=16, combiner="mean"),
+                 hbk.TableSpec("c", num_rows=30, dim=3, combiner="sqrtn"),
+                 hbk.TableSpec("d", num_rows=50, dim=1, combiner="sum")]
+
+
+def reserve_collection(optimizer, specs=RESERVE_SPECS, device="cuda"):
+    return hbk.EmbeddingCollection(specs, comm=hbk.dist.init("local"), optimizer=optimizer,
+                                   device=device, seed=3)
+
+
+def cuda_host(a):
+    return np.asarray(device_family("cuda").to_numpy(a))
+
+
+def reserve_batches(rng):
+    """Five ``(batch, psw, padded)``: int32 then int64 ids; the third with no ids for ``d``
+    and exactly the reserved count for ``a2``; the fourth of fewer bags; the fifth with
+    ``padded``, the same batch with every feature's values (and weights) padded to the
+    reserved count by ids out of every table (and NaN weights), never read."""
+    out = []
+    for step in range(5):
+        batch, psw = mixed_width_features(rng, RESERVE_SPECS, RESERVE_BATCH - 2 if step == 3
+                                          else RESERVE_BATCH,
+                                          np.int64 if step % 2 else np.int32, weighted=["b"])
+        if step == 2:
+            batch["d"] = (batch["d"][0][:0], np.zeros(RESERVE_BATCH + 1, np.int64))
+            lengths = np.full(RESERVE_BATCH, RESERVE_CAP // RESERVE_BATCH)
+            lengths[-1] += RESERVE_CAP - lengths.sum()
+            batch["a2"] = (rng.integers(0, 60, RESERVE_CAP).astype(np.int32),
+                           np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
+        pad = None
+        if step == 4:
+            pad = ({f: (np.concatenate([v, np.full(RESERVE_CAP - v.size, -7, v.dtype)]), o)
+                    for f, (v, o) in batch.items()},
+                   {f: np.concatenate([w, np.full(RESERVE_CAP - w.size, np.nan, w.dtype)])
+                    for f, w in psw.items()})
+        out.append((batch, psw, pad))
+    return out

@@ -10,8 +10,9 @@ import pytest
 import hbkernels as hbk
 from hbkernels import _rules
 from hbkernels._dispatch import device_family
-from helpers import forward_on
-from test_reserve import BATCH, CAP, SPECS, batches, collection, host
+from helpers import RESERVE_BATCH as BATCH, RESERVE_CAP as CAP, RESERVE_SPECS as SPECS
+from helpers import cuda_host as host, forward_on, reserve_batches as batches
+from helpers import reserve_collection as collection
 
 pytestmark = pytest.mark.cuda
 

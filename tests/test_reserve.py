@@ -8,52 +8,11 @@ import pytest
 import hbkernels as hbk
 from hbkernels._dispatch import device_family
 from hbkernels.cuda import _device
-from helpers import forward_on, mixed_width_features
+from helpers import RESERVE_BATCH as BATCH, RESERVE_CAP as CAP, RESERVE_SPECS as SPECS
+from helpers import cuda_host as host, forward_on, mixed_width_features, reserve_batches as batches
+from helpers import reserve_collection as collection
 
 pytestmark = pytest.mark.cuda
-BATCH = 5
-CAP = 24
-
-SPECS = [hbk.TableSpec("a", num_rows=60, dim=4, combiner="sum", features=["a", "a2"]),
-         hbk.TableSpec("b", num_rows=40, dim=16, combiner="mean"),
-         hbk.TableSpec("c", num_rows=30, dim=3, combiner="sqrtn"),
-         hbk.TableSpec("d", num_rows=50, dim=1, combiner="sum")]
-
-
-def collection(optimizer, specs=SPECS, device="cuda"):
-    return hbk.EmbeddingCollection(specs, comm=hbk.dist.init("local"), optimizer=optimizer,
-                                   device=device, seed=3)
-
-
-def host(a):
-    return np.asarray(device_family("cuda").to_numpy(a))
-
-
-def batches(rng):
-    """Five ``(batch, psw, padded)``: int32 then int64 ids; the third with no ids for ``d``
-    and exactly the reserved count for ``a2``; the fourth of fewer bags; the fifth with
-    ``padded``, the same batch with every feature's values (and weights) padded to the
-    reserved count by ids out of every table (and NaN weights), never read."""
-    out = []
-    for step in range(5):
-        batch, psw = mixed_width_features(rng, SPECS, BATCH - 2 if step == 3 else BATCH,
-                                          np.int64 if step % 2 else np.int32, weighted=["b"])
-        if step == 2:
-            batch["d"] = (batch["d"][0][:0], np.zeros(BATCH + 1, np.int64))
-            lengths = np.full(BATCH, CAP // BATCH)
-            lengths[-1] += CAP - lengths.sum()
-            batch["a2"] = (rng.integers(0, 60, CAP).astype(np.int32),
-                           np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
-        pad = None
-        if step == 4:
-            pad = ({f: (np.concatenate([v, np.full(CAP - v.size, -7, v.dtype)]), o)
-                    for f, (v, o) in batch.items()},
-                   {f: np.concatenate([w, np.full(CAP - w.size, np.nan, w.dtype)])
-                    for f, w in psw.items()})
-        out.append((batch, psw, pad))
-    return out
-
-
 @pytest.mark.parametrize("make", [lambda: hbk.optim.Adam(lr=0.1),
                                   lambda: hbk.optim.RowWiseAdagrad(lr=0.2)],
                          ids=["Adam", "RowWiseAdagrad"])
