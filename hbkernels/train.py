@@ -241,7 +241,7 @@ class Trainer:
         last offset never read): what a captured step reads."""
         from .types import Ragged
 
-        torch, b = self.torch, len(batch)
+        torch = self.torch
         if self.static is None:
             size = self.args.batch_size
             caps = self.max_ids(size)
