@@ -1441,14 +1441,14 @@ class EmbeddingCollection:
             plan.hp, plan.tables, plan.pools, grad, rows, bounds, psw, opt.nonfinite == "raise",
             opt.nonfinite == "skip", opt.rounding == "stochastic", report,
             into=None if reserved is None else reserved.step, upload=self._capturing is None)
-        if self._capturing is None:
-            for counter in plan.counters:
-                counter[0] += 1
-            return
 
         def counted():
             for counter in plan.counters:
                 counter[0] += 1
+
+        if self._capturing is None:
+            counted()
+            return
 
         uploaded = [None]  # each table's step size and rounding key in the device's plan
 
