@@ -62,6 +62,21 @@ def jit_kernel(min_blocks_per_sm):
     return cuda.jit(cache=False, launch_bounds=(threads_per_block(), min_blocks_per_sm))
 
 
+def _inline_device():
+    """``cuda.jit(device=True)`` for a device function inlined into its callers by NVVM
+    (``forceinline``): compiled once per signature and copied at the LLVM level, where
+    Numba's own inlining (``inline=True``) copies the function's IR at every call site and
+    takes ten times longer on the large bodies of the optimizer rules. Numba's stays where
+    a function returns an array view (NVVM's cannot) or its code was measured better (the
+    forward kernels). The simulator calls the function as Python."""
+    if simulator_enabled():
+        return cuda.jit(device=True)
+    return cuda.jit(device=True, forceinline=True)
+
+
+inline_device = _inline_device()
+
+
 def blocks_for(work_items, threads, max_blocks=_MAX_BLOCKS):
     """Blocks to cover ``work_items`` (kernels use grid-stride loops past the cap)."""
     cap = _SIM_MAX_BLOCKS if _SIMULATOR else max_blocks

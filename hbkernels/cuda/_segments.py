@@ -34,7 +34,7 @@ import numpy as np
 from numba import cuda
 
 from . import _device
-from ._launch import blocks_for, threads_per_block
+from ._launch import blocks_for, inline_device, threads_per_block
 from ._launcher import launch
 
 CHUNK = 256  # items one row group sums serially, at most (occurrences or partial rows)
@@ -159,10 +159,10 @@ def partial_row(lo, m, width, base):
     return base + 2 * m + (1 if lo > m * width else 0)
 
 
-device_final_level = cuda.jit(device=True, inline=True)(final_level)
-device_piece = cuda.jit(device=True, inline=True)(piece)
-device_level_base = cuda.jit(device=True, inline=True)(level_base)
-device_partial_row = cuda.jit(device=True, inline=True)(partial_row)
+device_final_level = inline_device(final_level)
+device_piece = inline_device(piece)
+device_level_base = inline_device(level_base)
+device_partial_row = inline_device(partial_row)
 
 
 def partial_levels(n, chunk):

@@ -56,6 +56,7 @@ from ._launch import (
     error_positions,
     error_slots,
     group_size,
+    inline_device,
     jit_kernel,
     kernel_factory,
     load_as_float,
@@ -89,7 +90,7 @@ def prepare_kernel(acc_dtype, weights_dtype, scaled):
     load_weight = load_as_float(weights_dtype or acc_dtype)
     has_weights = weights_dtype is not None
 
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     def emit(j, row, b, num_rows, record_ids, keys, bag_of, slots):
         ok = row >= 0 and row < num_rows
         keys[j] = row if ok else -1
@@ -240,7 +241,7 @@ def make_accumulate(acc_dtype, grad_dtype, columns):
     read_grad = column_reader(grad_dtype, columns)
     read_partial = column_reader(acc_dtype, columns)
 
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     def accumulate(grad, order, bag_of, coef, partials, level, first, last, lo, base, width,
                    c0, lane, group):
         dim = grad.shape[1]
@@ -314,7 +315,7 @@ def make_accumulate(acc_dtype, grad_dtype, columns):
     return accumulate
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def run_sum_range(starts, r, num, n, chunk):
     """``(level, first, last, lo, base, width)``: the final sum of run ``r`` as
     :func:`make_accumulate`'s accumulate takes it (an empty sum for ``r >= num``)."""
@@ -324,7 +325,7 @@ def run_sum_range(starts, r, num, n, chunk):
     return level, first, last, lo, level_base(n, level, chunk), width
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def store_columns(out, row, c0, group, store, a0, a1, a2, a3):
     """``out[row, c0 + k·group] = store(a_k)`` for the columns inside the row."""
     dim = out.shape[1]

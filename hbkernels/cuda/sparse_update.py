@@ -45,6 +45,7 @@ from ._launch import (
     error_slots,
     fmix32,
     group_size,
+    inline_device,
     jit_kernel,
     kernel_factory,
     load_as_float,
@@ -101,12 +102,12 @@ def nonfinite_kernel(dtype):
     holding NaN or Inf."""
     load = load_as_float(dtype)
 
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     def check(a, i, size, m, v, slots, slot):
         if i < size and not math.isfinite(v):
             cuda.atomic.min(slots, slot, i // m)
 
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     def element(a, i, m):
         r = i // m
         return load(a[r, i - r * m])
@@ -157,7 +158,7 @@ def first_nonfinite_row(family, a):
 # ---------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
 def _make_rule(widen):
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     def rule_update(rule, g, w, s1, s2, row_step, lr, eps, one_m_b1, one_m_b2, l1, two_l2,
                     neg_power, sqrt_power, step_size):
         """New ``(w, s1, s2)`` of one element. ``row_step``: RowWiseAdagrad's
@@ -191,7 +192,7 @@ def _make_rule(widen):
     return rule_update
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _uniform(key_lo, key_hi, row, col):
     """u in [0, 1) from fmix32(fmix32(fmix32(key_lo ^ row_lo) ^ row_hi ^ key_hi) ^ col) / 2^32."""
     r = uint64(row)
@@ -201,7 +202,7 @@ def _uniform(key_lo, key_hi, row, col):
     return np.float64(h) * _TWO_M32
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _stochastic_round(x32, key_lo, key_hi, row, col, min_exp, bits, max_value):
     """The value of the 2-byte format (smallest normal exponent ``min_exp``,
     ``bits`` stored significand bits, largest finite ``max_value``: fp16 or bf16,
@@ -251,7 +252,7 @@ def row_updater(table_dtype, grad_dtype, fused, columns, passes, any_width=False
     zero = np.dtype(table_acc).type(0)
     kept_size = UNROLL * passes
 
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     def gradient(grad, order, bag_of, coef, partials, sums, r, c0, lane, group):
         """This lane's 4 gradient values of columns ``c0 + k·group`` (0 past the row);
         ``sums``: the run's final sum (:func:`.run_sum_range`) when fused."""
@@ -265,17 +266,17 @@ def row_updater(table_dtype, grad_dtype, fused, columns, passes, any_width=False
                 widen(g2) if c0 + 2 * group < dim else zero,
                 widen(g3) if c0 + 3 * group < dim else zero)
 
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     def bad(g):
         return 0 if math.isfinite(g) else 1
 
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     def state_slots(rule):
         """Whether ``rule`` keeps per-element state in slot 1 and in slot 2."""
         has1 = rule == rules.ADAGRAD or rule == rules.ADAM or rule == rules.FTRL
         return has1, rule == rules.ADAM or rule == rules.FTRL
 
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     def read_element(weights, state1, state2, row, c, rule):
         """``(w, s1, s2)`` of element ``(row, c)``: the weight and the rule's state."""
         has1, has2 = state_slots(rule)
@@ -284,7 +285,7 @@ def row_updater(table_dtype, grad_dtype, fused, columns, passes, any_width=False
         s2 = state2[row, c] if has2 else zero
         return w, s1, s2
 
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     def read_elements(weights, state1, state2, row, c0, group, rule):
         """:func:`read_element` of this lane's columns ``c0 + k·group``, all loads before
         any store: the compiler would not move a load above a store that may alias it.
@@ -304,7 +305,7 @@ def row_updater(table_dtype, grad_dtype, fused, columns, passes, any_width=False
             e3 = read_element(weights, state1, state2, row, c3 if c3 < dim else c0, rule)
         return e0, e1, e2, e3
 
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     def apply(weights, state1, state2, row, c, g, element, rule, row_step, hp, stochastic,
               key_lo, key_hi):
         """Update element ``(row, c)``, read before as ``element``, with gradient ``g``."""
@@ -321,7 +322,7 @@ def row_updater(table_dtype, grad_dtype, fused, columns, passes, any_width=False
             w_new = _stochastic_round(w_new, key_lo, key_hi, row, c, min_exp, bits, max_value)
         weights[row, c] = store_weight(w_new)  # fp16, bf16: to nearest even (exact if stochastic)
 
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     def update_row(weights, state1, state2, row, grad, order, bag_of, coef, partials, sums, r,
                    lane, group, rule, hp, inv_dim, skip_nonfinite, stochastic, key_lo, key_hi):
         kept = cuda.local.array(kept_size, acc_type)  # g of every pass, when row-wide
@@ -404,7 +405,7 @@ def widened_hyper(table_dtype):
     the accumulator type of ``table_dtype``, as :func:`row_updater`'s ``hp``."""
     widen = WIDEN[accumulator_dtype(table_dtype)]
 
-    @cuda.jit(device=True, inline=True)
+    @inline_device
     def hyper(lr64, eps64, one_m_b1_64, one_m_b2_64, l1_64, two_l2_64, neg_power64, sqrt_power,
               step64):
         return (widen(lr64), widen(eps64), widen(one_m_b1_64), widen(one_m_b2_64), widen(l1_64),

@@ -58,6 +58,7 @@ from ._launch import (
     dtype_key,
     float64_from_bits,
     group_size,
+    inline_device,
     jit_kernel,
     kernel_factory,
     load_as_float,
@@ -109,7 +110,7 @@ TABLE_FIELDS = ("at", "rows", "dim", "key", "grad", "bags", "position", "ids", "
  T_STEP_SIZE, T_KEY_LO, T_KEY_HI) = range(len(TABLE_FIELDS))
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _layout(pools, tables):
     """``(the update's first blocks, pool fields, table fields)``: where each part of the
     plan starts. The plan (int64) holds the number of pools, the pools' first bags (one
@@ -195,13 +196,13 @@ def prepare_tables_kernel(acc_dtype, weights_dtype, scaled):
     return prepare_tables_kernel
 
 
-@cuda.jit(device=True, inline=True)
+@cuda.jit(device=True, inline="always")  # returns a view: inlined by Numba, not NVVM
 def _gradient_of(grad, plan, t):
     """Table ``t``'s (its fields' offset) ``[bags, dim]`` gradient."""
     return as_rows(grad, plan[t + T_GRAD], plan[t + T_BAGS], plan[t + T_DIM])
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _table_of_block(plan, at, tables, block):
     """``(table fields' offset, index of the thread's block among the table's, the table's
     blocks)`` of ``block`` when the plan's block starts at ``at`` give each table its
@@ -212,7 +213,7 @@ def _table_of_block(plan, at, tables, block):
     return table_fields + which * len(TABLE_FIELDS), block - first, plan[at + which + 1] - first
 
 
-@cuda.jit(device=True, inline=True)
+@inline_device
 def _table_sum_range(starts, r, num, position, ids, chunk, base):
     """:func:`.embedding_bag_backward.run_sum_range` of run ``r`` within its table, whose
     ``ids`` sorted positions start at ``position`` and whose partial rows at ``base``:
