@@ -258,9 +258,9 @@ def cupy_family_of(*arrays):
     t = type(arrays[0])
     if t not in _CUPY_TYPES:
         return None
-    device = arrays[0].device.id
+    device = arrays[0].data.device_id  # (``.device`` makes a Device object)
     for a in arrays[1:]:
-        if type(a) is not t or a.device.id != device:
+        if type(a) is not t or a.data.device_id != device:
             return None
     return cuda_family("cupy", device)
 

@@ -35,7 +35,17 @@ def table(name, a):
 def accumulator_dtype(dtype):
     """The dtype sums and optimizer state use: fp64 for fp64 tables, else fp32
     (fp16 and bf16 tables accumulate in fp32)."""
-    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+    try:
+        return _ACCUMULATOR[dtype]
+    except (KeyError, TypeError):
+        pass
+    found = np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+    if isinstance(dtype, np.dtype):
+        _ACCUMULATOR[dtype] = found
+    return found
+
+
+_ACCUMULATOR = {}  # dtype -> accumulator_dtype(dtype), for the dtypes seen
 
 
 _BFLOAT16 = {}  # dtype -> whether it is bfloat16, for the dtypes seen

@@ -16,6 +16,7 @@ import pytest
 pytest.importorskip("numba.cuda")
 from numba import types  # noqa: E402
 
+from hbkernels._modes import Bounds  # noqa: E402
 from hbkernels.cuda import _kernel_cache, _launcher  # noqa: E402
 
 
@@ -28,11 +29,25 @@ class FakeCupy:
         self.size = int(np.prod(self.shape, dtype=np.int64))
         dense = _launcher._c_strides(self.shape, self.itemsize)
         self.strides = tuple(strides) if strides is not None else dense
-        self.flags = pytypes.SimpleNamespace(c_contiguous=self.strides == dense or self.size <= 1)
+        contiguous = self.strides == dense or self.size <= 1
+        self._c_contiguous = contiguous
+        self.flags = pytypes.SimpleNamespace(c_contiguous=contiguous)
         self.data = pytypes.SimpleNamespace(ptr=ptr)
 
 
 FakeCupy.__module__ = "cupy._core.core"
+
+
+class OlderCupy(FakeCupy):
+    """A CuPy array without ``_c_contiguous``: its layout read from ``flags``."""
+
+    def __getattribute__(self, name):
+        if name == "_c_contiguous":
+            raise AttributeError(name)
+        return super().__getattribute__(name)
+
+
+OlderCupy.__module__ = "cupy._core.core"
 
 
 class Interface:
@@ -95,26 +110,27 @@ def fake_gpu(monkeypatch):
         return [struct.unpack(code, ctypes.string_at(addresses[i], struct.calcsize(code)))[0]
                 for i, (code, _) in enumerate(params)]
 
-    class Module:
+    class Module:  # the function of the n-th compile is at 0xF00D + n
         def load(self, cubin):
-            assert cubin == b"cubin"
+            assert cubin.startswith(b"cubin")
+            self.n = int(cubin[5:])
 
         def get_function(self, name):
-            return pytypes.SimpleNamespace(ptr=0xF00D)
+            return pytypes.SimpleNamespace(ptr=0xF00D + self.n)
 
     def launch(function, gx, gy, gz, bx, by, bz, shared, stream, pointers, extra):
-        argtypes = fake_gpu.argtypes
+        argtypes = compiled[function - 0xF00D][1]
         launched.append(((function, gx, gy, gz, bx, by, bz, shared, stream, extra),
                          decode(pointers, argtypes)))
 
     def compile_(kernel, argtypes, cc, fresh=False):
         compiled.append((kernel, argtypes, cc))
-        fake_gpu.argtypes = argtypes
-        return b"cubin", "entry"
+        return b"cubin%d" % (len(compiled) - 1), "entry"
 
-    fake_gpu = pytypes.SimpleNamespace(launched=launched, compiled=compiled, argtypes=None)
+    fake_gpu = pytypes.SimpleNamespace(launched=launched, compiled=compiled)
     monkeypatch.setattr(_launcher, "_SIMULATOR", False)
     monkeypatch.setattr(_launcher, "_LOADED", {})
+    monkeypatch.setattr(_launcher, "_LAST", {})
     monkeypatch.setattr(_launcher, "RECORDER", [None])  # these kernels are not compiled
     monkeypatch.setattr(_launcher, "_GPU", dict(
         launch=launch, device=lambda: 0, stream=lambda: pytypes.SimpleNamespace(ptr=0x5EED),
@@ -180,6 +196,51 @@ def test_a_value_that_does_not_fit_is_an_overflow_error(fake_gpu):
     with pytest.raises(OverflowError, match="kernel entry"):
         _launcher.launch(object(), 1, 32, 2**64)
     assert not fake_gpu.launched
+    kernel = object()
+    _launcher.launch(kernel, 1, 32, FakeCupy((3,), np.int64), 5)
+    with pytest.raises(OverflowError, match="kernel entry"):  # packed as the last launch was
+        _launcher.launch(kernel, 1, 32, FakeCupy((3,), np.int64), 2**64)
+    assert len(fake_gpu.launched) == 1
+
+
+def _expected(*args):
+    return _launcher.arguments(args)[1]
+
+
+def test_a_launch_like_the_last_packs_without_working_out_kinds(fake_gpu, monkeypatch):
+    kernel = object()
+    first = (FakeCupy((100, 16), np.float32), FakeCupy((33,), np.int32), 33, False, np.float32(2),
+             Bounds.RAISE)
+    _launcher.launch(kernel, 7, 256, *first)
+    again = (FakeCupy((50, 16), np.float32, ptr=0x7F0000009000), FakeCupy((7,), np.int32, ptr=0x10),
+             7, True, np.float32(3), Bounds.ZERO)
+    with monkeypatch.context() as m:
+        m.setattr(_launcher, "arguments", None)  # the kinds are not worked out again
+        _launcher.launch(kernel, 3, 256, *again)
+    assert [v for _, v in fake_gpu.launched] == [_expected(*first), _expected(*again)]
+    assert fake_gpu.launched[1][0][1] == 3 and len(fake_gpu.compiled) == 1
+
+
+@pytest.mark.parametrize("change", ["dtype", "strided", "ndim", "bool for int", "array type",
+                                    "older cupy"])
+def test_a_launch_unlike_the_last_is_worked_out_again(fake_gpu, change):
+    kernel = object()
+    base = [FakeCupy((4, 2), np.float32), 3]
+    other = {
+        "dtype": [FakeCupy((4, 2), np.float64), 3],
+        "strided": [FakeCupy((4, 2), np.float32, strides=(16, 4)), 3],
+        "ndim": [FakeCupy((8,), np.float32), 3],
+        "bool for int": [FakeCupy((4, 2), np.float32), True],
+        "array type": [Interface((4, 2), np.float32), 3],
+        "older cupy": [OlderCupy((4, 2), np.float32), 3],
+    }[change]
+    for args in (base, other, base, other):
+        _launcher.launch(kernel, 1, 32, *args)
+    assert [v for _, v in fake_gpu.launched] == [_expected(*a) for a in (base, other, base, other)]
+    same = change in ("array type", "older cupy")  # one signature, read another way
+    assert len(fake_gpu.compiled) == (1 if same else 2)
+    assert [numba for _, numba, _ in fake_gpu.compiled][-1][0] == _launcher.numba_type(
+        _launcher.arguments(other)[0][0])
 
 
 # -- the on-disk cache --------------------------------------------------------------------------

@@ -122,6 +122,17 @@ def test_a_bad_id_of_nd_ids_is_named_by_its_index(backend, quantized):
         assert info.value.position == position
 
 
+@pytest.mark.parametrize("dim", [1, 4, 5])
+def test_rows_are_copied_bit_for_bit(backend, dim):
+    """NaN payloads (quiet and signalling), -0.0 and subnormals come out as they went in."""
+    patterns = np.array([0x7FC12345, 0x7F800001, 0xFFA00002, 0x80000000, 0x00000001, 0x807FFFFF,
+                         0x7F7FFFFF, 0x3F800000], np.uint32)
+    weights = np.resize(patterns, (6, dim)).view(np.float32)
+    ids = np.array([5, 0, 3, 3, 1, 4, 2])
+    out = backend.get(hbk.lookup(backend.put(weights), backend.put(ids)))
+    np.testing.assert_array_equal(bits(out), bits(weights[ids]))
+
+
 def test_bad_ids_give_zero_rows_whatever_row_0_holds(backend):
     """A bad id loads row 0 (inf and NaN here) and stores zeros in its place."""
     weights = np.arange(15, dtype=np.float32).reshape(5, 3)

@@ -50,11 +50,11 @@ def _base(a):
     return a
 
 
-class _Pointer:
-    __slots__ = ("ptr",)
+class _Pointer:  # CuPy's MemoryPointer
+    __slots__ = ("ptr", "device_id")
 
     def __init__(self, ptr):
-        self.ptr = ptr
+        self.ptr, self.device_id = ptr, 0
 
 
 class NullArray:
@@ -63,13 +63,14 @@ class NullArray:
     attributes, read as fast as CuPy's)."""
 
     __slots__ = ("_a", "shape", "dtype", "ndim", "size", "itemsize", "nbytes", "strides",
-                 "flags", "data", "device")
+                 "flags", "_c_contiguous", "data", "device")
     __array_priority__ = 100
 
     def __init__(self, a):
         self._a = a
         self.shape, self.dtype, self.ndim, self.size = a.shape, a.dtype, a.ndim, a.size
         self.itemsize, self.nbytes, self.strides, self.flags = a.itemsize, a.nbytes, a.strides, a.flags
+        self._c_contiguous = a.flags.c_contiguous
         self.data = _Pointer(a.__array_interface__["data"][0] or 256)
         self.device = _DEVICE
 

@@ -79,8 +79,9 @@ inline_device = _inline_device()
 
 def blocks_for(work_items, threads, max_blocks=_MAX_BLOCKS):
     """Blocks to cover ``work_items`` (kernels use grid-stride loops past the cap)."""
+    blocks = (work_items + threads - 1) // threads
     cap = _SIM_MAX_BLOCKS if _SIMULATOR else max_blocks
-    return max(1, min(cap, (int(work_items) + threads - 1) // threads))
+    return 1 if blocks < 1 else (cap if blocks > cap else int(blocks))
 
 
 def group_size(dim):

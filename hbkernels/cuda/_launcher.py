@@ -15,7 +15,9 @@ through CuPy's driver module; a launch then packs its arguments in Numba's
 kernel ABI (an array is ``meminfo, parent, nitems, itemsize, data, shape...,
 strides...``, :mod:`._abi`; each parameter in an 8-byte slot of one per-thread
 buffer, one ``struct.pack_into``) and calls ``cuLaunchKernel``: no ``DeviceNDArray``, no type
-dispatch. Under the simulator the kernel's dispatcher runs it as Python.
+dispatch. A launch whose arguments have the types and kinds of the kernel's last launch
+is packed by a function made for them (:func:`fast_packer`), which checks them and packs
+in one call. Under the simulator the kernel's dispatcher runs it as Python.
 
 :data:`LAUNCHES` counts launches; :data:`RECORDER` (when set) sees each launch's kernel
 and signature (``tests/compile_kernels.py`` compiles those for an H100).
@@ -75,6 +77,12 @@ def _c_strides(shape, itemsize):
 def _cupy_fields(a, flat):
     """Append the ABI fields of CuPy array ``a`` to ``flat``; returns its kind."""
     flat += (0, 0, a.size, a.itemsize, a.data.ptr, *a.shape, *a.strides)
+    return a.dtype, a.ndim, a._c_contiguous
+
+
+def _cupy_flags_fields(a, flat):
+    """:func:`_cupy_fields` for a CuPy without ``ndarray._c_contiguous``."""
+    flat += (0, 0, a.size, a.itemsize, a.data.ptr, *a.shape, *a.strides)
     return a.dtype, a.ndim, a.flags.c_contiguous
 
 
@@ -101,7 +109,7 @@ def _first_sight(t, a):
     if issubclass(t, np.generic):
         _PLAIN.add(t)
     elif (t.__module__ or "").startswith("cupy") and hasattr(a, "data"):
-        _FIELDS[t] = _cupy_fields
+        _FIELDS[t] = _cupy_fields if hasattr(a, "_c_contiguous") else _cupy_flags_fields
     elif hasattr(a, "__cuda_array_interface__"):
         _FIELDS[t] = _interface_fields
     else:
@@ -145,7 +153,7 @@ def simulator_kind(a):
 class _Loaded:
     """A kernel's cubin loaded on one device, and how to pack its arguments."""
 
-    __slots__ = ("module", "function", "packer", "count", "local", "name")
+    __slots__ = ("module", "function", "packer", "count", "local", "name", "fast")
 
     def __init__(self, module, function, argtypes, name):
         self.module = module  # keeps the module loaded
@@ -154,6 +162,7 @@ class _Loaded:
         self.count = len(parameters(argtypes))
         self.local = threading.local()
         self.name = name
+        self.fast = {}  # argument types -> fast_packer of them, or None
 
     def buffers(self):
         """This thread's ``(argument buffer, parameter pointer array, its address)``, made
@@ -229,8 +238,12 @@ def _pack(loaded, buffer, flat):
     try:
         loaded.packer.pack_into(buffer, 0, *flat)
     except struct.error as error:
-        raise OverflowError(f"an argument of kernel {loaded.name} does not fit its parameter "
-                            f"type: {error}") from None
+        _overflow(loaded, error)
+
+
+def _overflow(loaded, error):
+    raise OverflowError(f"an argument of kernel {loaded.name} does not fit its parameter "
+                        f"type: {error}") from None
 
 
 def launch(kernel, blocks, threads, *args):
@@ -242,15 +255,68 @@ def launch(kernel, blocks, threads, *args):
         _simulate(kernel, blocks, threads, args)
         return
     gpu = _GPU or _gpu()
+    device = gpu["device"]()
+    last = _LAST.get(kernel)
+    if last is not None and last[0] == device and RECORDER[0] is None:
+        loaded = last[1]
+        held = loaded.buffers()
+        try:
+            packed = last[2](held[0], *args)
+        except struct.error as error:
+            _overflow(loaded, error)
+        if packed:
+            gpu["launch"](loaded.function, blocks, 1, 1, threads, 1, 1, 0,
+                          gpu["stream"]().ptr, held[2], 0)
+            return
     kinds, flat = arguments(args)
     if RECORDER[0] is not None:
         RECORDER[0](kernel, tuple(numba_type(k) for k in kinds), threads)
-    device = gpu["device"]()
     loaded = _LOADED.get((kernel, kinds, device)) or _load(kernel, kinds, device)
     held = loaded.buffers()
     _pack(loaded, held[0], flat)
     gpu["launch"](loaded.function, blocks, 1, 1, threads, 1, 1, 0,
                   gpu["stream"]().ptr, held[2], 0)
+    fast = loaded.fast.get(tuple(map(type, args)), False)
+    if fast is False:
+        fast = loaded.fast[tuple(map(type, args))] = fast_packer(kinds, args, loaded.packer)
+    if fast is not None:
+        _LAST[kernel] = (device, loaded, fast)
+
+
+_LAST = {}  # kernel -> (device, _Loaded, fast packer) of its last launch with a fast packer
+
+
+def fast_packer(kinds, args, packer):
+    """A function ``fast(buffer, *args)`` for launches whose arguments have ``kinds`` and
+    the types of ``args``: it packs them with ``packer`` into ``buffer`` and returns True,
+    or returns False, packing nothing, when one differs (then :func:`arguments` decides).
+    None when an argument is neither a CuPy array nor a scalar passed as it is."""
+    names, tests, fields, env = [], [], [], {"pack_into": packer.pack_into}
+    for i, (kind, a) in enumerate(zip(kinds, args)):
+        t, name = type(a), f"a{i}"
+        names.append(name)
+        env[f"t{i}"] = t
+        if isinstance(kind, tuple):
+            if _FIELDS.get(t) is not _cupy_fields:
+                return None
+            dtype, ndim, contiguous = kind
+            env[f"d{i}"] = dtype
+            tests.append(f"type({name}) is t{i} and {name}.dtype is d{i} and {name}.ndim == {ndim}"
+                         f" and {name}._c_contiguous is {bool(contiguous)}")
+            fields.append(f"0, 0, {name}.size, {name}.itemsize, {name}.data.ptr, *{name}.shape, "
+                          f"*{name}.strides")
+        elif t in _PLAIN or (isinstance(a, int) and kind is int):
+            tests.append(f"type({name}) is t{i}")
+            fields.append(name)
+        else:
+            return None
+    source = (f"def fast(buffer, {', '.join(names)}):\n"
+              f"    if not ({' and '.join(tests) or 'True'}):\n"
+              f"        return False\n"
+              f"    pack_into(buffer, 0, {', '.join(fields)})\n"
+              f"    return True\n")
+    exec(compile(source, f"<fast packer {len(names)} arguments>", "exec"), env)
+    return env["fast"]
 
 
 class Prepared:

@@ -279,9 +279,8 @@ def pool(family, table, values, offsets, n_values, weights, combiner, identity, 
     out = family.empty((num_bags, dim), table.dtype)
     if num_bags == 0:
         return out
-    k_table = family.kernel_array(table)
-    k_offsets = family.kernel_array(offsets)
-    k_values = k_offsets if identity else family.kernel_array(values)
+    k_table = family.kernel_array(table)  # ids and offsets are integers: their own kernel arrays
+    k_values = offsets if identity else values
     k_weights = k_values if weights is None else family.kernel_array(weights)
     w_dtype = None if weights is None else weights.dtype
     key = (table.dtype, w_dtype, bool(identity), table.shape[0] < 2**31, dim,
@@ -295,8 +294,9 @@ def pool(family, table, values, offsets, n_values, weights, combiner, identity, 
                               tpb // group, tpb)
     kernel, bags_per_block, tpb = plan
     launch(kernel, blocks_for(num_bags, bags_per_block), tpb,
-           k_table, k_values, k_offsets, n_values, k_weights, combiner, check_offsets, record_ids,
-           family.kernel_array(out), no_error_slots() if slots is None else slots)
+           k_table, k_values, offsets, n_values, k_weights, combiner, check_offsets, record_ids,
+           out if k_table is table else family.kernel_array(out),
+           no_error_slots() if slots is None else slots)
     return out
 
 

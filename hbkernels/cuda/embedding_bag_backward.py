@@ -491,8 +491,8 @@ def embedding_bag_backward(family, grad_out, values, offsets, num_rows, per_samp
         ids = grouping.ids.astype(values.dtype)
         ids[xp.arange(n) >= grouping.count] = -1
     else:  # one read: error slots, distinct count, first key (-1: the out-of-range ids)
-        info = _device.to_host(xp.concatenate([
-            slots.astype(np.int64), grouping.count, grouping.ids[:1].astype(np.int64)]))
+        info = _device.to_host(xp.concatenate(  # int64: slots and count are
+            [slots, grouping.count, grouping.ids[:1]]))
         bad_offset, bad_id = error_positions(info[:2]) if check else (-1, -1)
         if bad_offset != -1 or (bounds == Bounds.RAISE and bad_id != -1):
             return (*empty(), bad_offset, bad_id if bounds == Bounds.RAISE else -1)
@@ -500,7 +500,7 @@ def embedding_bag_backward(family, grad_out, values, offsets, num_rows, per_samp
         num_ids = int(info[-2]) - skip
         if num_ids == 0:
             return (*empty(), -1, -1)
-        ids = grouping.ids[skip:skip + num_ids].astype(values.dtype)
+        ids = grouping.ids[skip:skip + num_ids].astype(values.dtype, copy=False)
     ids = _device.to_family(family, ids)
     group = group_size(dim)
     columns = columns_per_lane(dim, group)

@@ -1,8 +1,8 @@
 """Row gather on the GPU: ``out[i, d] = weights[ids[i], d]``.
 
-Thread mapping: rows are copied as their bits (:func:`as_bits`: 32-bit words where rows
-are whole words), in vectors of ``V`` words (:func:`._vector.geometry`: 16 bytes where
-the row length and the table's alignment allow). A group of ``G`` lanes (the next power
+Thread mapping: rows are copied as their bits (:func:`as_bits`: 4-byte elements as they
+are, others as 32-bit words where rows are whole words), in vectors of ``V`` words
+(:func:`._vector.geometry`: 16 bytes where the row length and the table's alignment allow). A group of ``G`` lanes (the next power
 of two >= ``D / V``, at most a warp) copies ``U = IDS_IN_FLIGHT`` consecutive ids per
 step, grid-stride over steps: each lane reads the ``U`` ids, loads its ``K`` (1 or 2)
 vectors of all ``U`` rows, and only then stores them (wider rows take further passes).
@@ -31,7 +31,7 @@ IDS_IN_FLIGHT = 4  # U
 
 @kernel_factory
 def gather_kernel(dtype, width, group, chunks_per_lane):
-    """The gather for a kernel array of integers ``dtype`` (:func:`as_bits`), ``width``
+    """The gather for a kernel array of ``dtype`` (:func:`as_bits`: copied as bits), ``width``
     elements per vector, ``group`` lanes per id and ``chunks_per_lane`` vectors per lane."""
     U = IDS_IN_FLIGHT
     two = chunks_per_lane > 1
@@ -104,11 +104,14 @@ def gather_kernel(dtype, width, group, chunks_per_lane):
 
 
 def as_bits(a):
-    """The 2-D kernel array ``a`` as the integers the gather copies: 32-bit words when
-    ``a`` is C-contiguous with rows of whole words, else integers of its itemsize."""
+    """The 2-D kernel array ``a`` as the elements the gather copies: ``a`` itself when
+    its elements are 4 bytes (copied as they are, bits unchanged), 32-bit words when it
+    is C-contiguous with rows of whole words, else integers of its itemsize."""
+    if a.dtype.itemsize == 4:
+        return a
     if _device.c_contiguous(a) and a.shape[1] * a.dtype.itemsize % 4 == 0:
         return a.view(np.int32)
-    return a.view({2: np.int16, 4: np.int32, 8: np.int64}[a.dtype.itemsize])
+    return a.view({2: np.int16, 8: np.int64}[a.dtype.itemsize])
 
 
 def lookup(family, weights, ids, bounds):
@@ -128,12 +131,24 @@ def lookup(family, weights, ids, bounds):
     def report(bad):
         raise_bad_id(family, "ids", ids, bad[0], num_rows)
 
-    table, k_out = as_bits(family.kernel_array(weights)), as_bits(family.kernel_array(out))
-    width, group, chunks_per_lane = _vector.geometry(table)
-    tpb = threads_per_block()
-    kernel = gather_kernel(np.dtype(table.dtype), width, group, chunks_per_lane)
-    steps = -(-n // IDS_IN_FLIGHT)
+    k_weights = family.kernel_array(weights)
+    key = (k_weights.dtype, dim, num_rows <= 1, k_weights.strides,
+           _vector.data_pointer(k_weights) % _vector.VECTOR_BYTES)
+    plan = _PLANS.get(key)
+    if plan is None:
+        table = as_bits(k_weights)
+        width, group, chunks_per_lane = _vector.geometry(table)
+        tpb = threads_per_block()
+        plan = _PLANS[key] = (None if table is k_weights else table.dtype, tpb // group, tpb,
+                              gather_kernel(np.dtype(table.dtype), width, group, chunks_per_lane))
+    bits, ids_per_block, tpb, kernel = plan  # as_bits of the table and out: a view as ``bits``
+    k_out = family.kernel_array(out)
+    if bits is not None:
+        k_weights, k_out = k_weights.view(bits), k_out.view(bits)
     with _pending.checks(1, "lookup", report, (ids,), when=record) as slots:
-        launch(kernel, blocks_for(steps, tpb // group), tpb, table, family.kernel_array(flat),
+        launch(kernel, blocks_for(-(-n // IDS_IN_FLIGHT), ids_per_block), tpb, k_weights, flat,
                record, k_out, no_error_slots() if slots is None else slots)
     return out, -1
+
+
+_PLANS = {}  # what the gather depends on -> (bits dtype or None, id groups per block, threads, kernel)
