@@ -259,5 +259,5 @@ collect
 stage second 20 "$PY" -m hbkernels train --device cuda --steps "${STEPS[1]}" "${JOB[@]}" \
   --metrics "$WORK/train/second-metrics.json"
 collect
-stage graph 30 "$PY" -m hbkernels train --device cuda --cuda-graph --steps "${STEPS[0]}" "${JOB[@]}" \
-  --metrics "$WORK/train/graph-metrics.json"
+stage graph 30 "$PY" -m hbkernels train --device cuda --cuda-graph --batch-threads 4 \
+  --steps "${STEPS[0]}" "${JOB[@]}" --metrics "$WORK/train/graph-metrics.json"

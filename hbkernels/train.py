@@ -283,8 +283,10 @@ class Trainer:
         a = self.args
         if self.synthetic:
             lo, hi = self.local_slice(a.batch_size)
-            for step in range(self.step, self.steps):
-                yield step, self.raw_ids(self.train_data.batch(step, a.batch_size).rows(lo, hi)), a.batch_size
+            batches = self.train_data.batches(range(self.step, self.steps), a.batch_size,
+                                              threads=a.batch_threads)
+            for step, batch in zip(range(self.step, self.steps), batches):
+                yield step, self.raw_ids(batch.rows(lo, hi)), a.batch_size
             return
         per_epoch = len(self.train_data)
         step = self.step

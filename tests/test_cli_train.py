@@ -51,6 +51,12 @@ def test_one_process_metrics(straight):
     assert losses(straight)[-5:].mean() < losses(straight)[:5].mean()
 
 
+def test_batches_made_ahead_train_the_same(tmp_path, straight):
+    ahead = train(tmp_path, "ahead", "--steps", 20, "--batch-threads", 2)
+    np.testing.assert_array_equal(losses(ahead), losses(straight))
+    assert ahead["final"] == straight["final"]
+
+
 def test_resume_continues_exactly(tmp_path, straight):
     ckpt = tmp_path / "ckpt"
     first = train(tmp_path, "first", "--steps", 10, "--checkpoint", ckpt)
@@ -161,7 +167,8 @@ def criteo_parquet(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", ["missing file", "bad column", "bad label", "unknown plan",
-                                  "no gpu", "nothing to resume", "epochs on synthetic"])
+                                  "no gpu", "nothing to resume", "epochs on synthetic",
+                                  "batch threads on Parquet"])
 def test_user_errors_are_one_line(tmp_path, criteo_parquet, case):
     if case == "no gpu" and cuda_gpu_present():
         pytest.skip("a CUDA GPU is present")
@@ -173,6 +180,8 @@ def test_user_errors_are_one_line(tmp_path, criteo_parquet, case):
         "no gpu": (["--device", "cuda"], "--device cuda: no CUDA GPU"),
         "nothing to resume": (["--checkpoint", tmp_path / "ck", "--resume"], "no checkpoint to resume"),
         "epochs on synthetic": (["--epochs", "2"], "need Parquet --data"),
+        "batch threads on Parquet": (["--data", criteo_parquet, "--batch-threads", "2"],
+                                     "--batch-threads makes synthetic batches"),
     }[case]
     # no simulator either: under it, --device cuda runs the CUDA kernels there
     res = run_cli("train", *args, "--steps", 2, cwd=tmp_path, NUMBA_ENABLE_CUDASIM="0")

@@ -117,6 +117,32 @@ def test_synthetic_determinism(rng):
     assert not np.array_equal(c.row_effect[0], a.row_effect[0])
 
 
+@pytest.mark.parametrize("threads", [0, 1, 3])
+def test_synthetic_batches_made_ahead_are_the_batches(rng, threads):
+    clicks = SyntheticClicks(TABLES, num_dense=3, seed=int(rng.integers(2**31)))
+    indices = [int(i) for i in rng.integers(0, 1000, 11)] + [4, 4]
+    made = list(clicks.batches(indices, 40, EVAL, threads=threads))
+    assert len(made) == len(indices)
+    for index, batch in zip(indices, made):
+        assert_batches_equal(batch, clicks.batch(index, 40, EVAL))
+    assert list(clicks.batches([], 40, threads=threads)) == []
+
+
+def test_synthetic_batches_stop_early_and_report_errors(rng):
+    import threading
+
+    clicks = SyntheticClicks(TABLES, num_dense=3, seed=1)
+    batches = clicks.batches(range(10**6), 8, threads=2)
+    first = next(batches)
+    assert_batches_equal(first, clicks.batch(0, 8))
+    batches.close()  # cancels what is ahead: no worker left running
+    assert not [t for t in threading.enumerate() if t.name.startswith("hbkernels-batches")]
+    with pytest.raises(ValueError, match="negative|size|>= 0"):
+        list(clicks.batches([0, 1], -1, threads=2))
+    with pytest.raises(ValueError, match="threads must be >= 0"):
+        next(clicks.batches([0], 8, threads=-1))
+
+
 @pytest.mark.parametrize("size, world", [(50, 2), (50, 3), (64, 4), (5, 7), (1, 1), (0, 2)])
 def test_synthetic_rank_slices_concatenate_to_the_global_batch(rng, size, world):
     clicks = SyntheticClicks(TABLES, num_dense=2, seed=int(rng.integers(2**31)))

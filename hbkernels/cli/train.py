@@ -91,6 +91,9 @@ def add_command(subparsers):
     data.add_argument("--dense-features", type=at_least(0), default=13, help="synthetic: dense features")
     data.add_argument("--alpha", type=at_least(0.0, float), default=1.05, help="synthetic: Zipf exponent of the ids")
     data.add_argument("--eval-samples", type=at_least(1), default=16384, help="synthetic: held-out samples")
+    data.add_argument("--batch-threads", type=at_least(0), default=0,
+                      help="synthetic: make the training batches ahead on this many threads while "
+                           "the steps run (the same batches; 0: each in turn, before its step)")
     data.add_argument("--label", default="label",
                       help="Parquet: label column, values in [0, 1] (0 or 1, or a probability)")
     data.add_argument("--dense-columns", type=name_list, default=None,
@@ -175,6 +178,8 @@ def check_args(args):
                 raise CLIError(f"no such file or directory: {path}")
     elif args.epochs is not None or args.eval_data is not None:
         raise CLIError("--epochs and --eval-data need Parquet --data")
+    if args.batch_threads and not synthetic:
+        raise CLIError("--batch-threads makes synthetic batches; Parquet --data is read as it is")
     if args.tables is None:
         from ..data.__main__ import parse_table
 

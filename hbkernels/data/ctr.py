@@ -90,6 +90,37 @@ class SyntheticClicks:
     def features(self):
         return [t.name for t in self.tables]
 
+    def batches(self, indices, size, stream=TRAIN, *, threads=0):
+        """``batch(index, size, stream)`` for each of ``indices``, in order. With
+        ``threads`` > 0 they are made on that many threads, up to ``2 * threads`` ahead of
+        the one yielded: the same batches, bit for bit (each is a function of its index),
+        made while the caller works on the last one (the id sampler and NumPy's random
+        generators release the GIL). Closing the generator early cancels what is ahead."""
+        if threads < 0:
+            raise ValueError(f"threads must be >= 0, got {threads}")
+        if threads == 0:
+            for index in indices:
+                yield self.batch(index, size, stream)
+            return
+        from collections import deque
+        from concurrent.futures import ThreadPoolExecutor
+
+        todo, ahead = iter(indices), deque()
+        with ThreadPoolExecutor(threads, thread_name_prefix="hbkernels-batches") as pool:
+            try:
+                while True:
+                    while len(ahead) < 2 * threads:
+                        index = next(todo, None)
+                        if index is None:
+                            break
+                        ahead.append(pool.submit(self.batch, index, size, stream))
+                    if not ahead:
+                        return
+                    yield ahead.popleft().result()
+            finally:
+                for future in ahead:
+                    future.cancel()
+
     def batch(self, index, size, stream=TRAIN):
         """Global batch ``index`` of ``stream`` (``TRAIN`` or ``EVAL``), ``size`` samples."""
         rng = np.random.default_rng([self.seed, 1 + stream, index])

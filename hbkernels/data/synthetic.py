@@ -54,8 +54,7 @@ class ZipfIds:
         return self.row_of_rank[inverse_cdf(self.cdf, self.guide, rng.random(size))]
 
 
-@cached_njit
-def inverse_cdf(cdf, guide, u):
+def _inverse_cdf(cdf, guide, u):
     """For each ``u``: the first index whose ``cdf`` exceeds it, at most ``len(cdf) - 1``
     (``np.minimum(np.searchsorted(cdf, u, side="right"), len(cdf) - 1)``, the same
     bits). ``guide[j]`` is the first index whose ``cdf`` exceeds ``j / len(guide)``:
@@ -72,6 +71,9 @@ def inverse_cdf(cdf, guide, u):
             i += 1
         out[k] = i
     return out
+
+
+inverse_cdf = cached_njit(_inverse_cdf, nogil=True)  # batches may be made on several threads
 
 
 def write_synthetic(path, num_rows, tables, *, alpha=1.05, seed=0,
