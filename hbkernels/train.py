@@ -69,6 +69,52 @@ def check_labels(label, column, path):
 
 
 # -- the training loop --------------------------------------------------------------------------
+class StagedInputs:
+    """Fixed input tensors, views of one device buffer, refilled from the host with one copy
+    each time (:meth:`fill`). On a GPU the host side is two pinned buffers used in turn: one
+    is written while the copy from the other may still run, and is written again only after
+    its own last copy has ended. Elsewhere the buffer is written in place."""
+
+    ALIGN = 16  # bytes: each part starts on a multiple
+
+    def __init__(self, torch, device, parts, staged=None):
+        """``parts``: ``(NumPy dtype, shape)`` of each tensor; ``staged``: fill through host
+        buffers and a copy (default: on a GPU)."""
+        self.torch, self.device, spans, end = torch, device, [], 0
+        for dtype, shape in parts:  # each part's bytes, [start, stop)
+            start = -(-end // self.ALIGN) * self.ALIGN
+            end = start + int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+            spans.append(slice(start, end))
+        self.buffer = torch.zeros(max(end, 1), dtype=torch.uint8, device=device)
+        self.tensors = [self.buffer[span].view(torch.from_numpy(np.empty(0, d)).dtype).view(s)
+                        for span, (d, s) in zip(spans, parts)]
+        staged = device == "cuda" if staged is None else staged
+        self.hosts = ([torch.zeros(self.buffer.shape[0], dtype=torch.uint8,
+                                   pin_memory=device == "cuda") for _ in range(2)]
+                      if staged else [self.buffer])
+        self.copied = [None] * len(self.hosts)  # the event after each host buffer's last copy
+        self.views = [[h.numpy()[span].view(d).reshape(s) for span, (d, s) in zip(spans, parts)]
+                      for h in self.hosts]
+        self.turn = 0
+
+    def fill(self, arrays):
+        """Copy ``arrays`` (one per part, each no longer than its part) in, queued on the
+        current stream; returns the tensors, each cut to its array's length."""
+        k = self.turn
+        self.turn = (k + 1) % len(self.hosts)
+        if self.copied[k] is not None:
+            self.copied[k].synchronize()
+        for view, a in zip(self.views[k], arrays):
+            view[:a.shape[0]] = a
+        if self.hosts[k] is not self.buffer:
+            self.buffer.copy_(self.hosts[k], non_blocking=True)
+            if self.device == "cuda":
+                if self.copied[k] is None:
+                    self.copied[k] = self.torch.cuda.Event()
+                self.copied[k].record()
+        return [t[:a.shape[0]] for t, a in zip(self.tensors, arrays)]
+
+
 class Trainer:
     def __init__(self, args, comm, device):
         import torch
@@ -118,7 +164,7 @@ class Trainer:
         if args.cuda_graph and (device != "cuda" or self.world > 1):
             raise CLIError("--cuda-graph captures the step of one rank on a GPU (--device cuda); "
                            f"this run has {self.world} rank(s) on {device}")
-        self.static = None  # --cuda-graph: the step's fixed input tensors
+        self.static = None  # --cuda-graph: the step's fixed inputs (StagedInputs)
         self.graph = None  # (torch CUDAGraph, the collection's CapturedStep, loss, count)
         self.uncaptured = 0  # --cuda-graph on a GPU: steps run before the capture
         self.side_stream = None  # and the stream they run on
@@ -238,42 +284,35 @@ class Trainer:
     def static_tensors(self, batch):
         """``tensors(batch)`` copied into the step's fixed input tensors (made at the
         first batch; each feature's values padded to its reserved count, ids past the
-        last offset never read): what a captured step reads."""
+        last offset never read): what a captured step reads, with one copy from the host."""
         from .types import Ragged
 
-        torch = self.torch
+        arrays = [batch.dense, batch.label]
+        for x in batch.sparse.values():
+            arrays += [x.values, x.offsets] if isinstance(x, Ragged) else [x]
         if self.static is None:
             size = self.args.batch_size
             caps = self.max_ids(size)
-
-            def like(a, n):
-                return torch.zeros((n,) + a.shape[1:], dtype=torch.from_numpy(a[:0]).dtype,
-                                   device=self.torch_device)
-
-            sparse = {}
+            parts = [(batch.dense.dtype, (size,) + batch.dense.shape[1:]), (batch.label.dtype, (size,))]
             for f, x in batch.sparse.items():
-                if isinstance(x, Ragged):
-                    if not self.synthetic:
-                        raise CLIError(f"--cuda-graph takes Parquet columns of one id per sample; "
-                                       f"{f!r} is a list column")
-                    sparse[f] = (like(x.values, caps[f]), like(x.offsets, size + 1))
+                if not isinstance(x, Ragged):
+                    parts.append((x.dtype, (size,)))
+                elif not self.synthetic:
+                    raise CLIError(f"--cuda-graph takes Parquet columns of one id per sample; "
+                                   f"{f!r} is a list column")
                 else:
-                    sparse[f] = like(x, size)
-            self.static = (like(batch.dense, size), sparse, like(batch.label, size))
-        dense, sparse, label = self.static
-
-        def fill(dst, a):
-            dst[:a.shape[0]].copy_(torch.from_numpy(np.ascontiguousarray(a)))
-            return dst[:a.shape[0]]
-
-        out = {}
+                    parts += [(x.values.dtype, (caps[f],)), (x.offsets.dtype, (size + 1,))]
+            self.static = StagedInputs(self.torch, self.torch_device, parts)
+        cut = self.static.fill(arrays)
+        out, i = {}, 2
         for f, x in batch.sparse.items():
-            if isinstance(x, Ragged):
-                fill(sparse[f][0], x.values)
-                out[f] = (sparse[f][0], fill(sparse[f][1], x.offsets))
+            if isinstance(x, Ragged):  # the values whole: the padding is never read
+                out[f] = (self.static.tensors[i], cut[i + 1])
+                i += 2
             else:
-                out[f] = fill(sparse[f], x)
-        return fill(dense, batch.dense), out, fill(label, batch.label)
+                out[f] = cut[i]
+                i += 1
+        return cut[0], out, cut[1]
 
     def local_slice(self, size):
         return size * self.rank // self.world, size * (self.rank + 1) // self.world

@@ -434,6 +434,29 @@ def test_train_on_the_cuda_path_gives_the_cpu_results(tmp_path):
     assert metrics["graph"]["final"] == cuda
 
 
+@pytest.mark.parametrize("staged", [False, True])
+def test_staged_inputs_are_the_batches_arrays(rng, staged):
+    """``--cuda-graph``'s fixed inputs: views of one buffer, refilled with one copy (through
+    two host buffers in turn when ``staged``, as on a GPU), each cut to its array's length."""
+    torch = pytest.importorskip("torch")
+    from hbkernels.train import StagedInputs
+
+    parts = [(np.float32, (4, 3)), (np.int64, (9,)), (np.float32, (4,)), (np.float32, (4, 0)),
+             (np.int32, (5,))]
+    inputs = StagedInputs(torch, "cpu", parts, staged=staged)
+    base = inputs.buffer.data_ptr()
+    assert all((t.data_ptr() - base) % StagedInputs.ALIGN == 0 for t in inputs.tensors)
+    assert [tuple(t.shape) for t in inputs.tensors] == [s for _, s in parts]
+    for n in (4, 2, 3, 4):
+        arrays = [rng.standard_normal((n, 3)).astype(np.float32), rng.integers(0, 99, 2 * n + 1),
+                  rng.random(n).astype(np.float32), np.zeros((n, 0), np.float32),
+                  rng.integers(0, 9, n + 1).astype(np.int32)]
+        cut = inputs.fill(arrays)
+        for t, whole, a in zip(cut, inputs.tensors, arrays):
+            assert t.data_ptr() == whole.data_ptr() and t.dtype == torch.from_numpy(a).dtype
+            np.testing.assert_array_equal(t.numpy(), a)
+
+
 @pytest.mark.parametrize("how, message", [
     (["--device", "cpu"], "--cuda-graph captures the step of one rank on a GPU"),
     (["--device", "cuda", "--dynamic"], "--cuda-graph captures steps of static tables")])
