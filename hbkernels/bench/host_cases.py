@@ -105,8 +105,9 @@ def main_job_case(xp, batch=MAIN_BATCH, seed=0, reserved=False, captured=False):
     """``hbkernels train``'s sparse step on one rank: the collection of its 8 default
     tables (Adagrad, sum, D = 16), forward then backward (which updates); ``reserved``:
     after ``reserve`` for the batch's sizes (no allocation, no wait); ``captured``: that
-    step captured into a CUDA graph (CuPy's stream capture) once, then each call copies
-    a batch from the host into the captured inputs and replays the graph."""
+    step captured into a CUDA graph (CuPy's stream capture) once, over inputs that are
+    views of one device buffer, then each call copies a batch from the host into that
+    buffer (one copy, as ``hbkernels train --cuda-graph`` does) and replays the graph."""
     from hbkernels.cli.train import DEFAULT_TABLES
     from hbkernels.data.__main__ import parse_table
 
@@ -133,6 +134,12 @@ def main_job_case(xp, batch=MAIN_BATCH, seed=0, reserved=False, captured=False):
     if not captured:
         return HostCase("main job sparse step",
                         f"8 tables, batch {batch}{', reserved' if reserved else ''}", step)
+    on_host = np.concatenate([xp.asnumpy(a) for x in features.values() for a in x])
+    inputs, at = xp.asarray(on_host), 0  # every feature's values and offsets, one buffer
+    for f, x in features.items():
+        n, m = x.values.shape[0], x.offsets.shape[0]
+        features[f] = hbk.Ragged(inputs[at:at + n], inputs[at + n:at + n + m])
+        at += n + m
     step()  # a step of the same sizes before the capture
     stream = xp.cuda.Stream(non_blocking=True)
     with stream:
@@ -140,13 +147,10 @@ def main_job_case(xp, batch=MAIN_BATCH, seed=0, reserved=False, captured=False):
             stream.begin_capture()
             step()
             graph = stream.end_capture()
-    batch_on_host = {f: (xp.asnumpy(x.values), xp.asnumpy(x.offsets)) for f, x in features.items()}
 
     def replay():
         with stream:
-            for f, (values, offsets) in batch_on_host.items():
-                features[f].values.set(values)
-                features[f].offsets.set(offsets)
+            inputs.set(on_host)
             captured_step.replay(lambda: graph.launch(stream))
 
     return HostCase("main job sparse step", f"8 tables, batch {batch}, captured", replay)
