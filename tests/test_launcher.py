@@ -238,6 +238,8 @@ def test_a_launch_unlike_the_last_is_worked_out_again(fake_gpu, change):
         _launcher.launch(kernel, 1, 32, *args)
     assert [v for _, v in fake_gpu.launched] == [_expected(*a) for a in (base, other, base, other)]
     same = change in ("array type", "older cupy")  # one signature, read another way
+    with pytest.raises(TypeError, match="CUDA array or a scalar"):  # no fast path for 3 arguments
+        _launcher.launch(kernel, 1, 32, *other, [0])
     assert len(fake_gpu.compiled) == (1 if same else 2)
     assert [numba for _, numba, _ in fake_gpu.compiled][-1][0] == _launcher.numba_type(
         _launcher.arguments(other)[0][0])

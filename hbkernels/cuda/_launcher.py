@@ -257,7 +257,7 @@ def launch(kernel, blocks, threads, *args):
     gpu = _GPU or _gpu()
     device = gpu["device"]()
     last = _LAST.get(kernel)
-    if last is not None and last[0] == device and RECORDER[0] is None:
+    if last is not None and last[0] == device and last[3] == len(args) and RECORDER[0] is None:
         loaded = last[1]
         held = loaded.buffers()
         try:
@@ -280,10 +280,10 @@ def launch(kernel, blocks, threads, *args):
     if fast is False:
         fast = loaded.fast[tuple(map(type, args))] = fast_packer(kinds, args, loaded.packer)
     if fast is not None:
-        _LAST[kernel] = (device, loaded, fast)
+        _LAST[kernel] = (device, loaded, fast, len(args))
 
 
-_LAST = {}  # kernel -> (device, _Loaded, fast packer) of its last launch with a fast packer
+_LAST = {}  # kernel -> (device, _Loaded, fast packer, arguments) of its last fast-packable launch
 
 
 def fast_packer(kinds, args, packer):
