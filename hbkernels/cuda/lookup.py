@@ -2,10 +2,11 @@
 
 Thread mapping: rows are copied as their bits (:func:`as_bits`: 4-byte elements as they
 are, others as 32-bit words where rows are whole words), in vectors of ``V`` words
-(:func:`._vector.geometry`: 16 bytes where the row length and the table's alignment allow). A group of ``G`` lanes (the next power
-of two >= ``D / V``, at most a warp) copies ``U = IDS_IN_FLIGHT`` consecutive ids per
-step, grid-stride over steps: each lane reads the ``U`` ids, loads its ``K`` (1 or 2)
-vectors of all ``U`` rows, and only then stores them (wider rows take further passes).
+(:func:`._vector.geometry`: 16 bytes where the row length and the table's alignment
+allow). A group of ``G`` lanes (the next power of two >= ``D / V``, at most a warp)
+copies ``U = IDS_IN_FLIGHT`` consecutive ids per step, grid-stride over steps: each lane
+reads the ``U`` ids, loads its ``K`` (1 or 2) vectors of all ``U`` rows, and only then
+stores them (wider rows take further passes).
 Out-of-range ids always give zero rows (all bits 0: +0.0); they load row 0, which is
 not stored, so nothing is read out of range in any mode. Under ``bounds="raise"`` lane
 0 also records the first bad position in an error slot left pending (:mod:`._pending`):
