@@ -491,8 +491,8 @@ def embedding_bag_backward(family, grad_out, values, offsets, num_rows, per_samp
         ids = grouping.ids.astype(values.dtype)
         ids[xp.arange(n) >= grouping.count] = -1
     else:  # one read: error slots, distinct count, first key (-1: the out-of-range ids)
-        info = _device.to_host(xp.concatenate(  # int64: slots and count are
-            [slots, grouping.count, grouping.ids[:1]]))
+        info = _device.to_host(xp.concatenate([slots, grouping.count, grouping.ids[:1]],
+                                              dtype=np.int64))
         bad_offset, bad_id = error_positions(info[:2]) if check else (-1, -1)
         if bad_offset != -1 or (bounds == Bounds.RAISE and bad_id != -1):
             return (*empty(), bad_offset, bad_id if bounds == Bounds.RAISE else -1)
