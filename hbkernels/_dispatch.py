@@ -265,6 +265,17 @@ def cupy_family_of(*arrays):
     return cuda_family("cupy", device)
 
 
+def contiguous_cupy_family(*arrays):
+    """The family of ``arrays`` when each is a C-contiguous CuPy array on one device (as
+    :func:`resolve` would hand each over, read or updated in place), else None."""
+    family = cupy_family_of(*arrays)
+    if family is not None:
+        for a in arrays:
+            if not a.flags.c_contiguous:
+                return None
+    return family
+
+
 def classify(x):
     """(family, array to use) for one argument, or raise TypeError."""
     t = type(x)

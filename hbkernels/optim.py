@@ -50,7 +50,7 @@ import numpy as np
 from . import _bits
 from . import _rules as rules
 from . import _validate as check
-from ._dispatch import in_place_ready, kernels, resolve
+from ._dispatch import contiguous_cupy_family, in_place_ready, kernels, resolve
 from .ops import unique, segment_sum
 from .types import SparseGrad
 
@@ -130,9 +130,10 @@ class SparseOptimizer:
             state[name] = given
         return state
 
-    def _state_arrays(self, family, weights, state):
+    def _state_arrays(self, family, weights, state, resolved=False):
         """The slot arrays of ``state`` for ``weights``, checked (and the step counter),
-        before anything is updated: a step that fails changes nothing."""
+        before anything is updated: a step that fails changes nothing. ``resolved``: the
+        slot arrays are known to be C-contiguous CuPy arrays on the weights' device."""
         if not isinstance(state, dict) or "step" not in state:
             raise ValueError(f"state must be the dict made by {type(self).__name__}.init_state")
         counter = state["step"]
@@ -146,10 +147,12 @@ class SparseOptimizer:
         for name, per_row in self.slots:
             if name not in state:
                 raise ValueError(f"state lacks {name!r}; make it with init_state")
-            key = f"state[{name!r}]"
-            fam, s = resolve(inplace=("weights", key), row_tables=("weights",), weights=weights,
-                             **{key: state[name]})
-            s = s[key]
+            if resolved:
+                s = state[name]
+            else:
+                key = f"state[{name!r}]"
+                s = resolve(inplace=("weights", key), row_tables=("weights",), weights=weights,
+                            **{key: state[name]})[1][key]
             shape = (weights.shape[0],) if per_row else tuple(weights.shape)
             if tuple(s.shape) != shape or np.dtype(s.dtype) != dtype:
                 raise ValueError(
@@ -216,17 +219,25 @@ class SparseOptimizer:
         ``state["step"]`` is taken back when the error is raised (steps queued between
         the two counted it: Adam's bias correction and stochastic rounding's key of
         those steps are one step ahead)."""
-        family, a = resolve(
-            ("per_sample_weights",), ("weights",), ("weights",), weights=weights, grad_out=grad_out,
-            values=values, offsets=offsets, per_sample_weights=per_sample_weights,
-        )
-        weights, grad_out, values, offsets, psw = (
-            a["weights"], a["grad_out"], a["values"], a["offsets"], a["per_sample_weights"]
-        )
+        family = None
+        if per_sample_weights is None and isinstance(state, dict):  # CuPy arrays as they are
+            slots = [state.get(name) for name, _ in self.slots]
+            if all(s is not None for s in slots):
+                family = contiguous_cupy_family(weights, grad_out, values, offsets, *slots)
+        psw, fast = None, family is not None
+        if not fast:
+            family, a = resolve(
+                ("per_sample_weights",), ("weights",), ("weights",), weights=weights,
+                grad_out=grad_out, values=values, offsets=offsets,
+                per_sample_weights=per_sample_weights,
+            )
+            weights, grad_out, values, offsets, psw = (
+                a["weights"], a["grad_out"], a["values"], a["offsets"], a["per_sample_weights"]
+            )
         check.bag_gradient(weights, grad_out, values, offsets, psw)
         mode = check.choice("bounds", bounds, check.BOUNDS)
         comb = check.choice("combiner", combiner, check.COMBINERS)
-        s1, s2 = self._state_arrays(family, weights, state)
+        s1, s2 = self._state_arrays(family, weights, state, resolved=fast)
         step = int(state["step"][0]) + 1
         hp, key = self.step_constants(step)
         backend = kernels(family, "sparse_update")

@@ -581,17 +581,18 @@ def phases(case, real):
         counted = grad_out + k * D * item + 8 * k + ids + offsets
         return counted, [
             *common,
-            Phase("gather: sum each id's rows, write them", final_reads + k * D * item,
-                  "embedding_bag_backward.gather_kernel"),
-            Phase("ids to the values' dtype (CuPy)", (key + 8) * k),
+            # (final_reads holds each run's key; its id is written in the values' dtype)
+            Phase("gather: sum each id's rows, write them and the ids",
+                  final_reads + k * D * item + 8 * k, "embedding_bag_backward.gather_kernel"),
         ], seg.max_serial
     # fused_step
     _, element_states, row_states = OPTIMIZERS[case.optimizer]
     state = 2 * k * (element_states * D * acc + row_states * acc)  # read and written
     counted = grad_out + 2 * k * D * item + state + ids + offsets
+    prepare, *rest = common  # the fused step's prepare also reads grad_out (its check)
     return counted, [
-        Phase("check grad_out finite", grad_out, "sparse_update.nonfinite_kernel"),
-        *common,
+        Phase("prepare, check grad_out finite", prepare.bytes + grad_out, prepare.kernel),
+        *rest,
         Phase("update: sum each id's rows, apply the rule",
               final_reads + 2 * k * D * item + state, "sparse_update._update_kernel"),
     ], seg.max_serial

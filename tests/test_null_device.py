@@ -159,6 +159,65 @@ def test_plain_cupy_inputs_skip_only_what_resolve_and_the_checks_pass_as_they_ar
         "plain", "int32 ids", "2-D ids", "fp16", "two id arrays"}, res.stdout
 
 
+FUSED = textwrap.dedent("""
+    import sys
+    import numpy as np
+    from hbkernels.bench import null_device as nd
+    nd.install()
+    import hbkernels as hbk
+    from hbkernels import optim
+    cp = sys.modules["cupy"]
+    table = cp.asarray(np.ones((10, 4), np.float32))
+    values, offsets = cp.asarray(np.array([1, 2, 2])), cp.asarray(np.array([0, 1, 3]))
+    grad = cp.asarray(np.ones((2, 4), np.float32))
+    hbk.lookup(table, values, bounds="unchecked")  # CuPy's array type, seen once
+    general = optim.contiguous_cupy_family
+    resolved = []
+    real_resolve = optim.resolve
+    optim.resolve = lambda *a, **k: resolved.append(1) or real_resolve(*a, **k)
+
+    def outcome(opt, state, g, psw, fast):
+        optim.contiguous_cupy_family = general if fast else (lambda *arrays: None)
+        resolved.clear()
+        try:
+            opt.fused_step(table, state, g, values, offsets, per_sample_weights=psw,
+                           bounds="unchecked")
+            result = "ok"
+        except (TypeError, ValueError) as error:
+            result = f"{type(error).__name__}: {error}"
+        return ("general" if resolved else "fast"), result
+
+    for opt in (optim.SGD(lr=0.1), optim.RowWiseAdagrad(lr=0.1), optim.Adam(lr=0.1)):
+        state = opt.init_state(table)
+        slot = opt.slots[0][0] if opt.slots else None
+        cases = {"plain": (state, grad, None),
+                 "column slice of grad_out": (state, cp.asarray(np.ones((2, 8), np.float32))[:, ::2], None),
+                 "weights": (state, grad, cp.asarray(np.ones(3, np.float32))),
+                 "NumPy grad_out": (state, np.ones((2, 4), np.float32), None)}
+        if slot is not None:
+            s = state[slot]
+            cases["state of another shape"] = ({**state, slot: s[:5]}, grad, None)
+            cases["state of another dtype"] = ({**state, slot: s.astype(np.float64)}, grad, None)
+            cases["strided state"] = ({**state, slot: cp.asarray(np.zeros((20,) + s.shape[1:], np.float32))[::2]}, grad, None)
+            cases["NumPy state"] = ({**state, slot: np.zeros(s.shape, np.float32)}, grad, None)
+            cases["state missing"] = ({"step": state["step"]}, grad, None)
+        for name, (st, g, psw) in cases.items():
+            path, got = outcome(opt, st, g, psw, True)
+            _, want = outcome(opt, st, g, psw, False)
+            print(type(opt).__name__, name, path, "agrees" if got == want else f"DIFFERS {got} {want}", sep="|")
+""")
+
+
+def test_fused_step_takes_cupy_arrays_as_they_are_only_where_resolve_would():
+    res = run_python("-c", FUSED, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [line.split("|") for line in res.stdout.splitlines()]
+    assert len(rows) == 4 + 2 * 9 and all(verdict == "agrees" for *_, verdict in rows), res.stdout
+    assert {(opt, name) for opt, name, path, _ in rows if path == "fast"} == {
+        ("SGD", "plain"), *((opt, name) for opt in ("RowWiseAdagrad", "Adam") for name in (
+            "plain", "state of another shape", "state of another dtype"))}, res.stdout
+
+
 def test_it_refuses_the_simulator_and_a_late_install():
     res = run_python("-c", "from hbkernels.bench import null_device as nd; nd.install()",
                      timeout=120)

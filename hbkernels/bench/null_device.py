@@ -24,6 +24,7 @@ A profile's time per call is the host's Python time plus each counted event at i
 stated cost (:data:`COSTS`, assumed until a GPU run measures them).
 """
 import contextlib
+import functools
 import math
 import os
 import sys
@@ -418,11 +419,12 @@ def _module():
         a if isinstance(a, NullArray) and a.flags.c_contiguous and dtype in (None, a.dtype)
         else _library(np.ascontiguousarray, asarray(a), dtype=dtype))
 
-    def anything(name):
+    def anything(name):  # made once per name, then an attribute (as CuPy's functions are)
         fn = getattr(np, name)
-        if isinstance(fn, type) or not callable(fn):
-            return fn
-        return lambda *args, **kwargs: _library(fn, *args, **kwargs)
+        if not isinstance(fn, type) and callable(fn):
+            fn = functools.partial(_library, fn)
+        setattr(cp, name, fn)
+        return fn
 
     cp.__getattr__ = anything  # where, cumsum, concatenate, arange, sort, ...: library calls
     for name in ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",

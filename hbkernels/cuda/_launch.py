@@ -91,10 +91,7 @@ def group_size(dim):
     ``d, d + G, d + 2G, ...`` so a row load is coalesced. Small ``dim`` packs
     several groups in a warp; a power of two keeps groups inside one warp.
     """
-    g = 1
-    while g < min(int(dim), WARP):
-        g *= 2
-    return g
+    return min(WARP, 1 << max(int(dim) - 1, 0).bit_length())
 
 
 @cuda.jit(device=True)

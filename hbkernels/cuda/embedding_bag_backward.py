@@ -8,7 +8,8 @@ With bag scale ``c_b`` (1 for sum, ``1/Σw`` for mean, ``1/sqrt(Σw²)`` for sqr
 Pipeline (all queued on the current stream):
 
 1. ``prepare``: one thread per bag (grid-stride) checks the bag's offsets (error
-   slot 0, as the forward reports them) and writes for every position ``j`` of the
+   slot 0, as the forward reports them; the fused optimizer step also has it check
+   the gradient's finiteness, grid-stride over its elements, into slot 2) and writes for every position ``j`` of the
    bag ``bag_of[j] = b`` (int32 when the bags fit) and the sort key
    ``keys[j] = values[j]`` (int32 when the table has fewer than 2^31 rows). With
    weights or a mean/sqrtn combiner it first sums the bag's weights (``Σw``,
@@ -25,7 +26,8 @@ Pipeline (all queued on the current stream):
    in order (:func:`make_accumulate`); a run of more than ``CHUNK`` occurrences is
    summed from its pieces, windows of ``CHUNK^t`` sorted positions
    (:mod:`._segments`). No row group sums more than ``CHUNK`` items and no atomics
-   touch the result: the same bits every run, whatever the id frequencies.
+   touch the result: the same bits every run, whatever the id frequencies. The
+   group also writes its id, in the values' dtype.
    ``deterministic=False``: one row group per occurrence adds its contribution
    with ``cuda.atomic.add`` into an fp32/fp64 buffer instead.
 
@@ -66,6 +68,7 @@ from ._launch import (
     threads_per_block,
 )
 from ._launcher import launch
+from ._nonfinite import nonfinite_scan, scan_blocks
 from ._segments import device_final_level as final_level
 from ._segments import device_level_base as level_base
 from ._segments import device_partial_row as partial_row
@@ -81,14 +84,18 @@ ITEMS_IN_FLIGHT = 2  # occurrences whose rows a lane loads before the first add
 # 1. per-position bag, coefficient and sort key
 # ---------------------------------------------------------------------------
 @kernel_factory
-def prepare_kernel(acc_dtype, weights_dtype, scaled):
+def prepare_kernel(acc_dtype, weights_dtype, scaled, grad_dtype=None):
     """The per-bag pass for coefficients in ``acc_dtype`` from weights of
     ``weights_dtype`` (:func:`dtype_key`; None: unweighted). ``scaled``: write the
     coefficients (weights, or a mean/sqrtn combiner); else every coefficient is 1,
-    none is written, and a bag's ids are read once, four at a time."""
+    none is written, and a bag's ids are read once, four at a time. ``grad_dtype``
+    (None: no check): the same launch records the first row of ``grad`` (a 2-D array
+    of that dtype) holding NaN or Inf in ``slots[2]`` (:mod:`._nonfinite`)."""
     widen = WIDEN[np.dtype(acc_dtype)]
     load_weight = load_as_float(weights_dtype or acc_dtype)
     has_weights = weights_dtype is not None
+    check_grad = grad_dtype is not None
+    scan_grad = nonfinite_scan(grad_dtype or acc_dtype)
 
     @inline_device
     def emit(j, row, b, num_rows, record_ids, keys, bag_of, slots):
@@ -100,7 +107,9 @@ def prepare_kernel(acc_dtype, weights_dtype, scaled):
 
     @cuda.jit(cache=False)
     def prepare_kernel(values, offsets, n_values, num_rows, weights, combiner, check_offsets,
-                       record_ids, keys, bag_of, coef, slots):
+                       record_ids, keys, bag_of, coef, slots, grad):
+        if check_grad:
+            scan_grad(grad, slots, 2)
         num_bags = offsets.shape[0] - 1
         for b in range(cuda.grid(1), num_bags, cuda.gridsize(1)):
             lo = offsets[b]
@@ -161,13 +170,15 @@ def key_dtype(num_rows):
 
 
 def prepare(family, values, offsets, weights, combiner, num_rows, acc_dtype, check_offsets,
-            record_ids, slots=None):
+            record_ids, slots=None, grad=None):
     """Launch the per-bag pass. Returns ``(keys, bag_of, coef, slots)`` (``xp`` arrays;
     ``coef`` is empty when every coefficient is 1: no weights, combiner sum; ``slots``
     holds (first bad offset, first bad id), or nothing when nothing is recorded; the
-    caller may pass the two slots). Positions no bag covers get key and bag -1, unless
+    caller may pass the slots). Positions no bag covers get key and bag -1, unless
     the offsets are checked: valid offsets cover every position, and with invalid ones
-    the caller returns before the keys are used."""
+    the caller returns before the keys are used. ``grad`` (a 2-D array; the caller
+    passes ``slots``, three at least): its first row holding NaN or Inf goes to
+    ``slots[2]``, in the same launch."""
     n = values.shape[0]
     num_bags = offsets.shape[0] - 1
     if check_offsets:
@@ -183,10 +194,19 @@ def prepare(family, values, offsets, weights, combiner, num_rows, acc_dtype, che
     k_values = family.kernel_array(values)
     k_weights = k_values if weights is None else family.kernel_array(weights)
     tpb = threads_per_block()
-    kernel = prepare_kernel(dtype_key(acc_dtype),
-                            dtype_key(None if weights is None else weights.dtype), scaled)
-    launch(kernel, blocks_for(num_bags, tpb), tpb, k_values, family.kernel_array(offsets), n,
-           num_rows, k_weights, combiner, check_offsets, record_ids, keys, bag_of, coef, slots)
+    blocks = blocks_for(num_bags, tpb)
+    if grad is None:
+        kernel = prepare_kernel(dtype_key(acc_dtype),
+                                dtype_key(None if weights is None else weights.dtype), scaled)
+        k_grad = _device.scratch((0, 1), acc_dtype)
+    else:
+        kernel = prepare_kernel(dtype_key(acc_dtype),
+                                dtype_key(None if weights is None else weights.dtype), scaled,
+                                dtype_key(grad.dtype))
+        k_grad = family.kernel_array(grad)
+        blocks = max(blocks, scan_blocks(grad, tpb))
+    launch(kernel, blocks, tpb, k_values, family.kernel_array(offsets), n, num_rows, k_weights,
+           combiner, check_offsets, record_ids, keys, bag_of, coef, slots, k_grad)
     return keys, bag_of, coef, slots
 
 
@@ -215,7 +235,7 @@ def occurrences(keys, bag_of, coef, dim, acc_dtype):
     """Group ``keys`` (no host synchronisation) and take the partial buffer."""
     chunk = _segments.CHUNK
     levels, rows = _segments.partial_levels(keys.shape[0], chunk)
-    partials = _device.scratch((max(rows, 1), dim), acc_dtype)
+    partials = _device.scratch((rows, dim), acc_dtype)  # (zero-sized: made once)
     return Occurrences(_segments.group(keys), bag_of, coef, partials, levels, chunk)
 
 
@@ -412,9 +432,9 @@ def gather_kernel(grad_dtype, columns):
 
     @jit_kernel(min_blocks_per_sm=2)
     def gather_kernel(grad, order, bag_of, coef, partials, starts, count, chunk, skip, group,
-                      rows):
-        """rows[r - skip] = the sum of run r's occurrences (zeros for the padding past
-        the runs)."""
+                      keys, ids, rows):
+        """rows[r - skip] = the sum of run r's occurrences and ids[r - skip] its key (zeros
+        and -1 for the padding past the runs)."""
         n = order.shape[0]
         dim = grad.shape[1]
         num = count[0]
@@ -422,6 +442,8 @@ def gather_kernel(grad_dtype, columns):
         lane = tid % group
         step = cuda.gridsize(1) // group
         for r in range(tid // group + skip, rows.shape[0] + skip, step):
+            if lane == 0:
+                ids[r - skip] = keys[r] if r < num else -1
             level, first, last, lo, base, width = run_sum_range(starts, r, num, n, chunk)
             for cb in range(0, dim, UNROLL * group):
                 a0, a1, a2, a3 = accumulate(grad, order, bag_of, coef, partials, level, first,
@@ -488,8 +510,9 @@ def embedding_bag_backward(family, grad_out, values, offsets, num_rows, per_samp
             if bad_offset != -1 or (bounds == Bounds.RAISE and bad_id != -1):
                 return (*empty(), bad_offset, bad_id if bounds == Bounds.RAISE else -1)
         skip, num_ids = 0, n
-        ids = grouping.ids.astype(values.dtype)
-        ids[xp.arange(n) >= grouping.count] = -1
+        if not deterministic:
+            ids = grouping.ids.astype(values.dtype)
+            ids[xp.arange(n) >= grouping.count] = -1
     else:  # one read: error slots, distinct count, first key (-1: the out-of-range ids)
         info = _device.to_host(xp.concatenate([slots, grouping.count, grouping.ids[:1]],
                                               dtype=np.int64))
@@ -500,19 +523,22 @@ def embedding_bag_backward(family, grad_out, values, offsets, num_rows, per_samp
         num_ids = int(info[-2]) - skip
         if num_ids == 0:
             return (*empty(), -1, -1)
-        ids = grouping.ids[skip:skip + num_ids].astype(values.dtype, copy=False)
-    ids = _device.to_family(family, ids)
+        if not deterministic:
+            ids = grouping.ids[skip:skip + num_ids].astype(values.dtype, copy=False)
     group = group_size(dim)
     columns = columns_per_lane(dim, group)
     tpb = threads_per_block()
     k_grad = family.kernel_array(grad_out)
-    if deterministic:
+    if deterministic:  # the ids in the values' dtype come with the rows
         sum_partials(family, grad_out, occ, columns)
+        ids = family.empty(num_ids, values.dtype)
         rows = family.empty((num_ids, dim), grad_out.dtype)
         launch(gather_kernel(dtype_key(grad_out.dtype), columns),
                blocks_for(num_ids, tpb // group), tpb, k_grad, *occ.kernel_arrays(),
-               grouping.starts, grouping.count, occ.chunk, skip, group, family.kernel_array(rows))
+               grouping.starts, grouping.count, occ.chunk, skip, group, grouping.ids,
+               family.kernel_array(ids), family.kernel_array(rows))
         return ids, rows, -1, -1
+    ids = _device.to_family(family, ids)
     acc = family.zeros((num_ids, dim), acc_dtype)
     k_acc = family.kernel_array(acc)
     order, bag_of, coef, _ = occ.kernel_arrays()

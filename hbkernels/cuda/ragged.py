@@ -112,7 +112,8 @@ def check_features(family, features, values, offsets, limits, staged=None, padde
     (None: not checked). One launch over the joined inputs (joined here, or ``staged``:
     a :class:`Staged` holding them, nothing allocated; ``padded``: its table says the
     values are padded), left pending: its error (the first feature's first, naming the
-    feature) is raised by a later wait."""
+    feature) is raised by a later wait. Returns the :class:`Staged` it checked (its
+    ``values`` and ``offsets``: each feature's in the order given, one after another)."""
     count = len(features)
     if staged is None:
         value, bag = [0], [0]
@@ -139,3 +140,4 @@ def check_features(family, features, values, offsets, limits, staged=None, padde
         launch(_features_kernel, blocks_for(work, tpb), tpb,
                family.kernel_array(staged.values), family.kernel_array(staged.offsets),
                family.kernel_array(staged.table), count, slots)
+    return staged

@@ -55,6 +55,7 @@ from ._launch import (
     threads_per_block,
 )
 from ._launcher import launch
+from ._nonfinite import record_nonfinite
 from ._warp import group_mask, shfl_xor
 from .embedding_bag import empty_batch_bad_offset
 from .embedding_bag_backward import (
@@ -94,52 +95,6 @@ def first_out_of_range(family, ids, limit):
     tpb = threads_per_block()
     launch(_out_of_range_kernel, blocks_for(n, tpb), tpb, family.kernel_array(ids), limit, slots)
     return read_error_slots(slots)[0]
-
-
-@kernel_factory
-def nonfinite_kernel(dtype):
-    """The kernel recording in ``slots[slot]`` the first row of a ``dtype`` array
-    holding NaN or Inf."""
-    load = load_as_float(dtype)
-
-    @inline_device
-    def check(a, i, size, m, v, slots, slot):
-        if i < size and not math.isfinite(v):
-            cuda.atomic.min(slots, slot, i // m)
-
-    @inline_device
-    def element(a, i, m):
-        r = i // m
-        return load(a[r, i - r * m])
-
-    @cuda.jit(cache=False)
-    def nonfinite_kernel(a, slots, slot):
-        m = a.shape[1]
-        size = a.shape[0] * m
-        step = cuda.gridsize(1)
-        for i in range(cuda.grid(1), size, 4 * step):
-            # four elements a grid apart, all loaded before the first test
-            i1 = i + step
-            i2 = i1 + step
-            i3 = i2 + step
-            v0 = element(a, i, m)
-            v1 = element(a, i1 if i1 < size else i, m)
-            v2 = element(a, i2 if i2 < size else i, m)
-            v3 = element(a, i3 if i3 < size else i, m)
-            check(a, i, size, m, v0, slots, slot)
-            check(a, i1, size, m, v1, slots, slot)
-            check(a, i2, size, m, v2, slots, slot)
-            check(a, i3, size, m, v3, slots, slot)
-
-    return nonfinite_kernel
-
-
-def record_nonfinite(family, a, slots, slot):
-    size = a.shape[0] * a.shape[1]
-    if size:
-        tpb = threads_per_block()
-        kernel = nonfinite_kernel(dtype_key(a.dtype))
-        launch(kernel, blocks_for(-(-size // 4), tpb), tpb, family.kernel_array(a), slots, slot)
 
 
 def first_nonfinite_row(family, a):
@@ -522,10 +477,10 @@ def fused_sparse_update(family, rule, weights, state1, state2, hp, grad_out, val
     Returns ``(-1, -1, -1, -1)`` (no check is read back here; an empty batch's offset
     excepted, reported as the third entry).
 
-    The checks: finiteness when ``finite`` (its own pass), offsets and ids under
-    ``bounds`` (0: both, 1: offsets, 2: none) inside ``prepare``, into four slots left
-    pending (:mod:`._pending`; its report calls ``on_error()``, then raises as the CPU
-    step does). Then one row group per distinct id sums its occurrences (for an id
+    The checks, into four slots left pending (:mod:`._pending`; its report calls
+    ``on_error()``, then raises as the CPU step does): offsets and ids under ``bounds``
+    (0: both, 1: offsets, 2: none) and, when ``finite``, the gradient's finiteness, in
+    ``prepare``'s launch; the weights' finiteness in a launch of its own. Then one row group per distinct id sums its occurrences (for an id
     with more than ``CHUNK`` of them, its partial rows) in order in registers and
     applies the rule, unless a slot holds an error: then the update kernel writes
     nothing. Ids out of range are skipped in every mode."""
@@ -542,21 +497,19 @@ def fused_sparse_update(family, rule, weights, state1, state2, hp, grad_out, val
     def report(bad):
         if on_error is not None:
             on_error()
-        raise_nonfinite("grad_out", bad[0])
-        raise_nonfinite("per_sample_weights", bad[1])
-        raise_ragged(family, values, offsets, bad[2], bad[3] if raise_ids else -1, num_rows)
+        raise_nonfinite("grad_out", bad[2])
+        raise_nonfinite("per_sample_weights", bad[3])
+        raise_ragged(family, values, offsets, bad[0], bad[1] if raise_ids else -1, num_rows)
 
     checked = finite or bounds != Bounds.UNCHECKED
     with _pending.checks(4, "fused_step", report, (values, offsets), when=checked) as slots:
-        if finite:
-            record_nonfinite(family, grad_out, slots, 0)
-            if psw is not None:
-                record_nonfinite(family, psw.reshape(-1, 1), slots, 1)
+        if finite and psw is not None:
+            record_nonfinite(family, psw.reshape(-1, 1), slots, 3)
         dim = weights.shape[1]
         grad_acc = accumulator_dtype(weights.dtype)  # as the CPU: summed in the table's type
         keys, bag_of, coef, _ = prepare(family, values, offsets, psw, combiner, num_rows,
                                         grad_acc, bounds != Bounds.UNCHECKED, raise_ids,
-                                        slots=None if slots is None else slots[2:])
+                                        slots=slots, grad=grad_out if finite else None)
         if n == 0 or num_bags == 0:
             return clean
         occ = occurrences(keys, bag_of, coef, dim, grad_acc)

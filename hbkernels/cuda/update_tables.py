@@ -14,17 +14,17 @@ table's ``[bags, dim]`` gradient block of the flat ``grad`` (fp32).
 
 Pipeline, as the one-table step's:
 
-1. with ``finite``: the gradient checked for NaN and Inf (one slot left pending; the
-   update writes nothing when it holds an error);
-2. ``prepare_tables_kernel``: one thread per bag writes each position's sort key, its
+1. ``prepare_tables_kernel``: one thread per bag writes each position's sort key, its
    bag in its table's gradient and its coefficient (``embedding_bag_backward.prepare``'s,
    bit for bit); a pool's positions past its last bag take the key of ids outside the
-   table (so a pool's ``count`` may be a capacity its bags do not fill);
-3. :func:`._segments.group` (or, into memory allocated once by :func:`reserve`, the
+   table (so a pool's ``count`` may be a capacity its bags do not fill). With
+   ``finite``, the same launch checks the gradient for NaN and Inf (one slot left
+   pending; the update writes nothing when it holds an error);
+2. :func:`._segments.group` (or, into memory allocated once by :func:`reserve`, the
    radix sort of :mod:`.radix_sort`): the positions sorted by key, so a table's
    occurrences take the sorted positions ``[Σ earlier tables' ids, + its ids)``, known to
    the host;
-4. ``partial_tables_kernel`` per level, then ``update_tables_kernel``: each table takes a
+3. ``partial_tables_kernel`` per level, then ``update_tables_kernel``: each table takes a
    range of the grid's blocks, so a block's lanes share one width, with row groups of
    :func:`group_size` lanes. The partial rows of a table's long runs are cut by windows
    that start at its first sorted position, into partial rows of its own (a row of the
@@ -34,8 +34,8 @@ Pipeline, as the one-table step's:
    table's step count).
 
 Sums are taken in the order the one-table step takes them, so each table's weights and
-state come out with the same bits as its own ``fused_step``. The launches: the check's
-(with ``finite``), the per-bag pass, the sort's two (:mod:`.radix_sort`'s ``5 * passes +
+state come out with the same bits as its own ``fused_step``. The launches: the per-bag
+pass (with the check), the sort's two (:mod:`.radix_sort`'s ``5 * passes +
 3`` into reserved memory), one per partial level (none while no table has more than
 ``CHUNK`` ids), the update.
 """
@@ -67,12 +67,13 @@ from ._launch import (
     threads_per_block,
 )
 from ._launcher import launch
+from ._nonfinite import nonfinite_scan, scan_blocks
 from ._segments import device_final_level as final_level
 from ._segments import device_level_base as level_base
 from ._segments import device_piece as piece
 from .embedding_bag_backward import key_dtype, make_accumulate, store_columns
 from .join_bags import feature_of
-from .sparse_update import STOCHASTIC_FORMATS, record_nonfinite, row_updater, widened_hyper
+from .sparse_update import STOCHASTIC_FORMATS, row_updater, widened_hyper
 
 
 class Table(NamedTuple):
@@ -126,18 +127,25 @@ def _layout(pools, tables):
 # 2. per-position key, bag and coefficient
 # ---------------------------------------------------------------------------
 @kernel_factory
-def prepare_tables_kernel(acc_dtype, weights_dtype, scaled):
+def prepare_tables_kernel(acc_dtype, weights_dtype, scaled, grad_dtype=None):
     """The per-bag pass for coefficients in ``acc_dtype`` from weights of
     ``weights_dtype`` (:func:`dtype_key`; None: unweighted). ``scaled``: write the
-    coefficients (weights, or a mean/sqrtn combiner in some pool)."""
+    coefficients (weights, or a mean/sqrtn combiner in some pool). ``grad_dtype``
+    (None: no check): the same launch records the first row of ``grad`` (a 2-D array of
+    that dtype) holding NaN or Inf in ``slots[0]`` (:mod:`._nonfinite`)."""
     widen = WIDEN[np.dtype(acc_dtype)]
     load_weight = load_as_float(weights_dtype or acc_dtype)
     has_weights = weights_dtype is not None
+    check_grad = grad_dtype is not None
+    scan_grad = nonfinite_scan(grad_dtype or acc_dtype)
     pool_width = len(POOL_FIELDS)
     table_width = len(TABLE_FIELDS)
 
     @cuda.jit(cache=False)
-    def prepare_tables_kernel(rows, bounds, weights, plan, tables, keys, bag_of, coef):
+    def prepare_tables_kernel(rows, bounds, weights, plan, tables, keys, bag_of, coef, slots,
+                              grad):
+        if check_grad:
+            scan_grad(grad, slots, 0)
         pools = plan[0]
         _, pool_fields, table_fields = _layout(pools, tables)
         for b in range(cuda.grid(1), plan[1 + pools], cuda.gridsize(1)):
@@ -395,7 +403,7 @@ def _arrays(tables, pools, acc, scaled, partial_rows, n):
     keys = _device.scratch(n, key_dtype(tables[-1].key + tables[-1].rows + 1))
     bag_of = _device.scratch(n, _segments.index_dtype(max(t.bags for t in tables)))
     coef = _device.scratch(n if scaled else 0, acc)
-    partials = _device.scratch(max(partial_rows, 1) * max(t.dim for t in tables), acc)
+    partials = _device.scratch(partial_rows * max(t.dim for t in tables), acc)
     return keys, bag_of, coef, partials
 
 
@@ -464,14 +472,20 @@ def update_tables(family, rule, weights, state1, state2, per_row, hp, tables, po
     k_grad = family.kernel_array(grad)
     with _pending.checks(1, "fused_step", lambda bad: report(bad[0]), (grad,),
                          when=finite) as slots:
-        if finite:
-            record_nonfinite(family, grad.reshape(-1, 1), slots, 0)
         k_rows = family.kernel_array(rows)
-        kernel = prepare_tables_kernel(dtype_key(acc), None if psw is None else dtype_key(psw.dtype),
-                                       scaled)
-        launch(kernel, blocks_for(sum(p.bags for p in pools), tpb), tpb, k_rows,
-               family.kernel_array(bounds), k_rows if psw is None else family.kernel_array(psw),
-               plan, len(tables), keys, bag_of, coef)
+        weights_key = None if psw is None else dtype_key(psw.dtype)
+        bag_blocks = blocks_for(sum(p.bags for p in pools), tpb)
+        if finite:  # the gradient's check in the same launch
+            flat = grad.reshape(-1, 1)
+            kernel = prepare_tables_kernel(dtype_key(acc), weights_key, scaled, dtype_key(grad.dtype))
+            args = (slots, family.kernel_array(flat))
+            bag_blocks = max(bag_blocks, scan_blocks(flat, tpb))
+        else:
+            kernel = prepare_tables_kernel(dtype_key(acc), weights_key, scaled)
+            args = (no_error_slots(), _device.scratch((0, 1), acc))
+        launch(kernel, bag_blocks, tpb, k_rows, family.kernel_array(bounds),
+               k_rows if psw is None else family.kernel_array(psw), plan, len(tables), keys,
+               bag_of, coef, *args)
         grouping = _segments.group(keys) if into is None else into.sort.group(keys)
         widest = max(t.dim for t in tables)
         sums = (grouping.order, bag_of, coef, partials, widest)

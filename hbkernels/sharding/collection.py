@@ -207,6 +207,11 @@ def _device_of(device):
         return "cpu"
 
 
+def _columns(a, c0, c1):
+    """Columns ``[c0, c1)`` of the 2-D ``a``: ``a`` itself when they are all of them."""
+    return a if c0 == 0 and c1 == a.shape[1] else a[:, c0:c1]
+
+
 def _memory_per_rank(device, world_size):
     """Bytes a rank may hold by default: 80% of the GPU's memory, or of the host's
     memory shared by ``world_size`` ranks (they may all be on this host; under Numba's
@@ -229,6 +234,9 @@ class _Feature(NamedTuple):
     uniq: Any  # ids to send: distinct ones (the values themselves when dedup is off); None at world size 1
     inverse: Any  # values == uniq[inverse]; None at world size 1
     sequence_offsets: Any = None  # a sequence table's input offsets (its bags are single ids)
+    # ([the ragged.Staged the check joined every feature's inputs into], first value, first
+    # offset): the list is empty where a pooling launch may not read them there
+    joined: Any = None
 
 
 class EmbeddingCollection:
@@ -585,6 +593,7 @@ class EmbeddingCollection:
         space = self._family(self.device)
         inputs = {}
         checked = []  # (name, values, offsets, row limit or None: ids unchecked) per feature
+        joined, at_value, at_offset, plain = [], 0, 0, True
         for f in sorted(features, key=self._feature_order.get):
             spec = self.tables[self.feature_table[f]]
             x = features[f]
@@ -623,13 +632,19 @@ class EmbeddingCollection:
                     else:
                         uniq, inverse = values, space.xp.arange(values.shape[0], dtype=np.int64)
             psw = None if psw is None else psw.astype(np.float32, copy=False)
-            inputs[f] = _Feature(spec.name, values, offsets, psw, int(offsets.shape[0]) - 1,
-                                 uniq, inverse, sequence_offsets)
+            batch = int(offsets.shape[0]) - 1
+            inputs[f] = _Feature(spec.name, values, offsets, psw, batch, uniq, inverse,
+                                 sequence_offsets, (joined, at_value, at_offset))
+            at_value += values.shape[0]  # where the check joins this feature's inputs
+            at_offset += batch + 1
+            plain = plain and psw is None and sequence_offsets is None
         if self._reserved is not None:
             kernels(space, "ragged").check_features(space, *zip(*checked),
                                                     staged=self._stage(space, inputs), padded=True)
         elif checked:
-            kernels(space, "ragged").check_features(space, *zip(*checked))
+            staged = kernels(space, "ragged").check_features(space, *zip(*checked))
+            if staged is not None and plain:  # the pooling launch reads the joined inputs
+                joined.append(staged)
         if space.is_cuda and self.comm.world_size > 1:
             synchronize()  # the checks' errors here, where the peers are told, not mid-exchange
         return inputs
@@ -1105,6 +1120,8 @@ class EmbeddingCollection:
                 outputs[f] = pieces if batch == r.batch else [(0, pieces[0][1], pieces[0][2][:batch])]
             return flat.contexts
         values, offsets, segments, placed, layouts = [], [], [], {}, []
+        first = next(iter(inputs.values()), None)  # the check's joined inputs, where they serve
+        joined = first.joined[0][0] if first is not None and first.joined and first.joined[0] else None
         row_features = []  # the feature of each segment: whose ids the launch's rows are
         at = [0, 0, 0, 0, 0]  # the next feature's first value, offset and output element;
         #                       the next pool's first row and first bound
@@ -1118,11 +1135,14 @@ class EmbeddingCollection:
                         continue
                     n = int(feature.values.shape[0])
                     if f not in placed:
-                        placed[f] = tuple(at[:3])
-                        values.append(feature.values)
-                        offsets.append(feature.offsets)
-                        at[0] += n
-                        at[1] += feature.batch + 1
+                        if joined is None:
+                            placed[f] = tuple(at[:3])
+                            values.append(feature.values)
+                            offsets.append(feature.offsets)
+                            at[0] += n
+                            at[1] += feature.batch + 1
+                        else:
+                            placed[f] = (feature.joined[1], feature.joined[2], at[2])
                         at[2] += feature.batch * dim
                     first_value, first_offset, out = placed[f]
                     segments.append(pool_tables.Segment(
@@ -1140,8 +1160,9 @@ class EmbeddingCollection:
             return {}
         with self._phase("kernels"):
             out, rows, bounds = pool_tables.pool_tables(
-                space, self.flats[key], segments, xp.concatenate(values, dtype=np.int64),
-                xp.concatenate(offsets, dtype=np.int64),
+                space, self.flats[key], segments,
+                joined.values if joined is not None else xp.concatenate(values, dtype=np.int64),
+                joined.offsets if joined is not None else xp.concatenate(offsets, dtype=np.int64),
                 self._joined_weights(space, [inputs[f] for f in placed]), (at[2], at[3], at[4]))
         for f, (_, _, first) in placed.items():
             batch, dim = inputs[f].batch, self.tables[inputs[f].table].dim
@@ -1417,11 +1438,11 @@ class EmbeddingCollection:
             for start, f, c0, c1, batch in plan.places:
                 block = grad[start:start + batch * (c1 - c0)].reshape(batch, c1 - c0)
                 given = int(grads[f].shape[0])
-                block[:given] = grads[f][:, c0:c1]
+                block[:given] = _columns(grads[f], c0, c1)
                 if given < batch:  # the empty bags' rows: checked, never read
                     block[given:] = 0
         elif plan.places:
-            grad = xp.concatenate([grads[f][:, c0:c1].reshape(-1)
+            grad = xp.concatenate([_columns(grads[f], c0, c1).reshape(-1)
                                    for _, f, c0, c1, _ in plan.places]).astype(np.float32, copy=False)
         else:
             grad = xp.zeros(0, np.float32)
