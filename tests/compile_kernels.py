@@ -22,6 +22,9 @@ By hand (a table of every kernel's resources, as in ``bench/results/``)::
     python3 tests/compile_kernels.py record launches.pkl     # runs the suite (pytest args may follow)
     python3 tests/compile_kernels.py compile launches.pkl report.json --csv resources.csv
 
+``record`` runs the suite in one process; a run under pytest-xdist (``pytest -n auto``)
+saves the same file when ``HBK_SAVE_LAUNCHES=launches.pkl`` is set.
+
 Needs the NVVM, NVRTC and nvJitLink libraries (the ``test`` extra installs their
 wheels), not a driver.
 """

@@ -43,6 +43,8 @@ def every_workers_launches(tmp_path_factory):
                 str(tmp_path_factory.mktemp("compile")), every=0.0)
         compile_kernels.gather(os.environ["HBK_SUITE_DIR"], WORKER, timeout=WAIT,
                                compiler=SESSION["compiler"])
+    if os.environ.get("HBK_SAVE_LAUNCHES"):  # every launch of the suite, for compile_kernels.py
+        compile_kernels.save(compile_kernels.LAUNCHES, os.environ["HBK_SAVE_LAUNCHES"])
 
 
 @pytest.fixture(scope="module")
