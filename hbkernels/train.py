@@ -157,6 +157,11 @@ class Trainer:
         else:
             self.eval_split = f"--eval-data {args.eval_data}" if args.eval_data else "training data"
         self.step = 0
+        # --overwrite: the step directories of the checkpoint being replaced (listed before any
+        # rank saves, so every rank names this run's saves alike), removed once one is written
+        self.replaced = (set(p.name for p in Path(args.checkpoint).glob("step-*"))
+                         if args.checkpoint and getattr(args, "overwrite", False) else set())
+        self.saved = None  # the step directory this run wrote last
         self.history, self.evals = [], []
         self.train_seconds = 0.0      # of every run that led to this step (resumes included)
         self.timed_seconds, self.timed_samples = 0.0, 0   # this run's, for samples/s
@@ -546,14 +551,18 @@ class Trainer:
         print(f"{self.step} steps x {a.batch_size} samples on {self.world} rank(s): "
               f"{rate:,.0f} samples/s{first}; eval ({self.eval_split}) logloss {last['logloss']:.5f}, "
               f"AUC {last['auc']:.5f}; metrics -> {a.metrics}"
-              + (f", curve -> {chart}" if drawn is None else f" ({drawn})"), flush=True)
+              + (f", curve -> {chart}" if drawn is None else f" ({drawn})")
+              + (f"; checkpoint -> {self.saved}" if self.saved is not None else ""), flush=True)
 
     # -- checkpoints ----------------------------------------------------------------------------
     def save_checkpoint(self):
         from ._files import fsync_dir
 
         root = Path(self.args.checkpoint)
-        step_dir = root / f"step-{self.step:08d}"
+        name, again = f"step-{self.step:08d}", 1
+        while name in self.replaced:  # never written into: the replaced checkpoint stays whole
+            name, again = f"step-{self.step:08d}.{again}", again + 1
+        step_dir = root / name
         self.collection.save(step_dir / "embeddings")          # collective, atomic on its own
         if self.root:
             def write_dense(f):
@@ -574,6 +583,7 @@ class Trainer:
                 if old.name != step_dir.name:
                     shutil.rmtree(old, ignore_errors=True)
         self.comm.barrier()
+        self.saved = step_dir
 
     def dense_state_dict(self):
         """The model's state without the tables (they are in the collection's checkpoint;
@@ -586,7 +596,9 @@ class Trainer:
         try:
             name = (root / LATEST).read_text().strip()
         except FileNotFoundError:
-            raise CLIError(f"no checkpoint to resume in {root} (no {root / LATEST})") from None
+            if self.root:
+                print(f"--resume: no checkpoint in {root} (no {LATEST}): starting fresh", flush=True)
+            return None
         step_dir = root / name
         try:
             state = json.loads((step_dir / "trainer.json").read_text())

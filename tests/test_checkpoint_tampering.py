@@ -108,11 +108,21 @@ def test_a_full_disk_while_the_manifest_is_written(saved, monkeypatch):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(checkpoint, "_write_manifest", full)
-    with pytest.raises(hbk.CheckpointError, match="No space left on device"):
+    with pytest.raises(hbk.CheckpointError, match="the previous checkpoint is kept: .*No space left"):
         make().save(saved)
     assert sorted(p.name for p in saved.iterdir()) == sorted(["manifest.json", before["save"]])
     assert manifest_of(saved) == before
     load(saved)
+
+
+def test_a_first_save_that_fails_says_nothing_was_saved(tmp_path, monkeypatch):
+    def full(*_):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "_write_manifest", full)
+    with pytest.raises(hbk.CheckpointError, match="failed, nothing was saved: .*No space left"):
+        make().save(tmp_path / "ck")
+    assert not (tmp_path / "ck" / "manifest.json").exists()
 
 
 # -- a load reads only files the checkpoint named ---------------------------------------------------

@@ -68,6 +68,52 @@ def test_resume_continues_exactly(tmp_path, straight):
     assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step-00000020"]
 
 
+def snapshot(directory):
+    """``{relative path: bytes}`` of every file under ``directory``."""
+    return {str(p.relative_to(directory)): p.read_bytes()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_a_checkpoint_is_replaced_only_by_overwrite_and_only_once_the_new_one_is_written(
+        tmp_path, straight, monkeypatch, capsys):
+    ckpt = tmp_path / "ckpt"
+    train(tmp_path, "first", "--steps", 10, "--checkpoint", ckpt)
+    kept = snapshot(ckpt)
+    # without --resume or --overwrite: refused before any step, the checkpoint untouched
+    assert main(["train", *TRAIN_SMALL, "--steps", "5", "--checkpoint", str(ckpt),
+                 "--metrics", str(tmp_path / "refused.json")]) == 1
+    err = capsys.readouterr().err
+    assert "holds a checkpoint (step-00000010)" in err and "--overwrite" in err
+    assert snapshot(ckpt) == kept and not (tmp_path / "refused.json").exists()
+    # --overwrite, the run failing before its first checkpoint: the old one is still whole
+    from hbkernels.train import Trainer
+
+    def disk_full(self):
+        raise OSError(28, "No space left on device", str(ckpt))
+
+    with monkeypatch.context() as m:
+        m.setattr(Trainer, "save_checkpoint", disk_full)
+        assert main(["train", *TRAIN_SMALL, "--steps", "10", "--checkpoint", str(ckpt),
+                     "--overwrite", "--metrics", str(tmp_path / "failed.json")]) == 1
+    assert snapshot(ckpt) == kept
+    # --overwrite at the same step: written beside the old one, which goes once it is written
+    replaced = train(tmp_path, "replaced", "--steps", 10, "--checkpoint", ckpt, "--overwrite")
+    np.testing.assert_array_equal(losses(replaced), losses(straight)[:10])
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step-00000010.1"]
+    assert (ckpt / "latest").read_text() == "step-00000010.1"
+    assert capsys.readouterr().out.strip().splitlines()[-1].endswith(
+        f"checkpoint -> {ckpt / 'step-00000010.1'}")
+    resumed = train(tmp_path, "resumed", "--steps", 20, "--checkpoint", ckpt, "--resume")
+    np.testing.assert_array_equal(losses(resumed), losses(straight))
+
+
+def test_resume_without_a_checkpoint_starts_fresh_and_says_so(tmp_path, straight, capsys):
+    run = train(tmp_path, "fresh", "--steps", 10, "--checkpoint", tmp_path / "new", "--resume")
+    np.testing.assert_array_equal(losses(run), losses(straight)[:10])
+    assert f"--resume: no checkpoint in {tmp_path / 'new'} (no latest): starting fresh" in \
+        capsys.readouterr().out
+
+
 def test_periodic_checkpoints_keep_only_the_latest(tmp_path, straight):
     ckpt = tmp_path / "ckpt"
     run = train(tmp_path, "periodic", "--steps", 12, "--checkpoint", ckpt, "--checkpoint-every", 5,
@@ -167,7 +213,7 @@ def criteo_parquet(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", ["missing file", "bad column", "bad label", "unknown plan",
-                                  "no gpu", "nothing to resume", "epochs on synthetic",
+                                  "no gpu", "checkpoint held", "epochs on synthetic",
                                   "batch threads on Parquet"])
 def test_user_errors_are_one_line(tmp_path, criteo_parquet, case):
     if case == "no gpu" and cuda_gpu_present():
@@ -178,11 +224,14 @@ def test_user_errors_are_one_line(tmp_path, criteo_parquet, case):
         "bad label": (["--data", criteo_parquet, "--label", "click"], "no label column 'click'"),
         "unknown plan": (["--plan", "everywhere"], "unknown plan 'everywhere'"),
         "no gpu": (["--device", "cuda"], "--device cuda: no CUDA GPU"),
-        "nothing to resume": (["--checkpoint", tmp_path / "ck", "--resume"], "no checkpoint to resume"),
+        "checkpoint held": (["--checkpoint", tmp_path / "ck"],
+                            "ck holds a checkpoint (step-00000007): --resume continues it"),
         "epochs on synthetic": (["--epochs", "2"], "need Parquet --data"),
         "batch threads on Parquet": (["--data", criteo_parquet, "--batch-threads", "2"],
                                      "--batch-threads makes synthetic batches"),
     }[case]
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "latest").write_text("step-00000007")
     # no simulator either: under it, --device cuda runs the CUDA kernels there
     res = run_cli("train", *args, "--steps", 2, cwd=tmp_path, NUMBA_ENABLE_CUDASIM="0")
     assert res.returncode == 1, res.stdout + res.stderr
@@ -211,6 +260,11 @@ MISUSE = {
     "corrupt data": (["train", "--data", "garbage.parquet"], "garbage.parquet"),
     "unwritable metrics": (["train", "--metrics", "no/such/dir/m.json"], "cannot write"),
     "checkpoint under a file": (["train", "--checkpoint", "garbage.parquet/ck"], "is a file"),
+    "checkpoint not makeable": (["train", "--checkpoint", "/proc/nope"],
+                                "cannot write in directory /proc/nope"),
+    "resume and overwrite": (["train", "--checkpoint", "ck", "--resume", "--overwrite"],
+                             "give one of them"),
+    "overwrite alone": (["train", "--overwrite"], "--overwrite needs --checkpoint DIR"),
     "unknown format": (["data", "convert", "nosuch", "a", "b"], "invalid choice: 'nosuch'"),
     "negative rows": (["data", "synthetic", "out", "--rows", "-5"], "got -5"),
     "no command": ([], "the following arguments are required: command"),

@@ -32,6 +32,25 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(1, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def usable_dir(path):
+    """Make directory ``path`` (and its parents) and write and remove a file in it: a
+    CLIError saying why when that fails. Run before any work, so a bad path is found
+    then, not when the first result is written."""
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise CLIError(f"cannot make directory {path}: {existing} is a file")
+    probe = os.path.join(path, f".hbkernels-probe-{os.getpid()}")
+    try:
+        os.makedirs(path, exist_ok=True)
+        with open(probe, "wb"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        raise CLIError(f"cannot write in directory {path}: {e.strerror or type(e).__name__}") from None
+
+
 def writable_file(path):
     """A CLIError unless a file can be written at ``path`` (its directory exists and
     is writable): checked before any work is done."""

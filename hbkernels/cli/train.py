@@ -32,7 +32,9 @@ fsync, rename) and removes older steps: a crash leaves the previous one.
 ``--resume`` continues from ``DIR/latest`` at the step it stopped (synthetic
 batches are indexed by step; Parquet epochs are re-entered and skipped to the
 batch), with the same configuration (a different one is refused), at any
-world size and plan.
+world size and plan; a DIR with no checkpoint starts fresh, saying so. A DIR that
+holds a checkpoint is refused without ``--resume`` or ``--overwrite``, which replaces
+it only once the new run's first checkpoint is written.
 """
 import argparse
 import os
@@ -40,8 +42,8 @@ import time
 
 from ..quantize import BITS
 from ..types import PLACEMENTS
-from ..train import Trainer, check_clicks, parquet_clicks
-from ._errors import USER_ERRORS, CLIError, error_line, writable_dir, writable_file
+from ..train import LATEST, Trainer, check_clicks, parquet_clicks
+from ._errors import USER_ERRORS, CLIError, error_line, usable_dir, writable_file
 from ._help import HelpFormatter, plain
 
 PLANS = ("auto",) + PLACEMENTS
@@ -143,7 +145,11 @@ def add_command(subparsers):
     out.add_argument("--checkpoint", default=None, metavar="DIR", help="checkpoint directory")
     out.add_argument("--checkpoint-every", type=at_least(0), default=0,
                      help="checkpoint every N steps (0: at the end only)")
-    out.add_argument("--resume", action="store_true", help="continue from DIR/latest")
+    out.add_argument("--resume", action="store_true",
+                     help="continue from DIR/latest (a DIR without a checkpoint: start fresh)")
+    out.add_argument("--overwrite", action="store_true",
+                     help="replace the checkpoint DIR holds; it is removed once this run's "
+                          "first checkpoint is written")
     out.add_argument("--metrics", default="hbkernels-train-metrics.json",
                      help="metrics JSON written by rank 0, and beside it a PNG of loss and AUC "
                           "per step")
@@ -156,11 +162,15 @@ def check_args(args):
         raise CLIError(f"unknown plan {args.plan!r}; choose from {', '.join(PLANS)}")
     if any(size < 1 for size in args.bottom + args.top):
         raise CLIError(f"--bottom and --top sizes must be >= 1, got {args.bottom} and {args.top}")
-    writable_file(args.metrics)  # before any step: a bad path is found now, not at the end
-    if args.checkpoint:
-        writable_dir(args.checkpoint)
-    if args.resume and not args.checkpoint:
-        raise CLIError("--resume needs --checkpoint DIR")
+    # before any step: a bad path is found now, not at the end
+    writable_file(args.metrics)
+    writable_file(os.path.splitext(args.metrics)[0] + ".png")  # the curve beside it
+    for flag in ("resume", "overwrite"):
+        if getattr(args, flag) and not args.checkpoint:
+            raise CLIError(f"--{flag} needs --checkpoint DIR")
+    if args.resume and args.overwrite:
+        raise CLIError("--resume continues the checkpoint in DIR, --overwrite replaces it: "
+                       "give one of them")
     bad_bits = [b for b in args.eval_bits if b not in BITS]
     if bad_bits:
         raise CLIError(f"--eval-bits takes {', '.join(map(str, BITS))}, got {bad_bits}")
@@ -184,6 +194,23 @@ def check_args(args):
         from ..data.__main__ import parse_table
 
         args.tables = [parse_table(t) for t in DEFAULT_TABLES]
+    if args.checkpoint:  # last: the directory is made (and a file written there) once all else passed
+        usable_dir(args.checkpoint)
+        held = held_checkpoint(args.checkpoint)
+        if held and not (args.resume or args.overwrite):
+            raise CLIError(f"{args.checkpoint} holds a checkpoint ({held}): --resume continues "
+                           f"it, --overwrite replaces it once this run's first one is written")
+
+
+def held_checkpoint(directory):
+    """The step directory a ``train --checkpoint`` directory's ``latest`` names, else the
+    first ``step-*`` directory in it, else None."""
+    try:
+        with open(os.path.join(directory, LATEST)) as f:
+            return f.read().strip() or None
+    except OSError:
+        steps = sorted(n for n in os.listdir(directory) if n.startswith("step-"))
+        return steps[0] if steps else None
 
 
 def resolve_device(requested):

@@ -390,8 +390,9 @@ def save(coll, path, parent=None, changed=None, since=None):
             truncate_to(*grown)
         if me == 0:
             shutil.rmtree(os.path.join(path, save_dir), ignore_errors=True)
-        raise CheckpointError(f"saving {path} failed, the previous checkpoint is kept: "
-                              + "; ".join(errors))
+        before = ("the previous checkpoint is kept" if os.path.exists(os.path.join(path, MANIFEST))
+                  else "nothing was saved")
+        raise CheckpointError(f"saving {path} failed, {before}: " + "; ".join(errors))
     if me == 0:
         _remove_old_saves(path, save_dir)
     if comm.world_size > 1:
