@@ -613,6 +613,27 @@ class Trainer:
         return state
 
 
+def collection_checkpoint(path):
+    """``(the collection checkpoint at path, the step directory read or None)``: ``path``
+    itself when it is one (``EmbeddingCollection.save`` wrote it), the ``embeddings`` of a
+    ``train --checkpoint`` step directory, or of the newest step of a ``train
+    --checkpoint`` directory (the one its ``latest`` names: the second value); else a
+    CLIError saying what it takes."""
+    from .sharding.checkpoint import MANIFEST
+
+    root = Path(path)
+    if (root / MANIFEST).is_file():
+        return root, None
+    newest = None
+    if (root / LATEST).is_file():
+        newest = root / (root / LATEST).read_text().strip()
+    if ((newest or root) / "embeddings" / MANIFEST).is_file():
+        return (newest or root) / "embeddings", newest
+    raise CLIError(f"{path} holds no checkpoint: give a collection checkpoint (the directory "
+                   f"EmbeddingCollection.save wrote) or a `hbkernels train --checkpoint` "
+                   f"directory (its newest step is read) or one of its step directories")
+
+
 def write_json(path, obj):
     from ._files import write_json_atomic
 

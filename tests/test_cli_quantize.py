@@ -52,6 +52,28 @@ def test_quantize_writes_quantize_rows_of_every_table(tmp_path, trained, bits, c
         assert np.array_equal(served.full_weights(name), expected), name
 
 
+@pytest.mark.parametrize("command", ["quantize", "compact"])
+def test_a_train_checkpoint_directory_is_read_at_its_newest_step(tmp_path, trained, command,
+                                                                  capsys):
+    _, ckpt = trained
+    train_dir, step_dir = ckpt.parent.parent, ckpt.parent
+    extra = ["--bits", "8"] if command == "quantize" else []
+    for given, out in ((train_dir, "from-train-dir"), (step_dir, "from-step-dir")):
+        assert main([command, str(given), *extra, "--out", str(tmp_path / out)]) == 0
+    said = capsys.readouterr().out
+    assert f"{train_dir}: its newest step, step-00000008 ({ckpt})" in said
+    assert said.count("its newest step") == 1  # a step directory is read as given
+    a = hbk.EmbeddingCollection.load(tmp_path / "from-train-dir", comm=hbk.dist.init("local"))
+    b = hbk.EmbeddingCollection.load(tmp_path / "from-step-dir", comm=hbk.dist.init("local"))
+    for name in a.tables:
+        assert np.array_equal(a.full_weights(name), b.full_weights(name))
+    # a directory holding none of these: one line naming what it takes
+    (tmp_path / "empty").mkdir()
+    assert main([command, str(tmp_path / "empty"), *extra, "--out", str(tmp_path / "x")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds no checkpoint" in err[0] and "train --checkpoint" in err[0]
+
+
 def test_quantize_a_subset(tmp_path, trained):
     _, ckpt = trained
     assert main(["quantize", str(ckpt), "--bits", "2", "--tables", "b", "--out",

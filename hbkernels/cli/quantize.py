@@ -1,12 +1,12 @@
 """``hbkernels quantize``: a training checkpoint's tables, row-wise quantized for serving.
 
-    hbkernels quantize ckpt/step-00000300/embeddings --bits 4 --out serve/
+    hbkernels quantize ckpt --bits 4 --out serve/            # train --checkpoint ckpt's newest step
     hbkernels quantize CKPT --bits 8 --tables c0,c1 --out DIR    # only those tables
     mpiexec -n 2 hbkernels quantize CKPT --bits 4 --out DIR      # each rank its shards
 
 Loads the collection checkpoint ``CKPT`` (a directory ``EmbeddingCollection.save``
-wrote, e.g. ``hbkernels train --checkpoint``'s ``step-<n>/embeddings``) on this
-process's ranks with its saved plan, quantizes its tables
+wrote; or a ``hbkernels train --checkpoint`` directory: its newest step's, said in the
+output; or one of its ``step-<n>`` directories) on this process's ranks with its saved plan, quantizes its tables
 (:meth:`hbkernels.EmbeddingCollection.quantized`: each row's codes with a float16
 scale and bias) and saves the forward-only collection to ``--out``, which
 ``hbk.EmbeddingCollection.load`` reads at any world size. Prints each table's bytes in
@@ -25,7 +25,8 @@ def add_command(subparsers):
     p = subparsers.add_parser(
         "quantize", help="quantize a checkpoint's tables to 8, 4 or 2 bits for serving",
         description=plain(__doc__.split("\n\n")[0]), formatter_class=HelpFormatter)
-    p.add_argument("checkpoint", metavar="CKPT", help="a collection checkpoint directory")
+    p.add_argument("checkpoint", metavar="CKPT",
+                   help="a collection checkpoint, or a train --checkpoint directory (its newest step)")
     p.add_argument("--bits", type=int, choices=BITS, required=True, help="bits per element")
     p.add_argument("--out", required=True, metavar="DIR", help="where the quantized checkpoint goes")
     p.add_argument("--tables", default=None, metavar="NAMES",
@@ -40,11 +41,16 @@ def run(args):
 
     if not os.path.isdir(args.checkpoint):
         raise CLIError(f"no checkpoint directory {args.checkpoint}")
-    if os.path.abspath(args.out) == os.path.abspath(args.checkpoint):
+    from ..train import collection_checkpoint
+
+    source, newest = collection_checkpoint(args.checkpoint)
+    if os.path.abspath(args.out) in (os.path.abspath(args.checkpoint), os.path.abspath(source)):
         raise CLIError("--out must not be the checkpoint it reads")
     writable_dir(args.out)
     comm = hbk.dist.init()
-    coll = hbk.EmbeddingCollection.load(args.checkpoint, comm, device="cpu", memory_per_rank=None)
+    if comm.rank == 0 and newest is not None:
+        print(f"{args.checkpoint}: its newest step, {newest.name} ({source})", flush=True)
+    coll = hbk.EmbeddingCollection.load(source, comm, device="cpu", memory_per_rank=None)
     tables = None if args.tables is None else [t for t in args.tables.split(",") if t]
     try:
         q = coll.quantized(bits=args.bits, tables=tables)
