@@ -425,6 +425,34 @@ def test_checkpoint_round_trip_and_replan(tmp_path):
     _assert_same(_snapshot(hbk.EmbeddingCollection.load(str(path), comm=local())), _snapshot(loaded))
 
 
+def test_load_a_subset_of_the_tables(tmp_path):
+    coll, _ = _trained(tmp_path)  # the "mixed" plan: a dict naming every table
+    path = tmp_path / "ckpt"
+    coll.save(str(path))
+    snap = _snapshot(coll)
+    names = [TABLES[1].name, TABLES[-1].name]
+    part = hbk.EmbeddingCollection.load(path, comm=local(), tables=names)
+    assert list(part.tables) == names
+    assert set(part.feature_table.values()) == set(names)
+    for name in names:
+        assert np.array_equal(part.full_weights(name), snap[f"w/{name}"]), name
+        for k, v in part.full_state(name).items():
+            assert np.array_equal(np.asarray(v), snap[f"s/{name}/{k}"]), (name, k)
+    only = hbk.EmbeddingCollection.load(path, comm=local(), tables=TABLES[0].name)  # one name
+    assert list(only.tables) == [TABLES[0].name]
+    for bad in (["nobody"], [], [TABLES[0].name, "nobody"]):
+        with raises(ValueError, match="tables must name tables of"):
+            hbk.EmbeddingCollection.load(path, comm=local(), tables=bad)
+
+
+def test_load_on_a_collection_says_it_returns_a_new_one(tmp_path):
+    coll, _ = _trained(tmp_path, steps=1)
+    coll.save(str(tmp_path / "ckpt"))
+    with raises(TypeError, match="class method returning a new collection.*"
+                                 "coll = hbk.EmbeddingCollection.load"):
+        coll.load(tmp_path / "ckpt", local())
+
+
 def _corruption_case(tmp_path):
     coll, _ = _trained(tmp_path, steps=1)
     path = tmp_path / "ckpt"

@@ -132,6 +132,9 @@ def test_round_trip_and_load_under_another_plan(tmp_path):
         for t in TABLES:
             assert np.array_equal(loaded.full_weights(t.name), tables[t.name]), (plan, t.name)
         check_forward(loaded, tables, f"loaded-{plan}")
+    served = hbk.EmbeddingCollection.load(tmp_path / "q", comm=local(), tables=[TABLES[0].name])
+    assert served.quantize == {TABLES[0].name: 2}  # serving one table of the checkpoint
+    assert np.array_equal(served.full_weights(TABLES[0].name), tables[TABLES[0].name])
 
 
 def test_a_fresh_quantized_collection_holds_its_quantized_initial_weights():

@@ -212,6 +212,23 @@ def _columns(a, c0, c1):
     return a if c0 == 0 and c1 == a.shape[1] else a[:, c0:c1]
 
 
+class _class_only(classmethod):
+    """A class method that refuses to be called on an instance (whose state it would
+    leave as it is, returning a new object)."""
+
+    def __get__(self, obj, cls=None):
+        if obj is None:
+            return super().__get__(obj, cls)
+        name = self.__func__.__name__
+
+        def refused(*args, **kwargs):
+            raise TypeError(f"{type(obj).__name__}.{name} is a class method returning a new "
+                            f"collection; nothing is loaded into this one: "
+                            f"coll = hbk.{type(obj).__name__}.{name}(path, comm)")
+
+        return refused
+
+
 def _memory_per_rank(device, world_size):
     """Bytes a rank may hold by default: 80% of the GPU's memory, or of the host's
     memory shared by ``world_size`` ranks (they may all be on this host; under Numba's
@@ -1777,25 +1794,40 @@ class EmbeddingCollection:
                              for group, f in self.arrays.items()}
         return "incremental" if incremental else "full"
 
-    @classmethod
-    def load(cls, path, comm=None, *, paths=None, **overrides):
-        """The collection saved at ``path``, sharded for ``comm`` (any world size);
-        ``overrides`` replace saved constructor arguments (``plan``, ``optimizer``, ...;
-        not ``quantize``: quantize a loaded collection with :meth:`quantized`);
-        ``paths``: ``{table: directory}`` for the files of ``storage="mmap"`` tables
-        (default: the saved ``TableSpec.path``)."""
+    @_class_only
+    def load(cls, path, comm=None, *, paths=None, tables=None, **overrides):
+        """A new collection: the one saved at ``path``, sharded for ``comm`` (any world
+        size); ``tables``: the names of the saved tables to load (default: all), with
+        their features, state and step counts; ``overrides`` replace saved constructor
+        arguments (``plan``, ``optimizer``, ...; not ``quantize``: quantize a loaded
+        collection with :meth:`quantized`); ``paths``: ``{table: directory}`` for the
+        files of ``storage="mmap"`` tables (default: the saved ``TableSpec.path``).
+        Called on the class (``hbk.EmbeddingCollection.load(path, comm)``): called on a
+        collection it raises ``TypeError``, as a collection is not loaded in place."""
         if "quantize" in overrides:
             raise ValueError("load keeps the checkpoint's tables as saved (quantized or not): "
                              "call .quantized(bits) on the loaded collection instead")
         saved = checkpoint.Checkpoint(path)
+        specs = saved.tables
+        if tables is not None:
+            names = [tables] if isinstance(tables, str) else list(tables)
+            unknown = sorted(set(names) - {t.name for t in specs})
+            if unknown or not names:
+                raise ValueError(f"tables must name tables of {path} ({[t.name for t in specs]}), "
+                                 f"got {names!r}")
+            specs = [t for t in specs if t.name in names]
+        chosen = {t.name for t in specs}
         paths = paths or {}
-        unknown = sorted(set(paths) - {t.name for t in saved.tables if t.storage == "mmap"})
+        unknown = sorted(set(paths) - {t.name for t in specs if t.storage == "mmap"})
         if unknown:
             raise ValueError(f"paths names {unknown}, not tables of storage='mmap' in {path}")
-        tables = [t._replace(path=os.fspath(paths[t.name])) if t.name in paths else t
-                  for t in saved.tables]
-        coll = cls(tables, comm=comm, initializer=saved.initial_weights,
-                   **saved.constructor_args(**overrides))
+        specs = [t._replace(path=os.fspath(paths[t.name])) if t.name in paths else t
+                 for t in specs]
+        args = saved.constructor_args(**overrides)
+        for key in ("plan", "quantize"):  # a dict naming every saved table: the chosen ones
+            if isinstance(args.get(key), dict) and (key == "quantize" or "plan" not in overrides):
+                args[key] = {name: v for name, v in args[key].items() if name in chosen}
+        coll = cls(specs, comm=comm, initializer=saved.initial_weights, **args)
         try:  # every rank restores its shards, or every rank raises
             saved.restore_state(coll)
         except Exception as error:
