@@ -258,6 +258,12 @@ class SparseOptimizer:
         state["step"][0] = step
 
 
+def counts_steps(optimizer):
+    """Whether ``optimizer``'s update depends on its step count: Adam's bias correction,
+    stochastic rounding's key."""
+    return optimizer.rule == rules.ADAM or optimizer.rounding == "stochastic"
+
+
 class SGD(SparseOptimizer):
     """Plain sparse SGD: ``w -= lr·g`` on the touched rows."""
 

@@ -35,8 +35,8 @@ def batch(rng, ids, bags=6, max_len=4):
 @pytest.mark.parametrize("combiner", ["sum", "mean"])
 def test_trains_bit_for_bit_like_a_static_table(rng, optimizer, combiner):
     """evict="none", admit_count=1: the same outputs and rows, bit for bit, as static
-    tables whose row i is id i; two dynamic tables share one fused array, beside a
-    static one."""
+    tables whose row i is id i; two dynamic tables share one fused array (with Adam each
+    has its own), beside a static one."""
     opt = lambda: getattr(hbk.optim, optimizer)(lr=0.1)  # noqa: E731
     other = hbk.TableSpec("u", num_rows=7, dim=5)
     third = hbk.TableSpec("w", num_rows=9, dim=5, combiner="sqrtn")
@@ -45,8 +45,8 @@ def test_trains_bit_for_bit_like_a_static_table(rng, optimizer, combiner):
                                    optimizer=opt(), seed=3)
     dyn = hbk.EmbeddingCollection([dynamic(combiner=combiner), dyn_other, third], comm=LOCAL,
                                   optimizer=opt(), seed=3)
-    groups = {g for g in dyn.arrays if g.dynamic}
-    assert len(groups) == 1 and len(dyn.local_shards(groups.pop())) == 2
+    groups = {g for g in dyn.arrays if g.dynamic}  # Adam: each table its arrays (its steps)
+    assert [len(dyn.local_shards(g)) for g in groups] == ([1, 1] if optimizer == "Adam" else [2])
     for step in range(4):
         feats = {"t": batch(rng, np.arange(64)), "u": rng.integers(0, 7, 6),
                  "w": batch(rng, np.arange(9))}

@@ -123,7 +123,8 @@ def test_reference_gradient_is_the_dense_gradient():
 def test_reference_optimizers_match_hbk_optim(kind):
     """The model's update rules and fp16 storage against hbk.optim applied to the
     per-feature gradients of embedding_bag_backward (one step of every table per
-    backward, also when a table has no ids)."""
+    backward, also when a table has no ids; Adam's only when it has some, as the
+    collection steps it)."""
     rng = np.random.default_rng(2)
     opt = cr.make_optimizer(hbk, kind)
     w0 = {t.name: rng.standard_normal((t.num_rows, t.dim)).astype(t.dtype) for t in TABLES}
@@ -141,11 +142,14 @@ def test_reference_optimizers_match_hbk_optim(kind):
                                                combiner=t.combiner, per_sample_weights=gb.psw.get(f))
                 ids.append(g.ids)
                 rows.append(g.rows)
-            opt.step(w[t.name], state[t.name],
-                     hbk.SparseGrad(np.concatenate(ids), np.concatenate(rows).astype(np.float32)))
+            ids = np.concatenate(ids)
+            if len(ids) or kind != "Adam":
+                opt.step(w[t.name], state[t.name],
+                         hbk.SparseGrad(ids, np.concatenate(rows).astype(np.float32)))
     for t in TABLES:
         cr.assert_close(w[t.name], ref.w[t.name], t.dtype, f"{kind} {t.name}")
-        assert int(state[t.name]["step"][0]) == ref.step[t.name] == 3
+        empty_once = kind == "Adam" and t.name == "tiny"  # its one feature empty at step 1
+        assert int(state[t.name]["step"][0]) == ref.step[t.name] == (2 if empty_once else 3)
         for k in cr.SLOTS[kind]:
             cr.assert_close(state[t.name][k], ref.state[t.name][k], "float32", f"{kind} {t.name}.{k}")
 
@@ -245,12 +249,52 @@ def test_training_one_array_of_several_combiners(plan):
         dict(name="item", num_rows=40, dim=3, combiner="mean", features=("item", "item_hist"),
              hotness=2.5),
         dict(name="tiny", num_rows=5, dim=3, combiner="sqrtn", hotness=2.0)))
-    opt = cr.make_optimizer(hbk, "Adam")
+    opt = cr.make_optimizer(hbk, "Adagrad")
     coll = hbk.EmbeddingCollection(tables, comm=local(), optimizer=opt, plan=plan, seed=1,
                                    batch_size_hint=16)
     assert len(coll.arrays) == 1
     cr.check_training(hbk, coll, local(), tables, opt, key=("local", "combiners", plan), steps=3,
                       empty_at=1)
+
+
+@pytest.mark.parametrize("plan", ["table_wise", "data_parallel", "column_wise"])
+def test_adam_counts_each_tables_steps(plan):
+    """Adam's tables each keep their arrays and step count (the steps whose batch holds
+    their ids), so a table first touched at step 3 takes torch SparseAdam's first
+    update there, whatever the other tables did."""
+    torch = pytest.importorskip("torch")
+    tables = [hbk.TableSpec("a", num_rows=30, dim=4), hbk.TableSpec("b", num_rows=20, dim=4)]
+    opt = hbk.optim.Adam(lr=0.1)
+    coll = hbk.EmbeddingCollection(tables, comm=local(), optimizer=opt, plan=plan, seed=3)
+    assert len({s.group for t in tables for s in coll.layout.shards[t.name]}) >= 2
+    start = coll.full_weights("b").copy()
+    rng = np.random.default_rng(5)
+    params = {t.name: torch.nn.Parameter(torch.from_numpy(coll.full_weights(t.name).copy()))
+              for t in tables}
+    ref = {name: torch.optim.SparseAdam([p], lr=0.1) for name, p in params.items()}
+    for step in range(3):
+        ids = {"a": rng.integers(0, 30, 6), "b": rng.integers(0, 20, 6 if step == 2 else 0)}
+        grads = {name: rng.standard_normal((6, 4)).astype(np.float32) for name in ids}
+        lengths = {"a": np.ones(6, np.int64), "b": np.full(6, 1 if step == 2 else 0)}
+        feats = {n: hbk.Ragged(ids[n], np.concatenate([[0], np.cumsum(lengths[n])])) for n in ids}
+        coll.forward(feats)
+        coll.backward(grads)
+        for name, p in params.items():
+            if len(ids[name]) == 0:
+                continue  # torch: no gradient, no step
+            dense = np.zeros(tuple(p.shape), np.float32)
+            np.add.at(dense, ids[name], grads[name][np.repeat(np.arange(6), lengths[name])])
+            rows = np.unique(ids[name])
+            p.grad = torch.sparse_coo_tensor(torch.from_numpy(rows[None]),
+                                             torch.from_numpy(dense[rows]), tuple(p.shape),
+                                             check_invariants=True)
+            ref[name].step()
+    assert [int(coll.full_state(n)["step"]) for n in ("a", "b")] == [3, 1]
+    for name, p in params.items():
+        np.testing.assert_allclose(coll.full_weights(name), p.detach().numpy(), rtol=1e-5,
+                                   atol=1e-6, err_msg=name)
+    moved = np.abs(coll.full_weights("b") - start).max()
+    assert moved == pytest.approx(0.1, rel=1e-3)  # Adam's first step: lr, not 0.64 lr
 
 
 def test_initial_weights_depend_only_on_the_seed_and_the_table():
@@ -332,10 +376,15 @@ def test_forward_and_backward_errors():
         assert int(np.asarray(coll.full_state(t.name)["step"]).reshape(-1)[0]) == 0
 
 
+@pytest.mark.parametrize("kind", ["Adam", "Adagrad"])
 @pytest.mark.parametrize("plan", ["row_wise", "data_parallel"])
-def test_empty_global_batch_counts_a_step_and_moves_nothing(plan):
-    coll = make(plan, "Adam")
+def test_empty_global_batch_moves_nothing(plan, kind):
+    """Nothing moves; Adam counts no step (no table had ids), Adagrad, whose update does
+    not use the count, counts one."""
+    coll = make(plan, kind)
     before = {t.name: coll.full_weights(t.name).copy() for t in TABLES}
+    state = {t.name: {k: np.array(v, copy=True) for k, v in coll.full_state(t.name).items()}
+             for t in TABLES}
     feats = {}
     for t in TABLES:
         for f in cr.features_of(t):
@@ -351,8 +400,9 @@ def test_empty_global_batch_counts_a_step_and_moves_nothing(plan):
     for t in TABLES:
         np.testing.assert_array_equal(coll.full_weights(t.name), before[t.name])
         st = coll.full_state(t.name)
-        assert int(np.asarray(st["step"]).reshape(-1)[0]) == 1, t.name
-        np.testing.assert_array_equal(st["exp_avg"], 0.0)
+        assert int(np.asarray(st["step"]).reshape(-1)[0]) == (0 if kind == "Adam" else 1), t.name
+        for slot in cr.SLOTS[kind]:
+            np.testing.assert_array_equal(st[slot], state[t.name][slot])
 
 
 def test_a_forward_without_a_replicated_tables_features():

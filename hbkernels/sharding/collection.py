@@ -349,8 +349,11 @@ class EmbeddingCollection:
             if spec.dynamic and spec.capacity < self.comm.world_size:
                 raise ValueError(f"table {spec.name!r}: capacity {spec.capacity} is less than one "
                                  f"slot for each of the {self.comm.world_size} ranks")
+        #: whether each table counts its own optimizer steps (see :meth:`backward`)
+        self.step_per_table = _optim.counts_steps(self.optimizer)
         self.layout = make_layout(self.tables, self.plan, self.comm.world_size, self._table_device,
-                                  lambda spec: self.quantize.get(spec.name, 0))
+                                  lambda spec: self.quantize.get(spec.name, 0),
+                                  own_arrays=self.step_per_table)
         self._fresh = {}  # (group, on the host) -> optimizer state of a row never updated
         self.arrays = self._allocate(initializer)
         #: a dynamic table's id -> row map on this rank (its slots are the rows of its fused array)
@@ -1315,7 +1318,11 @@ class EmbeddingCollection:
         (naming the feature and row) before any table changes, and
         :class:`hbkernels.dist.CommError` on the other ranks; on a GPU the optimizer
         checks each fused array's gradient as it updates it (the error is raised at the
-        next wait, :func:`hbkernels.synchronize`)."""
+        next wait, :func:`hbkernels.synchronize`). Step counts: with
+        :attr:`step_per_table` (Adam, stochastic rounding) each table counts the
+        backwards whose global batch held at least one of its ids (as torch counts the
+        steps of a parameter with a gradient); otherwise every fused array counts every
+        backward."""
         if self.quantize:
             raise TypeError(f"tables {sorted(self.quantize)} are quantized: this collection is "
                             f"for inference (forward only), it takes no backward")
@@ -1375,10 +1382,11 @@ class EmbeddingCollection:
                         ids = self.tiers[group].rows(ids)
             updates[group].append((ids, rows))
         self._saved = None
+        stepped = self._stepped_tables(inputs)  # (after the peers' exchanges: collective)
         flat_groups = set()
         for contexts in flat_steps.values():
             with self._phase("kernels"):
-                self._flat_step(contexts, grads)
+                self._flat_step(contexts, grads, stepped)
             for ctx in contexts:
                 flat_groups.add(ctx.group)
                 for pool in ctx.pools:  # (rows past a reserved pool's bags are -1)
@@ -1391,6 +1399,8 @@ class EmbeddingCollection:
             fused = self._fast(group)
             if group in flat_groups:
                 continue
+            if stepped is not None and group.table not in stepped:
+                continue  # none of its table's ids in the global batch: no step to count
             if group in fused_steps:
                 pool, grad = fused_steps[group]
                 with self._phase("kernels"):
@@ -1411,8 +1421,22 @@ class EmbeddingCollection:
                 self.optimizer.step(fused.weights, fused.state, SparseGrad(ids, rows))
             self._mark_changed(group, ids)
 
-    def _flat_plan(self, contexts):
-        """The :class:`_FlatPlan` of the update of ``contexts`` (one flat array's)."""
+    def _stepped_tables(self, inputs):
+        """The tables whose step this backward counts, when each counts its own
+        (:attr:`step_per_table`): those the global batch holds ids of (an allreduce at
+        world size > 1); None when every array counts every step."""
+        if not self.step_per_table:
+            return None
+        held = {x.table for x in inputs.values() if x.values.shape[0]}
+        if self.comm.world_size == 1:
+            return held
+        names = list(self.tables)
+        flags = host(self.comm.allreduce(np.array([name in held for name in names], np.int64)))
+        return {name for name, flag in zip(names, flags) if flag}
+
+    def _flat_plan(self, contexts, stepped=None):
+        """The :class:`_FlatPlan` of the update of ``contexts`` (one flat array's);
+        ``stepped``: as :meth:`_stepped_tables` gives it."""
         update_tables = kernels(self._family(contexts[0].flat[0][0]), "update_tables")
         stochastic = self.optimizer.rounding == "stochastic"
         tables, pools, places, counters = [], [], [], []
@@ -1420,8 +1444,9 @@ class EmbeddingCollection:
         hp = None
         for ctx in sorted(contexts, key=lambda c: self._flat_blocks[c.group][1]):
             fused = self.arrays[ctx.group]
-            counters.append(fused.state["step"])
-            hp, rounding = self.optimizer.step_constants(int(counters[-1][0]) + 1)
+            if stepped is None or ctx.group.table in stepped:
+                counters.append(fused.state["step"])
+            hp, rounding = self.optimizer.step_constants(int(fused.state["step"][0]) + 1)
             width = ctx.group.width
             bags = ids = 0
             for pool in ctx.pools:
@@ -1439,16 +1464,16 @@ class EmbeddingCollection:
             grad_at += bags * width
         return _FlatPlan(tables, pools, places, counters, hp, grad_at)
 
-    def _flat_step(self, contexts, grads):
+    def _flat_step(self, contexts, grads, stepped=None):
         """The fused backward and optimizer step of the fused arrays of ``contexts`` (one
         flat array's, pooled by its launch) in the launches of one ``fused_step``
         (:mod:`hbkernels.cuda.update_tables`): the same results as a ``fused_step`` of
         each. Each array's step count advances (taken back if the gradient's check
-        fails at the next wait)."""
+        fails at the next wait), of those of ``stepped`` tables (None: all)."""
         key, rows, bounds, psw = contexts[0].flat
         space = self._family(key[0])
         xp = space.xp
-        plan = self._flat_plan(contexts)
+        plan = self._flat_plan(contexts, stepped)
         reserved = None if self._reserved is None else self._reserved.flats[key]
         if reserved is not None:  # the gradient copied into the reserved one, piece by piece
             grad = reserved.grad
@@ -1495,7 +1520,7 @@ class EmbeddingCollection:
                          for counter in plan.counters]
             key = [(hp[_rules.STEP_SIZE], rounding) for hp, rounding in constants]
             if key != uploaded[0]:
-                upcoming = self._flat_plan(contexts)
+                upcoming = self._flat_plan(contexts, stepped)
                 kernels(space, "update_tables").upload_plan(space, reserved.step,
                                                             upcoming.tables, upcoming.pools)
                 uploaded[0] = key

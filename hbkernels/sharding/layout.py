@@ -33,7 +33,8 @@ class FusedGroup(NamedTuple):
     not by id, and are not stacked with static ones: on one rank those of one width,
     dtype and device share an array; on several each has its own (``table``: its
     name), so that the ids its exchange carries need no table tag. A table kept in
-    a slow tier (``storage`` ``"host"`` or ``"mmap"``) has arrays of its own too.
+    a slow tier (``storage`` ``"host"`` or ``"mmap"``) has arrays of its own too, and
+    so has every table of a collection whose optimizer step counts per table.
     ``bits``: 8, 4 or 2 for the slices of quantized tables (their array a
     :class:`~hbkernels.QuantizedTable`, ``dtype`` the float32 of their output), else 0."""
 
@@ -116,10 +117,12 @@ class Layout:
         return self._route_groups(True)
 
 
-def make_layout(tables, plan, world_size, device_of=lambda spec: "cpu", bits_of=lambda spec: 0):
+def make_layout(tables, plan, world_size, device_of=lambda spec: "cpu", bits_of=lambda spec: 0,
+                own_arrays=False):
     """The :class:`Layout` of ``tables`` (name -> TableSpec) under ``plan`` on
     ``world_size`` ranks; ``device_of(spec)`` is the device of a table's arrays,
-    ``bits_of(spec)`` its bits when it is quantized (0: float)."""
+    ``bits_of(spec)`` its bits when it is quantized (0: float); ``own_arrays``: every
+    table's slices in arrays of their own (each with its own optimizer step count)."""
     next_base = defaultdict(int)  # (rank, group) -> rows so far
     shards, routes = {}, {}
     # replicated tables first: the same rows of the fused arrays on every rank
@@ -130,7 +133,7 @@ def make_layout(tables, plan, world_size, device_of=lambda spec: "cpu", bits_of=
         shards[name], routes[name] = [], []
         for i in range(len(cuts) - 1):
             c0, c1 = int(cuts[i]), int(cuts[i + 1])
-            own = spec.tiered or (spec.dynamic and world_size > 1)
+            own = own_arrays or spec.tiered or (spec.dynamic and world_size > 1)
             group = FusedGroup(c1 - c0, spec.dtype, device_of(spec), spec.dynamic,
                                spec.name if own else None, spec.storage, bits_of(spec))
             holders = sharding.holders(spec, place, i, world_size)

@@ -94,8 +94,8 @@ elif MODE == "load":
     coll = hbk.EmbeddingCollection.load(str(WORK / "ckpt"), comm=comm)
     cr.check_plan(coll, TABLES, cr.plan_request("mixed"), W)  # the saved request, re-planned
     ref = compare_to_expected(coll, WORK / "expected.npz")
-    for n, s in ref.step.items():
-        assert s == 2, (n, s)
+    for n, s in ref.step.items():  # Adam counts a table's steps with ids: tiny's were empty once
+        assert s == (1 if n == "tiny" else 2), (n, s)
     cr.check_training(hbk, coll, comm, TABLES, ref.opt, key=KEY, steps=1, first_step=2, ref=ref)
     coll.save(str(WORK / "again"))
     write_expected(coll, WORK / "expected_again.npz")
@@ -106,7 +106,7 @@ elif MODE == "load-again":
     cr.check_plan(coll, TABLES, "row_wise", W)
     ref = compare_to_expected(coll, WORK / "expected_again.npz")
     for n, s in ref.step.items():
-        assert s == 3, (n, s)
+        assert s == (2 if n == "tiny" else 3), (n, s)
     cr.check_training(hbk, coll, comm, TABLES, ref.opt, key=KEY, steps=1, first_step=3, ref=ref)
 else:
     raise SystemExit(f"unknown mode {MODE!r}")

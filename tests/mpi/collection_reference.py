@@ -16,7 +16,9 @@ The model (:class:`Reference`) is written from the formulas of API.md and of
   *touched* when its id occurs anywhere in the global batch, even when its
   gradient is zero (a zero per-sample weight);
 * optimizers: SGD, Adagrad, RowWiseAdagrad, Adam (lazy, one step counter per
-  table that counts every backward), Ftrl (TF's sparse ApplyFtrl), applied to
+  table that counts the backwards whose global batch holds at least one of its ids,
+  as torch's SparseAdam counts per parameter; the others' counters, which their
+  updates do not use, count every backward), Ftrl (TF's sparse ApplyFtrl), applied to
   touched rows only; weights are stored rounded to the table's dtype after
   every step (the collection stores them so), state in float64.
 """
@@ -208,7 +210,10 @@ class Reference:
         return touched
 
     def apply(self, name, ids, rows):
-        """One optimizer step of table ``name``; counts a step even without ids."""
+        """One optimizer step of table ``name``; Adam's (or, with stochastic rounding,
+        any optimizer's) counts only with ids, the others' always."""
+        if len(ids) == 0 and (self.kind == "Adam" or getattr(self.opt, "rounding", "") == "stochastic"):
+            return
         self.step[name] += 1
         t = self.step[name]
         w, s, o = self.w[name], self.state[name], self.opt
