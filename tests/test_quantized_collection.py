@@ -124,7 +124,8 @@ def test_round_trip_and_load_under_another_plan(tmp_path):
     manifest = json.loads((tmp_path / "q" / "manifest.json").read_text())
     assert manifest["quantize"] == {t.name: 2 for t in TABLES}
     arrays = {(f["array"], f["dtype"]) for f in manifest["files"]}
-    assert arrays == {("codes", "uint8"), ("scale", "float32"), ("bias", "float32")}, arrays
+    assert arrays == {("codes", "uint8"), ("scale", "float16"), ("bias", "float16")}, arrays
+    assert all(f.get("bits") == 2 for f in manifest["files"] if f["array"] == "codes")
     for plan in (None, "row_wise", "column_wise"):
         kw = {} if plan is None else {"plan": plan}
         loaded = hbk.EmbeddingCollection.load(tmp_path / "q", comm=local(), **kw)
@@ -243,37 +244,96 @@ def test_bits_are_whole_numbers_and_saved_as_such(tmp_path):
                           .full_weights("t"), q.full_weights("t"))
 
 
-def _rewrite(path, array, change):
-    """Apply ``change`` to the first saved ``array`` file of checkpoint ``path``, with its
-    size and crc32 in a resealed manifest (so only the values are wrong)."""
+def _rewrite(path, array, change, entry_change=None):
+    """Apply ``change`` to each saved ``array`` file of checkpoint ``path`` (its data in,
+    new data or None out) and ``entry_change`` to its manifest entry, with its size and
+    crc32 in a resealed manifest (so only the values are wrong)."""
     import zlib
 
     manifest = json.loads((path / "manifest.json").read_text())
-    entry = next(f for f in manifest["files"] if f["array"] == array)
-    data = np.load(path / entry["file"])
-    change(data)
-    np.save(path / entry["file"], data)
-    raw = (path / entry["file"]).read_bytes()
-    entry.update(bytes=len(raw), crc32=zlib.crc32(raw))
+    for entry in (f for f in manifest["files"] if f["array"] == array):
+        data = np.load(path / entry["file"])
+        out = change(data)  # in place (None), or a new array
+        data = data if out is None else out
+        np.save(path / entry["file"], data)
+        raw = (path / entry["file"]).read_bytes()
+        entry.update(bytes=len(raw), crc32=zlib.crc32(raw), dtype=data.dtype.name,
+                     shape=list(data.shape))
+        if entry_change is not None:
+            entry_change(entry)
     (path / "manifest.json").write_text(json.dumps(_manifest.seal(
         {k: v for k, v in manifest.items() if k != "crc32"})))
 
 
-@pytest.mark.parametrize("array, change, bits", [
-    ("codes", lambda a: a.__setitem__((3, 1), 16), 4),    # 16 needs 5 bits
-    ("codes", lambda a: a.__setitem__((0, 0), 4), 2),
-    ("scale", lambda a: a.__setitem__(2, np.nan), 8),
-    ("scale", lambda a: a.__setitem__(2, -1.0), 8),
-    ("bias", lambda a: a.__setitem__(5, 1e30), 8),         # not a float16
-    ("bias", lambda a: a.__setitem__(5, 0.1), 8),          # not exactly a float16
+def _one_code_a_byte(path, bits):
+    """Rewrite the quantized save at ``path`` as saves before packed codes were: one code
+    a byte, float32 scales and biases."""
+    manifest = json.loads((path / "manifest.json").read_text())
+    for entry in (f for f in manifest["files"] if f["array"] == "codes"):
+        width = entry["c1"] - entry["c0"]
+        _rewrite(path, "codes", lambda a, w=width: hbk.quantize.unpack(np, a, bits, w).copy(),
+                 lambda e: e.pop("bits", None))
+        break
+    for array in ("scale", "bias"):
+        _rewrite(path, array, lambda a: a.astype(np.float32))
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("plan", ["table_wise", "column_wise"])
+def test_a_save_holds_the_codes_packed_and_saves_of_one_code_a_byte_still_load(
+        tmp_path, bits, plan):
+    spec = hbk.TableSpec("t", num_rows=37, dim=7)
+    coll = hbk.EmbeddingCollection([spec], comm=local(), seed=2, plan=plan)
+    q = coll.quantized(bits=bits)
+    q.save(tmp_path / "q")
+    manifest = json.loads((tmp_path / "q" / "manifest.json").read_text())
+    data = sum(f["bytes"] - 128 for f in manifest["files"])  # less each .npy's header
+    slices = [f["c1"] - f["c0"] for f in manifest["files"] if f["array"] == "codes"]
+    assert data == spec.num_rows * sum(row_bytes(w, bits) + 4 for w in slices) <= \
+        spec.num_rows * (row_bytes(spec.dim, bits) + 4) + 4 * spec.num_rows * (len(slices) - 1)
+    for plan_again in ("table_wise", "column_wise", "row_wise"):
+        back = hbk.EmbeddingCollection.load(tmp_path / "q", comm=local(), plan=plan_again)
+        assert np.array_equal(back.full_weights("t"), q.full_weights("t")), plan_again
+    _one_code_a_byte(tmp_path / "q", bits)
+    old = hbk.EmbeddingCollection.load(tmp_path / "q", comm=local())
+    assert np.array_equal(old.full_weights("t"), q.full_weights("t"))
+
+
+@pytest.mark.parametrize("array, change, bits, layout", [
+    ("codes", lambda a: a.__setitem__((3, 1), 16), 4, "one a byte"),    # 16 needs 5 bits
+    ("codes", lambda a: a.__setitem__((0, 0), 4), 2, "one a byte"),
+    ("scale", lambda a: a.__setitem__(2, np.nan), 8, "packed"),
+    ("scale", lambda a: a.__setitem__(2, -1.0), 4, "packed"),
+    ("bias", lambda a: a.__setitem__(5, np.inf), 2, "packed"),
+    ("bias", lambda a: a.__setitem__(5, 1e30), 8, "one a byte"),         # not a float16
+    ("bias", lambda a: a.__setitem__(5, 0.1), 8, "one a byte"),          # not exactly a float16
 ])
-def test_saved_codes_scales_and_biases_are_checked(tmp_path, array, change, bits):
+def test_saved_codes_scales_and_biases_are_checked(tmp_path, array, change, bits, layout):
     q = hbk.EmbeddingCollection([hbk.TableSpec("t", num_rows=20, dim=3)], comm=local(),
                                 quantize={"t": bits})
     q.save(tmp_path / "q")
+    if layout == "one a byte":
+        _one_code_a_byte(tmp_path / "q", bits)
     hbk.EmbeddingCollection.load(tmp_path / "q", comm=local())  # as saved: fine
     _rewrite(tmp_path / "q", array, change)
     with pytest.raises(hbk.CheckpointError, match="table 't', row"):
+        hbk.EmbeddingCollection.load(tmp_path / "q", comm=local())
+
+
+@pytest.mark.parametrize("edit", ["bits of an 8-bit table", "bits unlike the table's",
+                                  "bits on scales", "packed shape without bits"])
+def test_a_tampered_packed_codes_entry_is_a_checkpoint_error(tmp_path, edit):
+    bits = 8 if edit == "bits of an 8-bit table" else 4
+    q = hbk.EmbeddingCollection([hbk.TableSpec("t", num_rows=20, dim=3)], comm=local(),
+                                quantize={"t": bits})
+    q.save(tmp_path / "q")
+    array = "scale" if edit == "bits on scales" else "codes"
+    change = {"bits of an 8-bit table": lambda e: e.update(bits=8),
+              "bits unlike the table's": lambda e: e.update(bits=2),
+              "bits on scales": lambda e: e.update(bits=4),
+              "packed shape without bits": lambda e: e.pop("bits")}[edit]
+    _rewrite(tmp_path / "q", array, lambda a: None, change)
+    with pytest.raises(hbk.CheckpointError):
         hbk.EmbeddingCollection.load(tmp_path / "q", comm=local())
 
 

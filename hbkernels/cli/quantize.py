@@ -10,8 +10,8 @@ output; or one of its ``step-<n>`` directories) on this process's ranks with its
 (:meth:`hbkernels.EmbeddingCollection.quantized`: each row's codes with a float16
 scale and bias) and saves the forward-only collection to ``--out``, which
 ``hbk.EmbeddingCollection.load`` reads at any world size. Prints each table's bytes in
-memory before and after, and the checkpoint's bytes on disk (its codes one per byte,
-its scales and biases float32).
+memory before and after, and the checkpoint's bytes on disk (its codes packed as in
+memory, its scales and biases float16).
 """
 import os
 

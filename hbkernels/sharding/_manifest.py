@@ -23,13 +23,14 @@ import numpy as np
 
 from .._validate import SEED_RANGE
 from ..errors import CheckpointError
-from ..quantize import BITS
+from ..quantize import BITS, row_bytes
 
 SAVE_DIR = re.compile(r"save-[0-9]{1,20}-[0-9a-f]{8}")
 FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,240}\.npy")
 STATE_DTYPES = ("float32", "float64")
 TABLE_DTYPES = ("float32", "float16")
 QUANTIZED_ARRAYS = {"codes": False, "scale": True, "bias": True}  # array -> one value per row
+PACKED_BITS = (2, 4)  # the bits whose codes a save packs several a byte ("bits" in its entry)
 _ITEMSIZE = {name: np.dtype(name).itemsize for name in STATE_DTYPES + TABLE_DTYPES + ("uint8", "int64")}
 _U32 = 1 << 32
 _U63 = 1 << 63
@@ -162,7 +163,7 @@ def check(manifest, where, slots, sealed=False):
     kinds = {name: _table_arrays(t, QUANTIZED_ARRAYS if name in quantize else arrays,
                                  parent is not None) for name, t in tables.items()}
     for f in _field(where, manifest, "files", list):
-        _check_file(where, f, save, tables, kinds, packed)
+        _check_file(where, f, save, tables, kinds, packed, quantize)
     for name, t in tables.items():
         if t.get("num_rows") is None:
             _check_dynamic(where, name, [f for f in manifest["files"] if f["table"] == name],
@@ -270,7 +271,7 @@ def _table_arrays(table, arrays, incremental):
     return arrays, incremental
 
 
-def _check_file(where, f, save, tables, kinds, packed):
+def _check_file(where, f, save, tables, kinds, packed, quantize):
     rel = _field(where, f, "file", str)
     parts = rel.split("/")
     if len(parts) != 2 or parts[0] != save or not FILE_NAME.fullmatch(parts[1]):
@@ -299,11 +300,20 @@ def _check_file(where, f, save, tables, kinds, packed):
     c0 = _int(where, f, "c0", 0, table["dim"] - 1)
     c1 = _int(where, f, "c1", c0 + 1, table["dim"])
     dtype = _field(where, f, "dtype", str)
+    quantized = f["table"] in quantize
     allowed = ((table["dtype"],) if array == "weights" else ("uint8",) if array == "codes" else
-               ("int64",) if array in DYNAMIC_ARRAYS or array == "rows" else STATE_DTYPES)
+               ("int64",) if array in DYNAMIC_ARRAYS or array == "rows" else
+               ("float16",) + STATE_DTYPES if quantized else STATE_DTYPES)
     if dtype not in allowed:
         _fail(where, f"file {rel!r}: dtype {dtype!r}, expected one of {allowed}")
-    expected = [rows] if arrays[array] else [rows, c1 - c0]
+    width = c1 - c0
+    if "bits" in f:  # codes packed several a byte, each row's rounded up to whole bytes
+        bits = quantize.get(f["table"])
+        if array != "codes" or bits not in PACKED_BITS or f["bits"] != bits or type(f["bits"]) is not int:
+            _fail(where, f"file {rel!r}: bits {f['bits']!r}, only the codes of a table quantized "
+                         f"to {PACKED_BITS} bits are packed, at the table's bits ({bits!r})")
+        width = row_bytes(width, bits)
+    expected = [rows] if arrays[array] else [rows, width]
     if f.get("shape") != expected:
         _fail(where, f"file {rel!r}: shape {f.get('shape')!r}, its rows and columns make "
                      f"{expected}")

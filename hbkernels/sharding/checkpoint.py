@@ -30,8 +30,12 @@ files hold (rows ever touched), named in a ``rows`` file beside them; its other
 rows are remade on load by :func:`~hbkernels.sharding.initial_weights` of the
 seed. An incremental save holds the rows changed since its parent, the same way.
 A quantized table (``quantize`` in the manifest: table -> bits) is saved as its
-``codes`` (uint8, one per element, so any column slice reads them) and its rows'
-``scale`` and ``bias`` (float16 values in float32 files), never as weights.
+``codes`` (uint8 as the table holds them: at 4 and 2 bits packed two and four a byte,
+each row of a slice rounded up to whole bytes, the file's ``bits`` saying so; a load
+unpacks them for any column slice) and its rows' ``scale`` and ``bias`` (float16), never
+as weights: ``E·(ceil(D·bits/8) + 4)`` bytes of a table of E rows, plus each file's
+``.npy`` header. Saves of one code per byte and float32 scales and biases (before this
+layout) still load.
 
 Saving (collective): every rank writes its shards into a fresh save directory
 (each new file through a temp name, fsync, rename; a pack appended to its
@@ -81,7 +85,7 @@ from .._files import (READ_WHOLE, append_linked, fsync_dir, open_regular, read_r
 from .._sorted import distinct, find_sorted
 from .._version import __version__
 from ..errors import CheckpointError
-from ..quantize import QuantizedRows
+from ..quantize import QuantizedRows, unpack
 from ..types import TableSpec, table_spec
 from . import _manifest, _packs
 from .kinds.row_wise import dynamic_owner
@@ -335,6 +339,8 @@ def save(coll, path, parent=None, changed=None, since=None):
                               "row_step": shard.row_step, "num_rows": int(part.shape[0]),
                               "c0": shard.c0, "c1": shard.c1, "dtype": part.dtype.name,
                               "shape": list(part.shape)})
+                if name == "codes" and shard.group.bits in _manifest.PACKED_BITS:
+                    files[-1]["bits"] = shard.group.bits  # packed as the table holds them
                 parts.append(part)
         if parent is not None and (files or me == 0):  # one pack per rank, rank 0's linked
             rel = f"{save_dir}/{_manifest.pack_name(me)}"
@@ -520,6 +526,15 @@ def _entry_key(entry):
     return entry["file"], entry.get("offset"), entry["dtype"], tuple(entry["shape"])
 
 
+def _columns(entry, data, k, lo, hi):
+    """Table columns ``[lo, hi)`` of rows ``k`` of the array ``data`` of file ``entry``:
+    codes packed several a byte (its ``bits``) unpacked first."""
+    if "bits" not in entry:
+        return data[k, lo - entry["c0"]:hi - entry["c0"]]
+    codes = unpack(np, np.asarray(data[k]), entry["bits"], entry["c1"] - entry["c0"])
+    return codes[:, lo - entry["c0"]:hi - entry["c0"]]
+
+
 class _Reader:
     """Rows of the saved arrays, from the shard files (checked once, memory-mapped)."""
 
@@ -601,7 +616,7 @@ class _Reader:
             if per_row:
                 out[hit] = data[k]
             else:
-                out[np.flatnonzero(hit), lo - c0:hi - c0] = data[k, lo - entry["c0"]:hi - entry["c0"]]
+                out[np.flatnonzero(hit), lo - c0:hi - c0] = _columns(entry, data, k, lo, hi)
 
     def _sorted(self, entry):
         """``(rows ascending, their order)`` of a ``rows`` file (computed once)."""
@@ -646,7 +661,7 @@ class _Reader:
                 filled[hit] = True
             else:
                 at = np.flatnonzero(hit)
-                out[at, lo - c0:hi - c0] = data[k[hit], lo - entry["c0"]:hi - entry["c0"]]
+                out[at, lo - c0:hi - c0] = _columns(entry, data, k[hit], lo, hi)
                 filled[at, lo - c0:hi - c0] = True
         if not filled.all():
             where = np.argwhere(~filled)[0]

@@ -157,8 +157,11 @@ def allocate(group, shards, num_rows, values, family):
 
 
 def shard_values(fused, shard):
-    """``{"codes", "scale", "bias"}`` of ``shard``'s rows in quantized ``fused`` (NumPy;
-    codes one per byte, scale and bias float32), as a checkpoint saves them."""
-    q = fused.weights.values(slice(shard.base, shard.base + shard.num_rows))
-    return {"codes": host(q.codes), "scale": host(q.scale).astype(np.float32),
-            "bias": host(q.bias).astype(np.float32)}
+    """``{"codes", "scale", "bias"}`` of ``shard``'s rows in quantized ``fused`` (NumPy),
+    as a checkpoint saves them: the codes as the table packs them (several a byte below
+    8 bits, each row's rounded up to whole bytes), scale and bias float16."""
+    q = fused.weights
+    rows = host(q.rows[shard.base:shard.base + shard.num_rows])
+    halves = np.ascontiguousarray(rows[:, q.width:]).view(np.float16)
+    return {"codes": np.ascontiguousarray(rows[:, :q.width]), "scale": halves[:, 0].copy(),
+            "bias": halves[:, 1].copy()}
