@@ -74,6 +74,19 @@ def floating(name, a):
         raise ValueError(f"{name} must be {FLOAT_NAMES}, got {_dtype_name(a)}")
 
 
+SUM_INTS = (np.dtype(np.int32), np.dtype(np.int64))  # integer data the segment sums take
+
+
+def summable(name, a):
+    """Data a segment sum takes: floating (as :func:`floating`), or int32 or int64 (summed
+    in their own dtype); else a ValueError saying so."""
+    if np.dtype(a.dtype) in SUM_INTS:
+        return
+    if a.dtype not in TABLE_DTYPES and not is_bfloat16(a.dtype) \
+            and np.dtype(a.dtype) not in TABLE_DTYPES:
+        raise ValueError(f"{name} must be {FLOAT_NAMES}, int32 or int64, got {_dtype_name(a)}")
+
+
 def offsets(a):
     ids("offsets", a, ndim=1)
     if a.shape[0] < 1:

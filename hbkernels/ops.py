@@ -275,6 +275,7 @@ def segment_reduce(data, offsets, *, combiner="sum"):
     """CSR segment reduction of rows of ``data`` ``[N, ...]``: segment ``b`` reduces
     ``data[offsets[b]:offsets[b + 1]]`` with the combiners of :func:`embedding_bag`
     (``mean`` divides by the length, ``sqrtn`` by its square root; empty gives zeros).
+    int32 and int64 data take ``combiner="sum"`` only, summed in their own dtype.
 
     >>> import numpy as np, hbkernels as hbk
     >>> hbk.segment_reduce(np.array([1., 2., 3.]), np.array([0, 2, 3])).tolist()
@@ -284,9 +285,12 @@ def segment_reduce(data, offsets, *, combiner="sum"):
     data, offsets = a["data"], a["offsets"]
     if data.ndim < 1:
         raise ValueError("data must have at least one dimension [N, ...]")
-    check.floating("data", data)
+    check.summable("data", data)
     check.offsets(offsets)
     comb = check.choice("combiner", combiner, check.COMBINERS)
+    if np.dtype(data.dtype) in check.SUM_INTS and combiner != "sum":
+        raise ValueError(f"combiner={combiner!r} of {np.dtype(data.dtype).name} data: a mean or "
+                         f"a root is no integer; take combiner='sum', or float data")
     rest = tuple(data.shape[1:])
     width = int(np.prod(rest)) if rest else 1
     rows = family.reshape(data, (data.shape[0], width))
@@ -299,7 +303,9 @@ def segment_reduce(data, offsets, *, combiner="sum"):
 def segment_sum(data, segment_ids, num_segments, *, bounds="raise"):
     """Unsorted segment sum (as ``jax.ops.segment_sum``), shape ``[num_segments, ...]``:
     ``out[s] = Σ data[i] over i with segment_ids[i] == s``. Under ``bounds="zero"``
-    rows with a segment id outside ``[0, num_segments)`` are dropped.
+    rows with a segment id outside ``[0, num_segments)`` are dropped. Floating data sums
+    as the ops of :func:`embedding_bag` do; int32 and int64 data in their own dtype
+    (wrapping on overflow, as NumPy's ``np.add.at``).
 
     >>> import numpy as np, hbkernels as hbk
     >>> hbk.segment_sum(np.array([1., 2., 4.]), np.array([1, 0, 1]), 3).tolist()
@@ -309,7 +315,7 @@ def segment_sum(data, segment_ids, num_segments, *, bounds="raise"):
     data, segment_ids = a["data"], a["segment_ids"]
     if data.ndim < 1:
         raise ValueError("data must have at least one dimension [N, ...]")
-    check.floating("data", data)
+    check.summable("data", data)
     check.ids("segment_ids", segment_ids, ndim=1)
     if segment_ids.shape[0] != data.shape[0]:
         raise ValueError(

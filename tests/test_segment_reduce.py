@@ -51,3 +51,35 @@ def test_malformed_offsets_name_the_rows_of_data(backend, offsets, message):
     data = backend.put(np.ones((6, 2), np.float32))
     with raises(ValueError, match=message):
         hbk.segment_reduce(data, backend.put(np.array(offsets)))
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (5,), (2, 3)])
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_integer_sums_in_their_dtype(backend, rng, shape, dtype):
+    """int32 and int64 sum as np.add.reduceat does (wrapping on overflow), empty
+    segments give 0, and their malformed offsets are refused as the floats' are."""
+    offsets = random_offsets(rng, 5 if backend.small else 100, 4 if backend.small else 10)
+    info = np.iinfo(dtype)
+    data = rng.integers(info.min // 2, info.max // 2, size=(int(offsets[-1]),) + shape,
+                        dtype=dtype)  # most sums of 3 or more wrap
+    expected = np.zeros((len(offsets) - 1,) + shape, dtype)
+    with np.errstate(over="ignore"):
+        for b in range(len(offsets) - 1):
+            for j in range(offsets[b], offsets[b + 1]):
+                expected[b] += data[j]
+    out = backend.get(hbk.segment_reduce(backend.put(data), backend.put(offsets)))
+    assert out.dtype == dtype
+    np.testing.assert_array_equal(out, expected)
+    past = np.concatenate([offsets[:-1], [offsets[-1] + 1]])
+    with raises(ValueError, match=r"expected data.shape\[0\] = "):
+        backend.get(hbk.segment_reduce(backend.put(data), backend.put(past)))
+
+
+@pytest.mark.parametrize("combiner", ["mean", "sqrtn"])
+def test_integer_means_and_roots_are_refused(combiner):
+    with raises(ValueError, match=f"combiner='{combiner}' of int64 data: a mean or a root is "
+                                  "no integer"):
+        hbk.segment_reduce(np.arange(6).reshape(3, 2), np.array([0, 2, 3]), combiner=combiner)
+    with raises(ValueError, match="data must be float16, bfloat16, float32 or float64, int32 or "
+                                  "int64, got uint8"):
+        hbk.segment_reduce(np.ones(3, np.uint8), np.array([0, 3]))

@@ -22,6 +22,30 @@ def test_matches_reference(backend, rng, shape, dtype, id_dtype):
     assert_close(out, reference.segment_sum(data, seg, num_segments), dtype)
 
 
+@pytest.mark.parametrize("shape", [(), (1,), (3,), (17,)])
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_integer_data_sums_in_its_dtype(backend, rng, shape, dtype):
+    """int32 and int64 sum as np.add.at does (wrapping on overflow), one segment taking
+    many rows; bounds as for floats."""
+    n, num_segments = (8, 4) if backend.small else (500, 37)
+    info = np.iinfo(dtype)
+    data = rng.integers(info.min // 2, info.max // 2, size=(n,) + shape, dtype=dtype)
+    seg = rng.integers(0, num_segments, size=n)
+    seg[: n // 2] = num_segments - 1  # a segment of half the rows: its sum wraps
+    expected = np.zeros((num_segments,) + shape, dtype)
+    np.add.at(expected, seg, data)
+    out = backend.get(hbk.segment_sum(backend.put(data), backend.put(seg), num_segments))
+    assert out.dtype == dtype
+    np.testing.assert_array_equal(out, expected)
+    seg[1] = num_segments
+    with raises(hbk.BoundsError, match=r"segment_ids\[1\]"):
+        backend.get(hbk.segment_sum(backend.put(data), backend.put(seg), num_segments))
+    out = backend.get(hbk.segment_sum(backend.put(data), backend.put(seg), num_segments,
+                                      bounds="zero"))
+    expected[num_segments - 1] -= data[1]
+    np.testing.assert_array_equal(out, expected)
+
+
 def test_empty_and_zero_segments(backend):
     out = backend.get(hbk.segment_sum(backend.put(np.zeros((0, 3), np.float32)),
                                       backend.put(np.zeros(0, np.int64)), 2))

@@ -4,7 +4,8 @@ Scatter-adds race when rows share a segment, so each of the T threads owns
 the segments ``s % T == t``: every thread scans all segment ids and adds only
 the rows it owns (ids are read T times, each data row once, no atomics, and
 the summation order per segment is the input order: deterministic). As in
-:mod:`.embedding_bag`, one kernel is compiled per row width D.
+:mod:`.embedding_bag`, one kernel is compiled per row width D; integer data (int32,
+int64) takes a kernel of its own, summing in its dtype.
 """
 import functools
 
@@ -35,11 +36,37 @@ def scatter_add_kernel(dim, skip_bad):
     return scatter_add
 
 
+@functools.lru_cache(maxsize=None)
+def int_scatter_add_kernel(skip_bad):
+    """Kernel ``(data, segment_ids, num_owners, out)`` adding integer rows into ``out``
+    (their dtype: wrapping on overflow)."""
+
+    @cached_njit(parallel=True)
+    def int_scatter_add(data, segment_ids, num_owners, out):
+        num_segments = out.shape[0]
+        for owner in prange(num_owners):
+            for i in range(segment_ids.shape[0]):
+                s = segment_ids[i]
+                if skip_bad and (s < 0 or s >= num_segments):
+                    continue
+                if s % num_owners != owner:
+                    continue
+                for d in range(out.shape[1]):
+                    out[s, d] += data[i, d]
+
+    return int_scatter_add
+
+
 def segment_sum(family, data, segment_ids, num_segments, bounds):
     if bounds == Bounds.RAISE:
         bad = first_out_of_range(segment_ids, num_segments)
         if bad != -1:
             return None, bad
+    if data.dtype.kind == "i":
+        out = np.zeros((num_segments, data.shape[1]), data.dtype)
+        owners = max(1, min(numba.get_num_threads(), num_segments))
+        int_scatter_add_kernel(bounds == Bounds.ZERO)(data, segment_ids, owners, out)
+        return out, -1
     kernel_data = kernel_table(data)
     acc = np.zeros((num_segments, data.shape[1]), accumulator_dtype(data.dtype))
     owners = max(1, min(numba.get_num_threads(), num_segments))

@@ -3,7 +3,8 @@
 Thread mapping: a group of ``G = group_size(D)`` lanes per input row, grid-stride
 over rows; lane ``d`` adds columns ``d, d+G, ...`` with ``cuda.atomic.add`` into
 ``acc[segment_ids[i], d]`` (coalesced along ``d``). ``acc`` is the output for
-fp32 and fp64 data; fp16 and bf16 data sum into an fp32 buffer, then a cast
+fp32, fp64, int32 and int64 data (integers wrap on overflow; their sums do not depend
+on the order); fp16 and bf16 data sum into an fp32 buffer, then a cast
 kernel rounds it into the output (to nearest even). Rows with a segment id
 outside ``[0, num_segments)`` are always dropped; under ``bounds="raise"``
 lane 0 also records the first bad position in an error slot left pending
@@ -20,6 +21,7 @@ from ._launch import (
     blocks_for,
     dtype_key,
     group_size,
+    inline_device,
     kernel_factory,
     load_as_float,
     no_error_slots,
@@ -29,10 +31,21 @@ from ._launch import (
 from ._launcher import launch
 
 
+@inline_device
+def _same(x):
+    return x
+
+
+def integer(dtype):
+    """Whether data of ``dtype`` sums in its own integer dtype (int32, int64)."""
+    return dtype.kind == "i"
+
+
 @kernel_factory
 def scatter_add_kernel(data_dtype):
-    """The scatter-add kernel for data of ``data_dtype`` (a :func:`dtype_key`)."""
-    load = load_as_float(data_dtype)
+    """The scatter-add kernel for data of ``data_dtype`` (a :func:`dtype_key`; integers
+    added as they are)."""
+    load = _same if integer(data_dtype) else load_as_float(data_dtype)
 
     @cuda.jit(cache=False)
     def scatter_add_kernel(data, segment_ids, record, group, acc, slots):
@@ -69,7 +82,7 @@ def cast_kernel(dst_dtype):
 
 def segment_sum(family, data, segment_ids, num_segments, bounds):
     n, dim = data.shape[0], data.shape[1]
-    acc_dtype = accumulator_dtype(data.dtype)
+    acc_dtype = data.dtype if integer(data.dtype) else accumulator_dtype(data.dtype)
     acc = family.zeros((num_segments, dim), acc_dtype)
     if n == 0:
         return (acc if acc_dtype == data.dtype else family.zeros(acc.shape, data.dtype)), -1
