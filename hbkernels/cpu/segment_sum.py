@@ -18,10 +18,11 @@ from ._common import accumulator_dtype, add_row, cached_njit, first_out_of_range
 
 
 @functools.lru_cache(maxsize=None)
-def scatter_add_kernel(dim, skip_bad):
-    """Kernel ``(data, segment_ids, num_owners, out)`` adding rows into ``out``."""
+def scatter_add_kernel(dim, skip_bad, integer=False):
+    """Kernel ``(data, segment_ids, num_owners, out)`` adding rows into ``out``
+    (``integer``: int32/int64 rows in their dtype, wrapping on overflow)."""
 
-    @cached_njit(parallel=True, fastmath=True)
+    @cached_njit(parallel=True, fastmath=not integer)
     def scatter_add(data, segment_ids, num_owners, out):
         num_segments = out.shape[0]
         for owner in prange(num_owners):
@@ -31,30 +32,13 @@ def scatter_add_kernel(dim, skip_bad):
                     continue
                 if s % num_owners != owner:
                     continue
-                add_row(out[s], data, i, None, dim)
+                if integer:
+                    for d in range(dim):
+                        out[s, d] += data[i, d]
+                else:
+                    add_row(out[s], data, i, None, dim)
 
     return scatter_add
-
-
-@functools.lru_cache(maxsize=None)
-def int_scatter_add_kernel(skip_bad):
-    """Kernel ``(data, segment_ids, num_owners, out)`` adding integer rows into ``out``
-    (their dtype: wrapping on overflow)."""
-
-    @cached_njit(parallel=True)
-    def int_scatter_add(data, segment_ids, num_owners, out):
-        num_segments = out.shape[0]
-        for owner in prange(num_owners):
-            for i in range(segment_ids.shape[0]):
-                s = segment_ids[i]
-                if skip_bad and (s < 0 or s >= num_segments):
-                    continue
-                if s % num_owners != owner:
-                    continue
-                for d in range(out.shape[1]):
-                    out[s, d] += data[i, d]
-
-    return int_scatter_add
 
 
 def segment_sum(family, data, segment_ids, num_segments, bounds):
@@ -62,13 +46,10 @@ def segment_sum(family, data, segment_ids, num_segments, bounds):
         bad = first_out_of_range(segment_ids, num_segments)
         if bad != -1:
             return None, bad
-    if data.dtype.kind == "i":
-        out = np.zeros((num_segments, data.shape[1]), data.dtype)
-        owners = max(1, min(numba.get_num_threads(), num_segments))
-        int_scatter_add_kernel(bounds == Bounds.ZERO)(data, segment_ids, owners, out)
-        return out, -1
-    kernel_data = kernel_table(data)
-    acc = np.zeros((num_segments, data.shape[1]), accumulator_dtype(data.dtype))
+    integer = data.dtype.kind == "i"
+    acc = np.zeros((num_segments, data.shape[1]),
+                   data.dtype if integer else accumulator_dtype(data.dtype))
     owners = max(1, min(numba.get_num_threads(), num_segments))
-    scatter_add_kernel(data.shape[1], bounds == Bounds.ZERO)(kernel_data, segment_ids, owners, acc)
-    return narrow(acc, data.dtype), -1
+    scatter_add_kernel(data.shape[1], bounds == Bounds.ZERO, integer)(
+        data if integer else kernel_table(data), segment_ids, owners, acc)
+    return (acc if integer else narrow(acc, data.dtype)), -1
