@@ -4,8 +4,8 @@ Scatter-adds race when rows share a segment, so each of the T threads owns
 the segments ``s % T == t``: every thread scans all segment ids and adds only
 the rows it owns (ids are read T times, each data row once, no atomics, and
 the summation order per segment is the input order: deterministic). As in
-:mod:`.embedding_bag`, one kernel is compiled per row width D; integer data (int32,
-int64) takes a kernel of its own, summing in its dtype.
+:mod:`.embedding_bag`, one kernel is compiled per row width D (and for integer data,
+int32 or int64, summed in its dtype).
 """
 import functools
 
