@@ -83,9 +83,10 @@ class HashTable:
         self._free = np.arange(self.capacity - 1, -1, -1, dtype=np.int64)  # a stack: top at the end
         self._num_free = self.capacity
         self._tombstones = 0
-        self.step = 0  # calls with insert=True so far
+        self.step = 0  # calls with insert=True so far (those without ids too)
         self.admitted = 0  # ids given a slot so far
         self.evicted = 0  # ids evicted so far
+        self.dropped = 0  # a pending table's: new ids a call brought beyond its room
         self._pending = None
         if self.admit_count > 1:
             self._pending = HashTable(pending_capacity or self.capacity, evict="lru",
@@ -96,6 +97,13 @@ class HashTable:
     def size(self):
         """Live ids."""
         return self.capacity - self._num_free
+
+    @property
+    def forgotten(self):
+        """Not-yet-admitted ids whose sightings the full pending table forgot so far (it
+        holds ``pending_capacity`` of them): each then starts its count again. 0 with
+        ``admit_count=1``."""
+        return 0 if self._pending is None else self._pending.evicted + self._pending.dropped
 
     def slots(self, ids, *, insert=True, return_new=False):
         """Each id's slot (int64, ``ids.shape``; -1 where absent). With ``insert``, the
@@ -124,6 +132,8 @@ class HashTable:
             out = self._k.find(family, self._index, self._reserved, flat)
             if insert and flat.shape[0]:
                 new_ids, new_slots = self._admit(family, flat, out)
+            elif insert:  # a call with no ids counts too: the shards of a table keep one clock
+                self.step += 1
         out = self._k.to_family(family, out.reshape(shape))
         if not return_new:
             return out
@@ -433,6 +443,7 @@ class HashTable:
         new = ids[~known]
         room = self.capacity - int(known.sum())
         if new.shape[0] > room:
+            self.dropped += new.shape[0] - room
             ids = xp.concatenate([ids[known], xp.sort(new)[:room]])
         self.slots(self._k.to_family(self._family, ids))
 

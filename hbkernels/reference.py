@@ -331,6 +331,8 @@ class DictTable:
             self.admitted += len(admitted)
             if self.admit_count > 1:
                 self._see(waiting)
+        elif insert:  # a call without ids is a call
+            self.step += 1
         return [self.slot.get(i, -1) for i in ids]
 
     def _see(self, ids):

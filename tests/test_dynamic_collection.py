@@ -62,7 +62,8 @@ def test_trains_bit_for_bit_like_a_static_table(rng, optimizer, combiner):
     u_ids, u_rows = dyn.full_weights("u")
     np.testing.assert_array_equal(u_rows, twin.full_weights("u")[u_ids])
     np.testing.assert_array_equal(dyn.full_weights("w"), twin.full_weights("w"))
-    assert dyn.dynamic_counts("t") == {"size": len(ids), "admitted": len(ids), "evicted": 0}
+    assert dyn.dynamic_counts("t") == {"size": len(ids), "admitted": len(ids), "evicted": 0,
+                                      "forgotten": 0}
 
 
 def test_raw_hashes_start_from_their_id(rng):
@@ -183,7 +184,7 @@ def test_admission_and_eviction_reset_rows_and_state():
     np.testing.assert_array_equal(rows[0], start[0])
     coll.backward({"t": np.ones((1, 3), np.float32)})  # fresh Adagrad state: the first step's size
     np.testing.assert_allclose(coll.full_weights("t")[1][0], trained, rtol=1e-6)
-    assert coll.dynamic_counts("t") == {"size": 2, "admitted": 4, "evicted": 2}
+    assert coll.dynamic_counts("t") == {"size": 2, "admitted": 4, "evicted": 2, "forgotten": 0}
 
 
 def test_a_full_table_raises_capacity_error():
@@ -200,8 +201,8 @@ def test_a_forward_that_one_full_table_refuses_changes_no_table(width):
     coll = hbk.EmbeddingCollection([a, b], comm=LOCAL)
     with raises(hbk.CapacityError, match="b is full: capacity 2"):
         coll.forward({"a": np.array([1, 2, 3]), "b": np.array([7, 8, 9])})
-    assert coll.dynamic_counts("a") == {"size": 0, "admitted": 0, "evicted": 0}
-    assert coll.dynamic_counts("b") == {"size": 0, "admitted": 0, "evicted": 0}
+    assert coll.dynamic_counts("a") == {"size": 0, "admitted": 0, "evicted": 0, "forgotten": 0}
+    assert coll.dynamic_counts("b") == {"size": 0, "admitted": 0, "evicted": 0, "forgotten": 0}
     coll.forward({"a": np.array([1, 2, 3]), "b": np.array([7, 8])})  # fits: both admit
     assert coll.dynamic_counts("a")["size"] == 3 and coll.dynamic_counts("b")["size"] == 2
 
@@ -394,3 +395,15 @@ def test_torch_state_dict_keeps_ids_waiting_for_admission(rng):
     del state["tables.t.pending_count"]
     with raises(RuntimeError, match="pending_count"):
         module().load_state_dict(state)
+
+
+def test_pending_ids_beyond_the_share_of_capacity_are_counted():
+    """admit_count=2: the ids waiting for their second sighting are held in a pending
+    table of the table's capacity (a rank's share of it); a batch of more new ids than
+    that leaves the rest uncounted, and dynamic_counts says how many."""
+    coll = hbk.EmbeddingCollection([dynamic(capacity=4, admit_count=2, evict="lru")],
+                                   comm=LOCAL)
+    coll.forward({"t": np.arange(10, dtype=np.int64)})  # 10 new ids, 4 held
+    assert coll.dynamic_counts("t") == {"size": 0, "admitted": 0, "evicted": 0, "forgotten": 6}
+    coll.forward({"t": np.arange(4, dtype=np.int64)})  # the 4 held: their second sighting
+    assert coll.dynamic_counts("t") == {"size": 4, "admitted": 4, "evicted": 0, "forgotten": 6}

@@ -187,10 +187,24 @@ def test_a_call_never_evicts_an_id_it_uses(backend):
 def test_empty_calls_and_shapes(backend):
     t = make(backend, 4)
     out = t.slots(backend.put(np.zeros((0, 3), np.int64)))
-    assert backend.get(out).shape == (0, 3) and t.step == 0
+    assert backend.get(out).shape == (0, 3) and t.step == 1  # a call without ids is a call
+    t.slots(backend.put(np.zeros(0, np.int64)), insert=False)
+    assert t.step == 1  # a lookup is not
     out = backend.get(t.slots(backend.put(np.array([[7, 8], [8, 9]], np.int32))))
     assert out.shape == (2, 2) and out[0, 1] == out[1, 0] and len(set(out.ravel())) == 3
     assert t.erase(backend.put(np.zeros(0, np.int64))) == 0
+
+
+def test_pending_ids_beyond_the_pending_capacity_are_counted_as_forgotten(backend):
+    t = make(backend, 8, admit_count=3, pending_capacity=2)
+    t.slots(backend.put(np.array([5, 4, 3, 2, 1])))  # 5 new ids, room for 2: the smallest kept
+    assert t.forgotten == 3 and t.pending_state()["ids"].tolist() == [1, 2]
+    t.slots(backend.put(np.array([9, 8])))  # the pending table full: its LRU ids go
+    assert t.forgotten == 5 and t.pending_state()["ids"].tolist() == [8, 9]
+    for _ in range(2):
+        t.slots(backend.put(np.array([8, 9])))
+    assert t.forgotten == 5 and backend.get(t.ids()).tolist() == [8, 9]  # their third sighting
+    assert make(backend, 8).forgotten == 0
 
 
 def test_bad_input(backend):

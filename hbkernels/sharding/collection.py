@@ -1703,13 +1703,15 @@ class EmbeddingCollection:
             target[at] = space.put(np.ascontiguousarray(np.asarray(values)[mine][kept]))
 
     def dynamic_counts(self, name):
-        """``{"size", "admitted", "evicted"}`` of dynamic table ``name``, summed over the
-        ranks: live ids, and ids given a row or evicted so far. Collective."""
+        """``{"size", "admitted", "evicted", "forgotten"}`` of dynamic table ``name``,
+        summed over the ranks: live ids, ids given a row or evicted so far, and ids
+        waiting for admission whose sightings were forgotten so far because the pending
+        table (``capacity`` ids per rank's share) was full. Collective."""
         table = self.hash_tables[name]
-        counts = np.array([table.size, table.admitted, table.evicted], np.int64)
+        counts = np.array([table.size, table.admitted, table.evicted, table.forgotten], np.int64)
         if self.comm.world_size > 1:
             counts = host(self.comm.allreduce(counts))
-        return dict(zip(("size", "admitted", "evicted"), counts.tolist()))
+        return dict(zip(("size", "admitted", "evicted", "forgotten"), counts.tolist()))
 
     def full_state(self, name):
         """The optimizer state of table ``name`` gathered whole (slot -> array shaped

@@ -7,7 +7,8 @@
    steps with uneven and empty local batches.
 2. Raw 64-bit ids: the N-rank collection against one rank (a local collection on
    every rank) fed the whole batch: outputs and rows equal up to summation order,
-   and the same live ids and counts.
+   and the same live ids and counts, and the same last use of each id, over a step
+   whose ids all belong to rank 0's shard (every shard's clock counts each call).
 3. Rank 0's shard given more new ids than it has slots: CapacityError there, CommError
    on the other ranks, without waiting for the communicator's timeout, and no rank
    admits any id of the call (rank 1's share could take its one).
@@ -70,9 +71,10 @@ pool[:2] = [-2**63, 2**63 - 1]
 dyn = hbk.EmbeddingCollection(specs(True), comm=comm, optimizer=hbk.optim.Adam(lr=0.1), seed=2)
 one = hbk.EmbeddingCollection(specs(True), comm=hbk.dist.init("local"),
                               optimizer=hbk.optim.Adam(lr=0.1), seed=2)
-for step in range(3):
-    mine = batch(step, R, pool)
-    every = [batch(step, r, pool) for r in range(W)]
+mine0 = pool[dynamic_owner(np, pool, W) == 0]  # a step of these leaves the other shards no id
+for step, ids in enumerate([pool, pool, pool, mine0, pool]):
+    mine = batch(step, R, ids)
+    every = [batch(step, r, ids) for r in range(W)]
     whole = {"t": hbk.Ragged(np.concatenate([b["t"].values for b in every]),
                              np.concatenate([[0]] + [b["t"].offsets[1:] + sum(
                                  len(x["t"].values) for x in every[:r]) for r, b in enumerate(every)])),
@@ -90,6 +92,9 @@ np.testing.assert_array_equal(ids, ref_ids)
 np.testing.assert_allclose(rows, ref_rows, rtol=1e-5, atol=1e-6)
 assert dyn.dynamic_counts("t") == one.dynamic_counts("t"), (dyn.dynamic_counts("t"),
                                                             one.dynamic_counts("t"))
+# every shard's clock counted the call that gave it no id: the same last uses as one rank's
+for got, expected in zip(dyn.dynamic_scores("t"), one.dynamic_scores("t")):
+    np.testing.assert_array_equal(got, expected)
 
 # 3. one owner's shard cannot take its ids: CapacityError there, CommError on the others,
 #    at once (not after the communicator's timeout)
@@ -107,5 +112,5 @@ except (hbk.CapacityError, hbk.dist.CommError) as error:
     assert R != 0 or "t on rank 0 (its share of capacity" in str(error), error
 assert time.monotonic() - start < 60
 counts = tiny.dynamic_counts("t")
-assert counts == {"size": 0, "admitted": 0, "evicted": 0}, counts  # no rank admitted an id
+assert counts == {"size": 0, "admitted": 0, "evicted": 0, "forgotten": 0}, counts  # no rank admitted an id
 finish(comm)
