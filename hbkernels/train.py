@@ -162,6 +162,7 @@ class Trainer:
         self.replaced = (set(p.name for p in Path(args.checkpoint).glob("step-*"))
                          if args.checkpoint and getattr(args, "overwrite", False) else set())
         self.saved = None  # the step directory this run wrote last
+        self.first_step = 0  # the step this run starts at (a resumed run's is not 0)
         self.history, self.evals = [], []
         self.train_seconds = 0.0      # of every run that led to this step (resumes included)
         self.timed_seconds, self.timed_samples = 0.0, 0   # this run's, for samples/s
@@ -471,7 +472,7 @@ class Trainer:
             self.model.embeddings = trained
         if self.root:
             print(f"step {self.step}: eval ({self.eval_split}) on int{bits} tables: logloss "
-                  f"{loss:.5f}, AUC {auc:.5f} ({auc - self.evals[-1]['auc']:+.5f})", flush=True)
+                  f"{loss:.5f}, AUC {auc:.5f} ({signed(auc - self.evals[-1]['auc'])})", flush=True)
         return {"bits": bits, "logloss": loss, "auc": auc, "samples": n}
 
     def fit(self):
@@ -481,7 +482,9 @@ class Trainer:
                   f"{self.device}, global batch {a.batch_size}, {self.steps} steps"
                   + (f" (resuming at step {self.step})" if self.step else ""), flush=True)
             print(self.collection.plan, flush=True)
-        bar = Progress(self.steps, "train", initial=self.step, enabled=self.root)
+        self.first_step = self.step  # of this run
+        # the first step compiles (or loads) the kernels: the time left is estimated without it
+        bar = Progress(self.steps, "train", initial=self.step, enabled=self.root, warm=1)
         mark = time.perf_counter()
         for i, (step, batch, count) in enumerate(self.train_batches()):
             loss = self.train_step(batch, count)
@@ -548,7 +551,9 @@ class Trainer:
         drawn = draw_curve(chart, self.history, self.evals, self.eval_split)
         first = ("" if self.first_step_seconds is None
                  else f" (first step {self.first_step_seconds:.2f} s)")
-        print(f"{self.step} steps x {a.batch_size} samples on {self.world} rank(s): "
+        ran = self.step - self.first_step
+        resumed = f" (steps {self.first_step + 1}-{self.step})" if self.first_step else ""
+        print(f"{ran} steps{resumed} x {a.batch_size} samples on {self.world} rank(s): "
               f"{rate:,.0f} samples/s{first}; eval ({self.eval_split}) logloss {last['logloss']:.5f}, "
               f"AUC {last['auc']:.5f}; metrics -> {a.metrics}"
               + (f", curve -> {chart}" if drawn is None else f" ({drawn})")
@@ -611,6 +616,15 @@ class Trainer:
             raise CLIError(f"--resume with another configuration than {step_dir} ({detail})")
         state["dir"] = step_dir
         return state
+
+
+def signed(x, places=5):
+    """``x`` with its sign, to ``places`` decimals; one that rounds to zero is ``+0``.
+
+    >>> signed(-1e-9), signed(-0.25, 2)
+    ('+0.00000', '-0.25')
+    """
+    return f"{round(x, places) + 0.0:+.{places}f}"
 
 
 def collection_checkpoint(path):

@@ -117,3 +117,42 @@ def test_only_hbkernels_user_errors_are_one_line(monkeypatch, capsys):
         monkeypatch.setattr(info, "run", buggy)
         with pytest.raises(type(bug)):   # shown with its traceback by the interpreter
             main(["info"])
+
+
+def test_version(capsys):
+    from hbkernels import __version__
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"hbkernels {__version__}"
+
+
+def _subparsers(parser):
+    """``{"train": parser, "data synthetic": parser, ...}`` of every (sub)command."""
+    import argparse
+
+    out = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                out[name] = sub
+                out.update({f"{name} {k}": v for k, v in _subparsers(sub).items()})
+    return out
+
+
+def test_every_help_shows_each_options_default_and_no_flag_has_one():
+    """Each option whose default is a value says it in its --help ("(default: ...)"), and
+    no flag does (``--no-train (default: True)`` read as if the flag were on)."""
+    from hbkernels.cli import build_parser
+
+    for name, sub in _subparsers(build_parser()).items():
+        formatter = sub._get_formatter()
+        for action in sub._actions:
+            if not action.option_strings or action.help == "==SUPPRESS==":
+                continue
+            said = formatter._get_help_string(action) or ""
+            if action.nargs == 0:  # a flag
+                assert "(default" not in said, (name, action.option_strings, said)
+            elif action.default not in (None, False):
+                assert "default" in said, (name, action.option_strings, said)
+        assert "(default: True)" not in sub.format_help(), name

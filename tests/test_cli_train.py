@@ -57,15 +57,37 @@ def test_batches_made_ahead_train_the_same(tmp_path, straight):
     assert ahead["final"] == straight["final"]
 
 
-def test_resume_continues_exactly(tmp_path, straight):
+def test_resume_continues_exactly(tmp_path, straight, capsys):
     ckpt = tmp_path / "ckpt"
     first = train(tmp_path, "first", "--steps", 10, "--checkpoint", ckpt)
     np.testing.assert_array_equal(losses(first), losses(straight)[:10])
     assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step-00000010"]
+    capsys.readouterr()
     resumed = train(tmp_path, "resumed", "--steps", 20, "--checkpoint", ckpt, "--resume")
     np.testing.assert_array_equal(losses(resumed), losses(straight))
     assert resumed["final"] == straight["final"]
     assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step-00000020"]
+    last = capsys.readouterr().out.strip().splitlines()[-1]  # this run's steps, not all 20
+    assert last.startswith("10 steps (steps 11-20) x 128 samples on 1 rank(s)"), last
+
+
+def test_the_time_left_leaves_the_first_step_out(monkeypatch):
+    """The first step compiles: the estimate is '?' until a second step is done, then
+    counts only the steps after the first."""
+    import io
+
+    from hbkernels.cli import progress
+
+    clock = iter([0.0, 30.0, 30.0, 31.0, 31.0, 32.0, 32.0])  # start; the first step takes 30 s
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: next(clock))
+    out = io.StringIO()
+    bar = progress.Progress(10, "train", stream=out, warm=1)
+    bar.update()
+    assert bar.line(30.0).endswith("30.0s<?")
+    bar.update()
+    assert bar.line(31.0).endswith("31.0s<8.0s")  # 8 steps left at 1 s each, not 8 x 15.5 s
+    bar.update()
+    assert bar.line(32.0).endswith("32.0s<7.0s")
 
 
 def snapshot(directory):

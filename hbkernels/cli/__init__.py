@@ -30,9 +30,12 @@ def build_parser():
     from . import bench, check, compact, info, quantize, train, warmup
     from ..data.__main__ import add_commands as add_data_commands
 
+    from .._version import __version__
+
     parser = ArgumentParser(
         prog="hbkernels",
         description="Embedding kernels for recommender systems: info, benchmarks, training.")
+    parser.add_argument("--version", action="version", version=f"hbkernels {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="command")
     info.add_command(commands)
     check.add_command(commands)

@@ -16,10 +16,12 @@ def plain(text):
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """The description as written (its line breaks kept); every option's default after its
-    help, except where the help names it already or the default is None or False."""
+    help, except where the help names it already, the default is None or False, or the
+    option is a flag (``--no-train``: its default is not giving it)."""
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if "default" in text or any(action.default is x for x in (None, False, argparse.SUPPRESS)):
+        if ("default" in text or action.nargs == 0  # a flag: its default is its absence
+                or any(action.default is x for x in (None, False, argparse.SUPPRESS))):
             return text
         return super()._get_help_string(action)

@@ -19,9 +19,11 @@ import time
 
 class Progress:
     """``Progress(total, desc, initial=0)``; ``update(n=1, **postfix)`` after each
-    unit of work (``initial``: units done before, e.g. by a resumed run)."""
+    unit of work (``initial``: units done before, e.g. by a resumed run). The time
+    left is estimated from the units after the first ``warm`` ones (a first step that
+    compiles kernels would make it far too long), ``?`` until then."""
 
-    def __init__(self, total, desc="", *, initial=0, stream=None, enabled=True):
+    def __init__(self, total, desc="", *, initial=0, stream=None, enabled=True, warm=0):
         self.total = max(int(total), 0)
         self.desc = desc
         self.stream = sys.stderr if stream is None else stream
@@ -30,11 +32,15 @@ class Progress:
         self.done = self.initial = int(initial)
         self.postfix = ""
         self.start = time.perf_counter()
+        self.warm = int(warm)
+        self._rate_from = (self.start, self.done) if self.warm <= 0 else None
         self._drawn_at = 0.0
         self._next_tenth = 1
 
     def update(self, n=1, **postfix):
         self.done += n
+        if self._rate_from is None and self.done - self.initial >= self.warm:
+            self._rate_from = (time.perf_counter(), self.done)
         if postfix:
             self.postfix = " ".join(f"{k}={v}" for k, v in postfix.items())
         if not self.enabled:
@@ -50,14 +56,20 @@ class Progress:
             print(self.line(now), file=self.stream, flush=True)
 
     def line(self, now=None):
-        elapsed = (now or time.perf_counter()) - self.start
-        rate = (self.done - self.initial) / elapsed if elapsed > 0 else 0.0
+        now = now or time.perf_counter()
+        elapsed = now - self.start
+        eta = "?"
+        if self._rate_from is not None:
+            since, base = self._rate_from
+            if self.done >= self.total:
+                eta = "0.0s"
+            elif self.done > base and now > since:
+                eta = f"{(self.total - self.done) * (now - since) / (self.done - base):.1f}s"
         if self.total:
             frac = min(self.done / self.total, 1.0)
             bar = "#" * int(20 * frac)
-            eta = (self.total - self.done) / rate if rate > 0 else 0.0
             text = (f"{self.desc} {self.done}/{self.total} {100 * frac:3.0f}% [{bar:<20}] "
-                    f"{elapsed:.1f}s<{eta:.1f}s")
+                    f"{elapsed:.1f}s<{eta}")
         else:
             text = f"{self.desc} {self.done} {elapsed:.1f}s"
         return f"{text} {self.postfix}".rstrip()

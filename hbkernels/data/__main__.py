@@ -34,25 +34,31 @@ def at_least(minimum, kind=int, *, strictly=False):
 
 def add_commands(subparsers):
     """Add the ``convert`` and ``synthetic`` subcommands to ``subparsers``."""
-    convert = subparsers.add_parser("convert", help="convert a CTR dataset's text to Parquet")
+    from ..cli._help import HelpFormatter
+
+    convert = subparsers.add_parser("convert", help="convert a CTR dataset's text to Parquet",
+                                    formatter_class=HelpFormatter)
     convert.add_argument("dataset", choices=CONVERTERS)
     convert.add_argument("src", help="input text file (.gz / .bz2 are read as such)")
     convert.add_argument("dst", help="output Parquet file")
     convert.add_argument("--num-buckets", type=at_least(1), default=None,
                          help="reduce hashed ids modulo N (default: full 63-bit ids)")
-    convert.add_argument("--row-group-size", type=at_least(1), default=ROW_GROUP_SIZE)
+    convert.add_argument("--row-group-size", type=at_least(1), default=ROW_GROUP_SIZE,
+                         help="rows per Parquet row group")
     convert.set_defaults(run=run_convert)
 
-    synthetic = subparsers.add_parser("synthetic", help="write Zipf-distributed synthetic data")
+    synthetic = subparsers.add_parser("synthetic", help="write Zipf-distributed synthetic data",
+                                      formatter_class=HelpFormatter)
     synthetic.add_argument("dst", help="output Parquet file")
     synthetic.add_argument("--rows", type=at_least(0), required=True, help="rows to write")
     synthetic.add_argument("--table", dest="tables", type=parse_table, action="append",
                            required=True, metavar="NAME:ROWS:HOTNESS[:var]",
                            help="an id column (repeat for more); ':var' for variable bags")
     synthetic.add_argument("--alpha", type=at_least(0.0, float), default=1.05, help="Zipf exponent")
-    synthetic.add_argument("--seed", type=int, default=0)
+    synthetic.add_argument("--seed", type=int, default=0, help="of the ids and values")
     synthetic.add_argument("--dense", type=at_least(0), default=0, help="dense float columns")
-    synthetic.add_argument("--row-group-size", type=at_least(1), default=ROW_GROUP_SIZE)
+    synthetic.add_argument("--row-group-size", type=at_least(1), default=ROW_GROUP_SIZE,
+                           help="rows per Parquet row group")
     synthetic.set_defaults(run=run_synthetic)
 
 
