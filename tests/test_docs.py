@@ -90,12 +90,59 @@ def test_links_between_pages_resolve():
                 assert anchor in _anchors(resolved), f"{page.name}: no #{anchor} in {target or page.name}"
 
 
+# a shown result: `print(...)  # what it prints` on one line; "..." stands for any text, and
+# the comment may go on past the value after ": " or "; " (words about it)
+SHOWN = re.compile(r"^\s*print\(.*\)\s+# (.+?)\s*$")
+
+
+def shown_results(code):
+    """``{line number: comment}`` of each line of ``code`` (a page's :func:`script`) that
+    prints with its result beside it."""
+    return {k: m.group(1) for k, line in enumerate(code.splitlines(), 1)
+            for m in [SHOWN.match(line)] if m}
+
+
+def shows(printed, comment):
+    """Whether the comment ``comment`` shows the text ``printed`` ("..." matching any
+    text): as the text or its start (an error message, a table), or as the text followed
+    by words about it (after ": " or "; ")."""
+    def pattern(text):
+        return ".*?".join(re.escape(part) for part in text.split("..."))
+
+    if re.match(pattern(comment), printed, re.S):
+        return True
+    value = re.split(r"[:;] ", comment)[0]
+    return value != comment and re.fullmatch(pattern(value), printed, re.S) is not None
+
+
 @pytest.mark.parametrize("page", RUNNABLE, ids=lambda p: p.name)
-def test_page_examples_run(page, user_dir):
+def test_page_examples_run_and_print_what_they_show(page, user_dir):
+    """Every example runs, and each `print(...)  # result` prints what its comment shows."""
     code = script(page)
     for module in sorted(set(IMPORT.findall(code)) | set(INDIRECT.get(page.name, ()))):
         pytest.importorskip(module)
-    exec(compile(code, str(page), "exec"), {"__name__": "__main__"})
+    printed = {}
+
+    def recorded(*args, sep=" ", end="\n", file=None, flush=False):
+        frame = sys._getframe(1)
+        if file is None and frame.f_code.co_filename == str(page):
+            printed.setdefault(frame.f_lineno, []).append(sep.join(map(str, args)))
+        print(*args, sep=sep, end=end, file=file, flush=flush)
+
+    exec(compile(code, str(page), "exec"), {"__name__": "__main__", "print": recorded})
+    wrong = [f"{page.name}:{line}: shows {comment!r}, printed {printed.get(line)!r}"
+             for line, comment in shown_results(code).items()
+             if not printed.get(line) or not all(shows(p, comment) for p in printed[line])]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_a_shown_result_is_checked():
+    assert shows("[3, 7, 9]", "[3, 7, 9]") and shows("[-1, 0]", "[-1, 0]: a lookup alone")
+    assert shows("values[1] = 9 is out of range [0, 6) in embedding_bag", "values[1] = 9 is out of range [0, 6)")
+    assert shows("expected a NumPy array or a CUDA array (CuPy, ...), got builtins.list",
+                 "expected a NumPy array or a CUDA array (...), got builtins.list")
+    assert not shows("[3, 7, 8]", "[3, 7, 9]") and not shows("None", "IndexedSlices [0, 3]")
+    assert not shows("[1.0]", "sum")
 
 
 def _data_commands():
