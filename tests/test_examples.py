@@ -13,10 +13,10 @@ def test_embedding_bag_cpu_example():
     assert "matches NumPy" in res.stdout and res.stdout.rstrip().endswith("OK")
 
 
-def test_readme_python_snippets_run():
-    """The README's Python blocks, in order, as one script (collectives on the local backend)."""
-    import re
+def test_readme_python_snippets_run_and_print_what_they_show():
+    """The README's Python blocks, in order, as one script (collectives on the local
+    backend); each ``print(...)  # result`` prints what it shows."""
+    from test_docs import blocks, run_and_check
 
-    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
-    assert len(blocks) >= 3
-    exec(compile("\n".join(blocks), "README.md", "exec"), {})
+    assert len(blocks(ROOT / "README.md", "python")) >= 3
+    run_and_check(ROOT / "README.md")
