@@ -37,13 +37,15 @@ def blocks(page, lang):
             for m in FENCE.finditer(text) if m.group(1).strip() == lang]
 
 
-def script(page):
-    """The page's python blocks as one script whose line numbers are the page's own
-    (every other line blank), so a traceback points at the line of the .md file."""
+def script(page, langs=("python",)):
+    """The page's blocks fenced as one of ``langs`` as one script whose line numbers are
+    the page's own (every other line blank), so a traceback points at the line of the
+    .md file."""
     lines = [""] * (page.read_text().count("\n") + 1)
-    for first, code in blocks(page, "python"):
-        for i, line in enumerate(code.splitlines()):
-            lines[first - 1 + i] = line
+    for lang in langs:
+        for first, code in blocks(page, lang):
+            for i, line in enumerate(code.splitlines()):
+                lines[first - 1 + i] = line
     return "\n".join(lines) + "\n"
 
 
@@ -115,10 +117,10 @@ def shows(printed, comment):
                for m in re.finditer(r"[:;] ", comment))
 
 
-def run_and_check(page):
-    """Run ``page``'s python blocks as one script (:func:`script`); each
+def run_and_check(page, langs=("python",)):
+    """Run ``page``'s blocks of ``langs`` as one script (:func:`script`); each
     ``print(...)  # result`` must print what its comment shows (:func:`shows`)."""
-    code = script(page)
+    code = script(page, langs)
     printed = {}
 
     def recorded(*args, sep=" ", end="\n", file=None, flush=False):
@@ -141,6 +143,32 @@ def test_page_examples_run_and_print_what_they_show(page, user_dir):
     for module in sorted(set(IMPORT.findall(code)) | set(INDIRECT.get(page.name, ()))):
         pytest.importorskip(module)
     run_and_check(page)
+
+
+# migrating.md's blocks of the libraries it stands beside, run where they are installed
+PEERS = {"python-torchrec": "torchrec", "python-fbgemm": "fbgemm_gpu"}
+
+
+def test_the_peers_blocks_of_migrating_md_run_and_agree(user_dir):
+    """Its TorchRec and FBGEMM blocks, each library's where it is installed, run after the
+    hbkernels blocks before them (one script, in page order) and print what they show:
+    both sides' numbers agree."""
+    pytest.importorskip("torch")
+    page = DOCS / "migrating.md"
+    assert all(blocks(page, lang) for lang in PEERS), "a peer's blocks are missing"
+    here = [lang for lang, module in PEERS.items() if _importable(module)]
+    if not here:
+        pytest.skip("neither torchrec nor fbgemm_gpu is installed")
+    run_and_check(page, ("python", *here))
+
+
+def _importable(module):
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None and bool(__import__(module))
+    except Exception:  # noqa: BLE001 - a broken install is not installed
+        return False
 
 
 def test_a_shown_result_is_checked():
