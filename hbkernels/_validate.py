@@ -68,9 +68,12 @@ def is_bfloat16(dtype):
     return answer
 
 
+def _is_floating(a):
+    return a.dtype in TABLE_DTYPES or is_bfloat16(a.dtype) or np.dtype(a.dtype) in TABLE_DTYPES
+
+
 def floating(name, a):
-    if a.dtype not in TABLE_DTYPES and not is_bfloat16(a.dtype) \
-            and np.dtype(a.dtype) not in TABLE_DTYPES:
+    if not _is_floating(a):
         raise ValueError(f"{name} must be {FLOAT_NAMES}, got {_dtype_name(a)}")
 
 
@@ -80,10 +83,7 @@ SUM_INTS = (np.dtype(np.int32), np.dtype(np.int64))  # integer data the segment 
 def summable(name, a):
     """Data a segment sum takes: floating (as :func:`floating`), or int32 or int64 (summed
     in their own dtype); else a ValueError saying so."""
-    if np.dtype(a.dtype) in SUM_INTS:
-        return
-    if a.dtype not in TABLE_DTYPES and not is_bfloat16(a.dtype) \
-            and np.dtype(a.dtype) not in TABLE_DTYPES:
+    if not _is_floating(a) and np.dtype(a.dtype) not in SUM_INTS:
         raise ValueError(f"{name} must be {FLOAT_NAMES}, int32 or int64, got {_dtype_name(a)}")
 
 

@@ -6,7 +6,8 @@
 
 Loads the collection checkpoint ``CKPT`` (a directory ``EmbeddingCollection.save``
 wrote; or a ``hbkernels train --checkpoint`` directory: its newest step's, said in the
-output; or one of its ``step-<n>`` directories) on this process's ranks with its saved plan, quantizes its tables
+output; or one of its ``step-<n>`` directories) on this process's ranks with its saved
+plan, quantizes its tables
 (:meth:`hbkernels.EmbeddingCollection.quantized`: each row's codes with a float16
 scale and bias) and saves the forward-only collection to ``--out``, which
 ``hbk.EmbeddingCollection.load`` reads at any world size. Prints each table's bytes in

@@ -7,17 +7,17 @@ With bag scale ``c_b`` (1 for sum, ``1/Σw`` for mean, ``1/sqrt(Σw²)`` for sqr
 
 Pipeline (all queued on the current stream):
 
-1. ``prepare``: one thread per bag (grid-stride) checks the bag's offsets (error
-   slot 0, as the forward reports them; the fused optimizer step also has it check
-   the gradient's finiteness, grid-stride over its elements, into slot 2) and writes for every position ``j`` of the
-   bag ``bag_of[j] = b`` (int32 when the bags fit) and the sort key
-   ``keys[j] = values[j]`` (int32 when the table has fewer than 2^31 rows). With
-   weights or a mean/sqrtn combiner it first sums the bag's weights (``Σw``,
-   ``Σw²``, in input order, in fp64 as the CPU backend does; the weights are first
-   cast to the accumulator type) and writes ``coef[j] = c_b · w_j`` (fp64 product,
-   stored in the accumulator type); otherwise every coefficient is 1 and none is
-   stored. An out-of-range id (recorded in error slot 1 when checked) gets the key
-   -1, which sorts first and is dropped, and the bag -1, which sums as 0.
+1. ``prepare``: one thread per bag (grid-stride) checks the bag's offsets (error slot 0,
+   as the forward reports them; the fused optimizer step also has it check the
+   gradient's finiteness, grid-stride over its elements, into slot 2) and writes for
+   every position ``j`` of the bag ``bag_of[j] = b`` (int32 when the bags fit) and the
+   sort key ``keys[j] = values[j]`` (int32 when the table has fewer than 2^31 rows).
+   With weights or a mean/sqrtn combiner it first sums the bag's weights (``Σw``,
+   ``Σw²``, in input order, in fp64 as the CPU backend does; the weights are first cast
+   to the accumulator type) and writes ``coef[j] = c_b · w_j`` (fp64 product, stored in
+   the accumulator type); otherwise every coefficient is 1 and none is stored. An
+   out-of-range id (recorded in error slot 1 when checked) gets the key -1, which sorts
+   first and is dropped, and the bag -1, which sums as 0.
 2. :func:`._segments.group`: the positions stably sorted by key (CuPy's CUB radix
    sort), so each distinct id's occurrences form a run in input order, and the
    runs' bounds.
@@ -194,19 +194,14 @@ def prepare(family, values, offsets, weights, combiner, num_rows, acc_dtype, che
     k_values = family.kernel_array(values)
     k_weights = k_values if weights is None else family.kernel_array(weights)
     tpb = threads_per_block()
+    kernel = prepare_kernel(dtype_key(acc_dtype), dtype_key(None if weights is None else weights.dtype),
+                            scaled, None if grad is None else dtype_key(grad.dtype))
     blocks = blocks_for(num_bags, tpb)
-    if grad is None:
-        kernel = prepare_kernel(dtype_key(acc_dtype),
-                                dtype_key(None if weights is None else weights.dtype), scaled)
-        k_grad = _device.scratch((0, 1), acc_dtype)
-    else:
-        kernel = prepare_kernel(dtype_key(acc_dtype),
-                                dtype_key(None if weights is None else weights.dtype), scaled,
-                                dtype_key(grad.dtype))
-        k_grad = family.kernel_array(grad)
+    if grad is not None:
         blocks = max(blocks, scan_blocks(grad, tpb))
     launch(kernel, blocks, tpb, k_values, family.kernel_array(offsets), n, num_rows, k_weights,
-           combiner, check_offsets, record_ids, keys, bag_of, coef, slots, k_grad)
+           combiner, check_offsets, record_ids, keys, bag_of, coef, slots,
+           _device.scratch((0, 1), acc_dtype) if grad is None else family.kernel_array(grad))
     return keys, bag_of, coef, slots
 
 

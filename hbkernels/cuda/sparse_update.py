@@ -480,7 +480,8 @@ def fused_sparse_update(family, rule, weights, state1, state2, hp, grad_out, val
     The checks, into four slots left pending (:mod:`._pending`; its report calls
     ``on_error()``, then raises as the CPU step does): offsets and ids under ``bounds``
     (0: both, 1: offsets, 2: none) and, when ``finite``, the gradient's finiteness, in
-    ``prepare``'s launch; the weights' finiteness in a launch of its own. Then one row group per distinct id sums its occurrences (for an id
+    ``prepare``'s launch; the weights' finiteness in a launch of its own. Then one row
+    group per distinct id sums its occurrences (for an id
     with more than ``CHUNK`` of them, its partial rows) in order in registers and
     applies the rule, unless a slot holds an error: then the update kernel writes
     nothing. Ids out of range are skipped in every mode."""

@@ -473,15 +473,14 @@ def update_tables(family, rule, weights, state1, state2, per_row, hp, tables, po
     with _pending.checks(1, "fused_step", lambda bad: report(bad[0]), (grad,),
                          when=finite) as slots:
         k_rows = family.kernel_array(rows)
-        weights_key = None if psw is None else dtype_key(psw.dtype)
+        kernel = prepare_tables_kernel(dtype_key(acc), None if psw is None else dtype_key(psw.dtype),
+                                       scaled, dtype_key(grad.dtype) if finite else None)
         bag_blocks = blocks_for(sum(p.bags for p in pools), tpb)
         if finite:  # the gradient's check in the same launch
             flat = grad.reshape(-1, 1)
-            kernel = prepare_tables_kernel(dtype_key(acc), weights_key, scaled, dtype_key(grad.dtype))
             args = (slots, family.kernel_array(flat))
             bag_blocks = max(bag_blocks, scan_blocks(flat, tpb))
         else:
-            kernel = prepare_tables_kernel(dtype_key(acc), weights_key, scaled)
             args = (no_error_slots(), _device.scratch((0, 1), acc))
         launch(kernel, bag_blocks, tpb, k_rows, family.kernel_array(bounds),
                k_rows if psw is None else family.kernel_array(psw), plan, len(tables), keys,
