@@ -212,7 +212,7 @@ def step(m, k, pool=POOL):
 a = module({"a": "row_wise", "b": "column_wise", "c": "table_wise", "d": "data_parallel"}, 3)
 for k in range(2):
     step(a, k)
-step(a, 2, POOL[dynamic_owner(np, POOL, W) == 0])  # rank 1's shard sees no call: the clocks differ
+step(a, 2, POOL[dynamic_owner(np, POOL, W) == 0])  # rank 1's shard gets no id: its clock counts it
 buf = io.BytesIO()
 torch.save(a.state_dict(), buf)  # collective: every rank gathers every table
 buf.seek(0)

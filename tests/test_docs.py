@@ -3,9 +3,11 @@ script in a fresh namespace, with the current directory a fresh temporary one
 (files the examples write land there; ``tests/data`` is linked into it, so the
 examples name the sample data as a user at the repository root would).
 
+Each ``print(...)  # result`` must print what its comment shows (:mod:`doc_blocks`).
 Fences other than exactly ```python (``python-gpu`` for GPU-only snippets,
-``bash``, ``text``) are shown, not run -- except the commands these tests pick
-out of the pages: the ``python3 -m hbkernels.data`` command lines of data.md,
+``bash``, ``text``) are shown, not run -- except migrating.md's ``python-torchrec``
+and ``python-fbgemm`` blocks, run where those libraries are installed, and the
+commands these tests pick out of the pages: the ``python3 -m hbkernels.data`` command lines of data.md,
 and the ``mpiexec -n N python -m mpi4py examples/...`` line of collectives.md,
 which runs under mpiexec with a wall-clock limit (skipped without mpiexec /
 mpi4py). A page whose examples import an optional package (torch, jax,
@@ -18,35 +20,16 @@ import sys
 from pathlib import Path
 
 import pytest
+from doc_blocks import FENCE, blocks, run_and_check, script, shows
 from mpirun import HAVE_MPI4PY, MPIEXEC, assert_ok, mpirun
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 PAGES = sorted(DOCS.glob("*.md"))
-FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.M | re.S)
 OPTIONAL = ("torch", "jax", "tensorflow", "pyarrow", "keras")
 IMPORT = re.compile(r"^\s*(?:import|from)\s+(" + "|".join(OPTIONAL) + r")\b", re.M)
 # packages a page needs without importing them itself (hbk.data reads Parquet with pyarrow)
 INDIRECT = {"data.md": ("pyarrow",)}
-
-
-def blocks(page, lang):
-    """``(first line number, code)`` of each block fenced exactly as ```lang."""
-    text = page.read_text()
-    return [(text.count("\n", 0, m.start(2)) + 1, m.group(2))
-            for m in FENCE.finditer(text) if m.group(1).strip() == lang]
-
-
-def script(page, langs=("python",)):
-    """The page's blocks fenced as one of ``langs`` as one script whose line numbers are
-    the page's own (every other line blank), so a traceback points at the line of the
-    .md file."""
-    lines = [""] * (page.read_text().count("\n") + 1)
-    for lang in langs:
-        for first, code in blocks(page, lang):
-            for i, line in enumerate(code.splitlines()):
-                lines[first - 1 + i] = line
-    return "\n".join(lines) + "\n"
 
 
 RUNNABLE = [p for p in PAGES if blocks(p, "python")]
@@ -90,50 +73,6 @@ def test_links_between_pages_resolve():
             assert resolved.exists(), f"{page.name} links to a missing {target}"
             if anchor and resolved.suffix == ".md":
                 assert anchor in _anchors(resolved), f"{page.name}: no #{anchor} in {target or page.name}"
-
-
-# a shown result: `print(...)  # what it prints` on one line; "..." stands for any text, and
-# the comment may go on past the value after ": " or "; " (words about it)
-SHOWN = re.compile(r"^\s*print\(.*\)\s+# (.+?)\s*$")
-
-
-def shown_results(code):
-    """``{line number: comment}`` of each line of ``code`` (a page's :func:`script`) that
-    prints with its result beside it."""
-    return {k: m.group(1) for k, line in enumerate(code.splitlines(), 1)
-            for m in [SHOWN.match(line)] if m}
-
-
-def shows(printed, comment):
-    """Whether the comment ``comment`` shows the text ``printed`` ("..." matching any
-    text): as the text or its start (an error message, a table), or as the text followed
-    by words about it (after ": " or "; ")."""
-    def pattern(text):
-        return ".*?".join(re.escape(part) for part in text.split("..."))
-
-    if re.match(pattern(comment), printed, re.S):
-        return True
-    return any(re.fullmatch(pattern(comment[:m.start()]), printed, re.S)
-               for m in re.finditer(r"[:;] ", comment))
-
-
-def run_and_check(page, langs=("python",)):
-    """Run ``page``'s blocks of ``langs`` as one script (:func:`script`); each
-    ``print(...)  # result`` must print what its comment shows (:func:`shows`)."""
-    code = script(page, langs)
-    printed = {}
-
-    def recorded(*args, sep=" ", end="\n", file=None, flush=False):
-        frame = sys._getframe(1)
-        if file is None and frame.f_code.co_filename == str(page):
-            printed.setdefault(frame.f_lineno, []).append(sep.join(map(str, args)))
-        print(*args, sep=sep, end=end, file=file, flush=flush)
-
-    exec(compile(code, str(page), "exec"), {"__name__": "__main__", "print": recorded})
-    wrong = [f"{page.name}:{line}: shows {comment!r}, printed {printed.get(line)!r}"
-             for line, comment in shown_results(code).items()
-             if not printed.get(line) or not all(shows(p, comment) for p in printed[line])]
-    assert not wrong, "\n".join(wrong)
 
 
 @pytest.mark.parametrize("page", RUNNABLE, ids=lambda p: p.name)

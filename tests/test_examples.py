@@ -16,7 +16,7 @@ def test_embedding_bag_cpu_example():
 def test_readme_python_snippets_run_and_print_what_they_show():
     """The README's Python blocks, in order, as one script (collectives on the local
     backend); each ``print(...)  # result`` prints what it shows."""
-    from test_docs import blocks, run_and_check
+    from doc_blocks import blocks, run_and_check
 
     assert len(blocks(ROOT / "README.md", "python")) >= 3
     run_and_check(ROOT / "README.md")

@@ -950,7 +950,9 @@ class Checkpoint:
         arrays = ["weights"] + [slot for slot, _ in coll.optimizer.slots if (name, slot) in saved]
         rows = self._dynamic(name, arrays, ids[mine])  # only the rows it keeps
         pending = self._dynamic_index(name, "pending_") if (name, "pending_ids") in saved else None
-        coll.restore_dynamic(name, ids[mine], last[mine], count[mine], rows, pending)
+        clock = max([int(a.max()) for a in (last, None if pending is None else pending[1])
+                     if a is not None and a.shape[0]] or [0])  # every rank's share counts every call
+        coll.restore_dynamic(name, ids[mine], last[mine], count[mine], rows, pending, clock)
 
     def _lists_every_id(self):
         """This save lists a dynamic table's every live and pending id: a full save, or

@@ -1662,13 +1662,14 @@ class EmbeddingCollection:
         is a full one, since no incremental save could say what changed."""
         self._chain_bytes = math.inf
 
-    def restore_dynamic(self, name, ids, last, count, rows, pending=None):
+    def restore_dynamic(self, name, ids, last, count, rows, pending=None, clock=0):
         """Put the saved ids of dynamic table ``name`` back (NumPy arrays over all
         ranks; this rank takes the ids it owns), replacing what the table held here:
         ``last`` and ``count`` their scores, ``rows`` ``{"weights" or an optimizer slot:
         rows}`` aligned with ``ids``, ``pending`` ``(ids, last, count)`` of ids waiting
-        for admission. The table's call counter becomes the largest ``last`` of the ids,
-        live and pending, it takes. A shard given more ids than its slots leaves out
+        for admission. The table's call counter (one clock for every rank's share: each
+        counts every call) becomes the largest of ``clock`` and the ``last`` of the ids
+        given, live and pending. A shard given more ids than its slots leaves out
         those its policy evicts first (:meth:`hbkernels.HashTable.restore`), with a
         ``RuntimeWarning``. Not collective."""
         shard = self._dynamic_shard(name)
@@ -1677,13 +1678,13 @@ class EmbeddingCollection:
         table.clear()
         self.rows_written_elsewhere()
         mine = dynamic_owner(np, ids, n) == me
-        step = int(last[mine].max()) if mine.any() else 0  # its call counter (HashTable.state)
+        step = max(int(clock), int(last.max()) if last.shape[0] else 0)  # the call counter
         waiting = None
         if pending is not None:
             theirs = dynamic_owner(np, pending[0], n) == me
             waiting = tuple(a[theirs] for a in pending)
-            if theirs.any():
-                step = max(step, int(waiting[1].max()))
+            if pending[1].shape[0]:
+                step = max(step, int(pending[1].max()))
             waiting += (step,)
         slots = table.restore(ids[mine], last[mine], count[mine], step, waiting)
         kept = slots >= 0
