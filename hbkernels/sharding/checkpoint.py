@@ -950,8 +950,7 @@ class Checkpoint:
         arrays = ["weights"] + [slot for slot, _ in coll.optimizer.slots if (name, slot) in saved]
         rows = self._dynamic(name, arrays, ids[mine])  # only the rows it keeps
         pending = self._dynamic_index(name, "pending_") if (name, "pending_ids") in saved else None
-        clock = max([int(a.max()) for a in (last, None if pending is None else pending[1])
-                     if a is not None and a.shape[0]] or [0])  # every rank's share counts every call
+        clock = int(last.max()) if last.shape[0] else 0  # every rank's ids: one clock for all shares
         coll.restore_dynamic(name, ids[mine], last[mine], count[mine], rows, pending, clock)
 
     def _lists_every_id(self):

@@ -251,9 +251,6 @@ class _Feature(NamedTuple):
     uniq: Any  # ids to send: distinct ones (the values themselves when dedup is off); None at world size 1
     inverse: Any  # values == uniq[inverse]; None at world size 1
     sequence_offsets: Any = None  # a sequence table's input offsets (its bags are single ids)
-    # ([the ragged.Staged the check joined every feature's inputs into], first value, first
-    # offset): the list is empty where a pooling launch may not read them there
-    joined: Any = None
 
 
 class EmbeddingCollection:
@@ -600,6 +597,11 @@ class EmbeddingCollection:
 
     # -- forward ------------------------------------------------------------------------------------
     def _read_inputs(self, features, per_sample_weights):
+        """``(inputs, joined)``: each feature's :class:`_Feature`, checked (the check left
+        pending on a GPU), in the collection's feature order; ``joined``: the
+        ``ragged.Staged`` the check joined their values and offsets into, one feature's
+        after another, where a pooling launch may read them there (no weights, no
+        sequence table), else None."""
         if is_keyed_jagged_tensor(features):
             features, per_sample_weights = features_from_kjt(features, per_sample_weights)
         if not isinstance(features, dict):
@@ -613,7 +615,7 @@ class EmbeddingCollection:
         space = self._family(self.device)
         inputs = {}
         checked = []  # (name, values, offsets, row limit or None: ids unchecked) per feature
-        joined, at_value, at_offset, plain = [], 0, 0, True
+        plain = True  # no feature with weights or a sequence table's
         for f in sorted(features, key=self._feature_order.get):
             spec = self.tables[self.feature_table[f]]
             x = features[f]
@@ -652,22 +654,19 @@ class EmbeddingCollection:
                     else:
                         uniq, inverse = values, space.xp.arange(values.shape[0], dtype=np.int64)
             psw = None if psw is None else psw.astype(np.float32, copy=False)
-            batch = int(offsets.shape[0]) - 1
-            inputs[f] = _Feature(spec.name, values, offsets, psw, batch, uniq, inverse,
-                                 sequence_offsets, (joined, at_value, at_offset))
-            at_value += values.shape[0]  # where the check joins this feature's inputs
-            at_offset += batch + 1
+            inputs[f] = _Feature(spec.name, values, offsets, psw, int(offsets.shape[0]) - 1,
+                                 uniq, inverse, sequence_offsets)
             plain = plain and psw is None and sequence_offsets is None
+        joined = None
         if self._reserved is not None:
             kernels(space, "ragged").check_features(space, *zip(*checked),
                                                     staged=self._stage(space, inputs), padded=True)
         elif checked:
             staged = kernels(space, "ragged").check_features(space, *zip(*checked))
-            if staged is not None and plain:  # the pooling launch reads the joined inputs
-                joined.append(staged)
+            joined = staged if plain else None  # the pooling launch may read them there
         if space.is_cuda and self.comm.world_size > 1:
             synchronize()  # the checks' errors here, where the peers are told, not mid-exchange
-        return inputs
+        return inputs, joined
 
     def _stage(self, space, inputs):
         """Copy this forward's inputs into the reserved arrays (nothing allocated): the
@@ -862,7 +861,7 @@ class EmbeddingCollection:
         self._insert = bool(insert)
         self.stats = {"ids_bytes": 0, "rows_bytes": 0, "grads_bytes": 0, "replica_grads_bytes": 0}
         try:
-            inputs = self._read_inputs(features, per_sample_weights)
+            inputs, joined = self._read_inputs(features, per_sample_weights)
         except Exception as error:
             if self.layout.exchange_groups and self.comm.world_size > 1:
                 self.comm.fail_collectively("alltoallv", error)
@@ -882,7 +881,7 @@ class EmbeddingCollection:
                          for group, s in zip(self.layout.exchange_groups, sent)]
             local = []
         local += [(group, True) for group in self.layout.replica_groups]
-        local = self._forward_locals(local, inputs, outputs)
+        local = self._forward_locals(local, inputs, outputs, joined)
         self._saved = Saved(inputs, exchanges, local)
         result = {}
         for f, feature in inputs.items():
@@ -914,7 +913,7 @@ class EmbeddingCollection:
         sharded = [g for g in self.layout.exchange_groups if g in cached]
         collective = self.comm.world_size > 1 and bool(sharded)
         try:
-            inputs = self._read_inputs(features, per_sample_weights)
+            inputs, _ = self._read_inputs(features, per_sample_weights)
         except Exception as error:
             if collective:
                 self.comm.fail_collectively("alltoallv", error)
@@ -1102,23 +1101,25 @@ class EmbeddingCollection:
                            lambda k: inputs[requests[k][0]].inverse, outputs)
         return ExchangeContext(group, pools, total, order, send_counts, recv_keys, recv_counts)
 
-    def _forward_locals(self, pairs, inputs, outputs):
+    def _forward_locals(self, pairs, inputs, outputs, joined=None):
         """:meth:`_forward_local` of each ``(group, replicated)`` of ``pairs``; those in a
-        flat array pooled together, one launch per flat array (:meth:`_pool_flat`)."""
+        flat array pooled together, one launch per flat array (:meth:`_pool_flat`, which
+        reads ``joined`` as :meth:`_read_inputs` gives it)."""
         flat = defaultdict(list)
         for group, replicated in pairs:
             if group in self._flat_of:
                 flat[self._flat_of[group]].append((group, replicated))
         pooled = {}
         for key, members in flat.items():
-            pooled.update(self._pool_flat(key, members, inputs, outputs))
+            pooled.update(self._pool_flat(key, members, inputs, outputs, joined))
         return [pooled[pair] if pair in pooled else
                 self._forward_local(pair[0], inputs, outputs, pair[1]) for pair in pairs]
 
-    def _pool_flat(self, key, pairs, inputs, outputs):
+    def _pool_flat(self, key, pairs, inputs, outputs, joined=None):
         """Pool the requests of ``pairs`` ``(group, replicated)`` (static fused arrays in
         :attr:`flats` ``[key]``, their replicated or sharded slices) in one launch
-        (:mod:`hbkernels.cuda.pool_tables`); each feature's output, whole, goes to
+        (:mod:`hbkernels.cuda.pool_tables`), reading the values and offsets in ``joined``
+        (:meth:`_read_inputs`) or joining them; each feature's output, whole, goes to
         ``outputs`` (every slice of its table is in the launch). Returns ``{pair:
         LocalContext}``, their pools (one per combiner, as :meth:`_pool` makes them) views
         of what the launch wrote."""
@@ -1140,8 +1141,11 @@ class EmbeddingCollection:
                 outputs[f] = pieces if batch == r.batch else [(0, pieces[0][1], pieces[0][2][:batch])]
             return flat.contexts
         values, offsets, segments, placed, layouts = [], [], [], {}, []
-        first = next(iter(inputs.values()), None)  # the check's joined inputs, where they serve
-        joined = first.joined[0][0] if first is not None and first.joined and first.joined[0] else None
+        if joined is not None:  # each feature's values and offsets there: one after another
+            firsts, value, offset = {}, 0, 0
+            for f, x in inputs.items():
+                firsts[f] = (value, offset)
+                value, offset = value + int(x.values.shape[0]), offset + x.batch + 1
         row_features = []  # the feature of each segment: whose ids the launch's rows are
         at = [0, 0, 0, 0, 0]  # the next feature's first value, offset and output element;
         #                       the next pool's first row and first bound
@@ -1162,7 +1166,7 @@ class EmbeddingCollection:
                             at[0] += n
                             at[1] += feature.batch + 1
                         else:
-                            placed[f] = (feature.joined[1], feature.joined[2], at[2])
+                            placed[f] = (*firsts[f], at[2])
                         at[2] += feature.batch * dim
                     first_value, first_offset, out = placed[f]
                     segments.append(pool_tables.Segment(
@@ -1852,8 +1856,8 @@ class EmbeddingCollection:
         specs = [t._replace(path=os.fspath(paths[t.name])) if t.name in paths else t
                  for t in specs]
         args = saved.constructor_args(**overrides)
-        for key in ("plan", "quantize"):  # a dict naming every saved table: the chosen ones
-            if isinstance(args.get(key), dict) and (key == "quantize" or "plan" not in overrides):
+        for key in ("plan", "quantize"):  # a saved dict naming every table: the chosen ones
+            if isinstance(args.get(key), dict) and key not in overrides:
                 args[key] = {name: v for name, v in args[key].items() if name in chosen}
         coll = cls(specs, comm=comm, initializer=saved.initial_weights, **args)
         try:  # every rank restores its shards, or every rank raises
