@@ -270,8 +270,9 @@ def contiguous_cupy_family(*arrays):
     :func:`resolve` would hand each over, read or updated in place), else None."""
     family = cupy_family_of(*arrays)
     if family is not None:
-        for a in arrays:
-            if not a.flags.c_contiguous:
+        for a in arrays:  # (``.flags`` makes a Flags object; CuPy keeps the bit)
+            contiguous = getattr(a, "_c_contiguous", None)
+            if not (a.flags.c_contiguous if contiguous is None else contiguous):
                 return None
     return family
 

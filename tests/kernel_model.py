@@ -556,18 +556,13 @@ def phases(case, real):
         # ids and offsets read (and checked); per position the sort key and the bag written
         Phase("prepare", ids + offsets + n * (key + index), "embedding_bag_backward.prepare_kernel"),
         Phase("sort keys (CuPy argsort, CUB radix sort)", sort_bytes(n, key, position)),
-        # the positions read, the keys gathered (they fit in L2), a byte per position written
-        Phase("run heads", n * (position + key + 1), "_segments.heads_kernel"),
-        Phase("scan heads (CuPy cumsum)", n * (1 + index)),
-        # run numbers and positions read; at each head its key (a sector each, at most the
-        # array), the run's start and key written
-        Phase("run bounds", n * (index + position) + min(n * key, SECTOR * k)
-              + k * (index + key), "_segments.compact_kernel"),
-        # each slot: its window's run numbers and the run's bounds and key (a sector each);
+        # each slot: the keys at and beside its window's edges, and its run's bounds by a
+        # search inside the window (a position and a key a step, a sector each; only a
+        # run's first and last windows search past their own: a few KB in all);
         # occurrences summed: position and bag (the rows of grad_out come from L2); partial
         # rows read and written
         Phase("partial rows (level by level)",
-              seg.slots * 5 * SECTOR
+              seg.slots * 6 * SECTOR
               + (seg.direct - seg.direct_final) * (position + index + grad_rows_gathered)
               + (seg.partials_read - seg.partials_read_final) * D * acc
               + seg.partial_rows * D * acc,
@@ -579,8 +574,17 @@ def phases(case, real):
                    + seg.partials_read_final * D * acc + k * (index + key))
     if case.op == "embedding_bag_backward":
         counted = grad_out + k * D * item + 8 * k + ids + offsets
+        prepare, sort, partials = common
         return counted, [
-            *common,
+            prepare, sort,
+            # the runs (:mod:`hbkernels.cuda._runs`): per tile its heads counted, the counts
+            # scanned, then the runs' bounds: the positions read and the keys gathered (they
+            # fit in L2) twice, at each head its start written. At the real size these are
+            # three launches; the simulated op (one tile) launches the last alone, whose
+            # figures stand for the three
+            Phase("runs: heads per tile, scanned; run bounds",
+                  2 * n * (position + key) + k * index, "_runs.run_kernels[1]"),
+            partials,
             # (final_reads holds each run's key; its id is written in the values' dtype)
             Phase("gather: sum each id's rows, write them and the ids",
                   final_reads + k * D * item + 8 * k, "embedding_bag_backward.gather_kernel"),
@@ -593,8 +597,11 @@ def phases(case, real):
     return counted, [
         Phase("prepare, check grad_out finite", prepare.bytes + grad_out, prepare.kernel),
         *rest,
-        Phase("update: sum each id's rows, apply the rule",
-              final_reads + 2 * k * D * item + state, "sparse_update._update_kernel"),
+        # every sorted position's position and key (is it a run's first?), then each run's
+        # end by a galloping search (a sector per step: a few for most runs)
+        Phase("update: find each run, sum its rows, apply the rule",
+              final_reads + n * (position + key) + 4 * k * SECTOR + 2 * k * D * item + state,
+              "sparse_update._update_kernel"),
     ], seg.max_serial
 
 

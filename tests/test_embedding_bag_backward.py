@@ -163,6 +163,25 @@ def test_bounds_zero_drops_bad_ids(backend, rng, combiner):
     check_against_dense(ids, rows, dense, touched, np.float32, np.int64)
 
 
+def test_calls_after_a_bad_one_see_only_their_own_input(backend, rng):
+    """A bad id's error, a bad offset's, then valid calls under each mode: each call reports
+    what its own input holds (on the GPU the slots it reads back are kept between calls)."""
+    grad_out = rng.standard_normal((2, 3)).astype(np.float32)
+    good, offsets = np.array([1, 4, 4], np.int64), np.array([0, 1, 3], np.int64)
+    dense, touched = dense_backward(grad_out, good, offsets, 6, "sum")
+    for bad, bad_offsets, bounds in [(np.array([1, 9, 4]), offsets, "raise"),
+                                     (np.array([1, 9, 4]), offsets, "zero"),
+                                     (good, np.array([0, 2, 1]), "raise")]:
+        if bounds == "zero":
+            run_backward(backend, grad_out, bad, bad_offsets, 6, bounds="zero")
+        else:
+            with raises((hbk.BoundsError, ValueError)):  # a bad id, a bad offset
+                run_backward(backend, grad_out, bad, bad_offsets, 6, bounds=bounds)
+        for mode in ("raise", "zero", "unchecked", "raise"):
+            ids, rows = run_backward(backend, grad_out, good, offsets, 6, bounds=mode)
+            check_against_dense(ids, rows, dense, touched, np.float32, np.int64)
+
+
 def test_bounds_unchecked_on_valid_input(backend, rng):
     batch, max_len, num_rows = sizes(backend)
     grad_out, values, offsets = make_case(rng, num_rows, 4, batch, max_len, np.float32,

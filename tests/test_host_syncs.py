@@ -88,13 +88,13 @@ def test_fused_step(cuda, rng, bounds, nonfinite):
     call = lambda: opt.fused_step(table, state, grad_out, values, offsets,  # noqa: E731
                                   bounds=bounds)
     assert cuda.syncs(call) == 0
-    # the per-bag pass (with the gradient's finiteness check), the run heads and bounds,
-    # the update (and CuPy's sort and scan between them)
-    assert cuda.launches(call) == 4
+    # the per-bag pass (with the gradient's finiteness check) and the update (CuPy's sort
+    # between them)
+    assert cuda.launches(call) == 2
     psw = cuda.put(rng.random(int(values.shape[0])).astype(np.float32))
     weighted = lambda: opt.fused_step(table, state, grad_out, values, offsets,  # noqa: E731
                                       bounds=bounds, per_sample_weights=psw)
-    assert cuda.launches(weighted) == (5 if nonfinite == "raise" else 4)  # + the weights' check
+    assert cuda.launches(weighted) == (3 if nonfinite == "raise" else 2)  # + the weights' check
 
 
 def test_unique_reads_its_size_once(cuda, rng):

@@ -279,14 +279,14 @@ def fake_ptx(kinds, name="_Z6kernelPx"):
 
 
 def test_compiled_once_per_machine(cache_dir, monkeypatch):
-    from hbkernels.cuda import _abi, _compile, _segments
+    from hbkernels.cuda import _abi, _compile, ragged
 
     calls = []
     monkeypatch.setattr(_compile, "ptx", lambda k, a, cc: calls.append(cc) or
                         fake_ptx(_abi.ptx_types(a)))
     monkeypatch.setattr(_compile, "link", lambda ptx, cc: (b"\x7fELF-cubin", "log"))
     argtypes = (types.Array(types.int64, 1, "C"),) * 3
-    kernel = _segments.heads_kernel
+    kernel = ragged._ragged_kernel
     stats = dict(_kernel_cache.STATS)
     assert _kernel_cache.compiled(kernel, argtypes, (9, 0)) == (b"\x7fELF-cubin", "_Z6kernelPx")
     assert _kernel_cache.compiled(kernel, argtypes, (9, 0))[1] == "_Z6kernelPx"  # memory
@@ -307,14 +307,14 @@ def test_compiled_once_per_machine(cache_dir, monkeypatch):
 
 
 def test_keys_name_what_was_compiled():
-    from hbkernels.cuda import _segments
     from hbkernels.cuda.embedding_bag import pool_kernel
+    from hbkernels.cuda.ragged import _features_kernel, _ragged_kernel
 
     a64, a32 = types.Array(types.int64, 1, "C"), types.Array(types.int32, 1, "C")
     key = _kernel_cache.key
-    assert key(_segments.heads_kernel, (a64,), (9, 0)) != key(_segments.heads_kernel, (a32,), (9, 0))
-    assert key(_segments.heads_kernel, (a64,), (9, 0)) != key(_segments.heads_kernel, (a64,), (8, 0))
-    assert key(_segments.heads_kernel, (a64,), (9, 0)) != key(_segments.compact_kernel, (a64,), (9, 0))
+    assert key(_ragged_kernel, (a64,), (9, 0)) != key(_ragged_kernel, (a32,), (9, 0))
+    assert key(_ragged_kernel, (a64,), (9, 0)) != key(_ragged_kernel, (a64,), (8, 0))
+    assert key(_ragged_kernel, (a64,), (9, 0)) != key(_features_kernel, (a64,), (9, 0))
     f32, f16 = np.dtype(np.float32), np.dtype(np.float16)
     one = pool_kernel(f32, None, 4, 4, 1, False, True)
     other = pool_kernel(f16, None, 4, 4, 1, False, True)
@@ -326,7 +326,7 @@ def test_keys_name_what_was_compiled():
 def test_a_ptx_entry_the_launcher_does_not_pack_is_an_error_naming_it(cache_dir, monkeypatch):
     """A Numba whose kernel ABI drifted: the compile fails naming the kernel and the first
     parameter that differs, and nothing is cached or launched."""
-    from hbkernels.cuda import _abi, _compile, _segments
+    from hbkernels.cuda import _abi, _compile, ragged
 
     argtypes = (types.Array(types.int64, 1, "C"), types.int32)
     kinds = _abi.ptx_types(argtypes)
@@ -334,20 +334,20 @@ def test_a_ptx_entry_the_launcher_does_not_pack_is_an_error_naming_it(cache_dir,
     drifted = kinds[:4] + ["u32"] + kinds[5:]  # the data pointer narrowed
     monkeypatch.setattr(_compile, "ptx", lambda k, a, cc: fake_ptx(drifted))
     monkeypatch.setattr(_compile, "link", lambda ptx, cc: pytest.fail("linked a bad entry"))
-    with pytest.raises(TypeError, match=r"kernel hbkernels\.cuda\._segments\.heads_kernel: .*"
+    with pytest.raises(TypeError, match=r"kernel hbkernels\.cuda\.ragged\._ragged_kernel: .*"
                        r"parameter 4 is \.u64 in the launcher and \.u32 in the PTX"):
-        _kernel_cache.compiled(_segments.heads_kernel, argtypes, (9, 0))
+        _kernel_cache.compiled(ragged._ragged_kernel, argtypes, (9, 0))
     monkeypatch.setattr(_compile, "ptx", lambda k, a, cc: fake_ptx(kinds[:-1]))  # one too few
     with pytest.raises(TypeError, match=r"packs 8 parameters .* takes 7; parameter 7 is \.u32 "
                        r"in the launcher and nothing in the PTX"):
-        _kernel_cache.compiled(_segments.heads_kernel, argtypes, (9, 0))
+        _kernel_cache.compiled(ragged._ragged_kernel, argtypes, (9, 0))
     assert not list(cache_dir.glob("*.cubin"))
 
 
 LOCK_SCRIPT = """
 import os, sys, time
 from numba import types
-from hbkernels.cuda import _abi, _compile, _kernel_cache, _segments
+from hbkernels.cuda import _abi, _compile, _kernel_cache, ragged
 
 log, go = sys.argv[1], sys.argv[2]
 argtypes = (types.Array(types.int64, 1, "C"),) * 3
@@ -363,7 +363,7 @@ _compile.ptx = ptx
 _compile.link = lambda text, cc: (b"\\x7fELF-cubin", "")
 while not os.path.exists(go):
     time.sleep(0.005)
-assert _kernel_cache.compiled(_segments.heads_kernel, argtypes, (9, 0)) == (b"\\x7fELF-cubin", "k")
+assert _kernel_cache.compiled(ragged._ragged_kernel, argtypes, (9, 0)) == (b"\\x7fELF-cubin", "k")
 print(_kernel_cache.STATS["compiled"], _kernel_cache.STATS["disk"])
 """
 

@@ -1,29 +1,21 @@
-"""The graph-safe grouping (:mod:`hbkernels.cuda.radix_sort`), under the simulator (or on
-a GPU): the stable order and the runs of NumPy's stable argsort and unique, for every
-number of passes and both key widths, with no allocation and no library call."""
+"""The graph-safe sort (:mod:`hbkernels.cuda.radix_sort`), under the simulator (or on a
+GPU): the stable order of NumPy's stable argsort, for every number of passes and both key
+widths, with no allocation and no library call."""
 import numpy as np
 import pytest
 
-from hbkernels.cuda import _device, _launcher, _segments, radix_sort
+from hbkernels.cuda import _device, _launcher, radix_sort
 
 pytestmark = pytest.mark.cuda
 
 
-def grouped(space, keys):
-    """The space's grouping of ``keys`` (NumPy), on the host: order, run, starts, ids."""
-    g = space.group(_device.xp().asarray(keys))
-    k = int(_device.to_host(g.count)[0])
-    order, run = _device.to_host(g.order), _device.to_host(g.run)
-    return order, run, _device.to_host(g.starts)[:k + 1], _device.to_host(g.ids)[:k]
+def sorted_by(space, keys):
+    """The space's order of ``keys`` (NumPy), on the host."""
+    return _device.to_host(space.sort(_device.xp().asarray(keys)))
 
 
-def check(keys, order, run, starts, ids):
-    expected = np.argsort(keys, kind="stable")
-    np.testing.assert_array_equal(order, expected)
-    uniq = np.unique(keys)
-    np.testing.assert_array_equal(ids, uniq)
-    np.testing.assert_array_equal(starts, _segments.run_bounds(keys))
-    np.testing.assert_array_equal(run, np.searchsorted(uniq, keys[expected]) + 1)
+def check(keys, order):
+    np.testing.assert_array_equal(order, np.argsort(keys, kind="stable"))
 
 
 KEYS = {
@@ -46,19 +38,19 @@ def test_equals_numpy_stable_argsort(rng, case, top, dtype):
     keys = KEYS[case](rng, n, top).astype(dtype)
     space = radix_sort.SortSpace(n, top, dtype)
     assert space.passes == max(1, -(-top.bit_length() // 8))
-    check(keys, *grouped(space, keys))
+    check(keys, sorted_by(space, keys))
 
 
 @pytest.mark.parametrize("n", [1, 2, 255, 256, 257, 2 * 256 + 3])
 def test_sizes_around_the_tiles(rng, n):
     """One key, a tile's worth (under the simulator a tile is 256 keys), one more."""
     keys = rng.integers(0, 600, n).astype(np.int32)
-    check(keys, *grouped(radix_sort.SortSpace(n, 600, np.int32), keys))
+    check(keys, sorted_by(radix_sort.SortSpace(n, 600, np.int32), keys))
 
 
 def test_a_space_serves_every_call(rng, monkeypatch):
-    """The same space groups new keys each call, allocating nothing and calling no library:
-    5 launches a pass and 3 for the runs."""
+    """The same space sorts new keys each call, allocating nothing and calling no library:
+    5 launches a pass."""
     n = 300
     space = radix_sort.SortSpace(n, 5000, np.int32)
     batches = [rng.integers(0, 5001, n).astype(np.int32), np.full(n, 5000, np.int32),
@@ -66,20 +58,19 @@ def test_a_space_serves_every_call(rng, monkeypatch):
     on_device = [_device.xp().asarray(k) for k in batches]
 
     def refused(*args, **kwargs):
-        raise AssertionError("the grouping allocated or called a library")
+        raise AssertionError("the sort allocated or called a library")
 
     for name in ("xp", "scratch", "zeros", "full", "read", "to_host"):
         monkeypatch.setattr(_device, name, refused)
     found = []
     for keys in on_device:
         before = _launcher.LAUNCHES[0]
-        g = space.group(keys)
-        assert _launcher.LAUNCHES[0] - before == 5 * space.passes + 3
-        found.append([np.array(a) for a in (g.order, g.run, g.starts, g.ids, g.count)])
+        order = space.sort(keys)
+        assert _launcher.LAUNCHES[0] - before == 5 * space.passes
+        found.append(np.array(order))
     monkeypatch.undo()
-    for keys, (order, run, starts, ids, count) in zip(batches, found):
-        k = int(count[0])
-        check(keys, order, run, starts[:k + 1], ids[:k])
+    for keys, order in zip(batches, found):
+        check(keys, order)
 
 
 def test_capacity_is_checked():

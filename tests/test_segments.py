@@ -101,11 +101,21 @@ def test_levels_cover_any_run():
 
 
 @pytest.mark.parametrize("case", ["random", "one id", "all distinct", "hot among few"])
-def test_group_kernels_match_numpy(rng, case):
-    """group() on the device (simulator): the runs of the stably sorted keys."""
-    n = int(rng.integers(1, 40))
+@pytest.mark.parametrize("size", ["one tile", "tiles"])
+def test_group_kernels_match_numpy(rng, case, size):
+    """group() on the device (simulator): the runs of the stably sorted keys, in one
+    launch up to a tile of sorted positions, in three past it (tiles of 256 under the
+    simulator: a run across a tile's edge, a tile of one run); no library call but the
+    sort."""
+    from hbkernels.cuda import _launcher, _runs
+
+    tile = _runs.ITEMS * 32
+    n = int(rng.integers(1, 40)) if size == "one tile" else int(rng.choice([tile + 1, 3 * tile + 5]))
     keys = CASES[case](rng, n).astype(np.int32)
-    g = _segments.group(_device.xp().asarray(keys))
+    device_keys = _device.xp().asarray(keys)
+    launches = _launcher.LAUNCHES[0]
+    g = _segments.group(device_keys)
+    assert _launcher.LAUNCHES[0] - launches == (1 if n <= tile else 3)
     order, run, starts = (_device.to_host(a) for a in (g.order, g.run, g.starts))
     ids, k = _device.to_host(g.ids), int(_device.to_host(g.count)[0])
     uniq = np.unique(keys)
@@ -128,3 +138,69 @@ def test_bench_ids_walk_at_most_a_chunk():
 
 def test_one_id_two_million_times():
     assert _segments.max_serial_items(np.zeros(2_097_152, np.int64)) <= _segments.CHUNK
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_run_bounds_from_any_position(rng, case):
+    """run_start and run_end (the kernels' searches, here as plain Python) give every sorted
+    position its run's bounds, within any range of sorted positions holding it."""
+    n = int(rng.integers(1, 300))
+    keys = CASES[case](rng, n)
+    order = np.argsort(keys, kind="stable")
+    starts = _segments.run_bounds(keys)
+    run = np.repeat(np.arange(len(starts) - 1), np.diff(starts))
+    first, last = sorted(rng.integers(0, n + 1, 2))
+    for i in range(n):
+        lo, hi = starts[run[i]], starts[run[i] + 1]
+        assert _segments.run_start(keys, order, 0, i) == lo
+        assert _segments.run_end(keys, order, i, n) == hi
+        if first <= i < last:
+            assert _segments.run_start(keys, order, first, i) == max(lo, first)
+            assert _segments.run_end(keys, order, i, last) == min(hi, last)
+
+
+def test_run_bounds_of_a_run_of_millions():
+    keys = np.concatenate([np.zeros(3), np.ones(2_000_000), np.full(5, 2)]).astype(np.int64)
+    order = np.arange(keys.shape[0])
+    for i in (3, 4, 1_000_000, 2_000_002):
+        assert _segments.run_start(keys, order, 0, i) == 3
+        assert _segments.run_end(keys, order, i, keys.shape[0]) == 2_000_003
+
+
+@pytest.mark.parametrize("chunk", [2, 3, 4])
+@pytest.mark.parametrize("case", list(CASES))
+def test_slot_runs_give_the_exact_runs_sums(rng, chunk, case):
+    """slot_run's bounds (stand-ins inside a long run) give every window slot of every
+    level what the run's exact bounds give: whether it sums, its piece and the partial
+    rows it reads, within a range of sorted positions (a table's) as within all."""
+    n = int(rng.integers(1, 200))
+    keys = CASES[case](rng, n)
+    order = np.argsort(keys, kind="stable")
+    starts = _segments.run_bounds(keys)
+    run = np.repeat(np.arange(len(starts) - 1), np.diff(starts))
+    for first, last in [(0, n), tuple(sorted(rng.integers(0, n + 1, 2)))]:
+        m = last - first
+        width = 1
+        for level in range(1, _segments.partial_levels(m, chunk)[0] + 1):
+            width *= chunk
+            for s in range(2 * -(-m // width)):
+                w_lo = first + (s // 2) * width
+                w_hi = min(w_lo + width, last)
+                at = w_lo if s % 2 == 0 else w_hi - 1
+                lo = max(starts[run[at]], first)
+                hi = min(starts[run[at] + 1], last)
+                exact = not (s % 2 == 1 and lo <= w_lo) and \
+                    _segments.final_level(lo - first, hi - first, chunk)[0] >= level
+                got_lo, got_hi = _segments.slot_run(keys, order, first, last, w_lo, w_hi,
+                                                    s % 2 == 1)
+                got = got_lo >= 0 and _segments.final_level(got_lo - first, got_hi - first,
+                                                            chunk)[0] >= level
+                assert got == exact, (first, last, level, s)
+                if not exact:
+                    continue
+                piece = _segments.piece(lo - first, hi - first, level, s // 2, chunk)
+                assert _segments.piece(got_lo - first, got_hi - first, level, s // 2,
+                                       chunk) == piece
+                for q in range(*piece):  # the partial rows (or positions) it sums
+                    assert _segments.partial_row(got_lo - first, q, width // chunk, 0) == \
+                        _segments.partial_row(lo - first, q, width // chunk, 0)

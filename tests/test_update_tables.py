@@ -63,6 +63,8 @@ def check_against_own_steps(coll, opt_name, specs, before, batch, psw, grads, **
                                   **options)
         got_w, got_s = snapshot(coll, spec)
         np.testing.assert_array_equal(got_w, want_w, err_msg=f)
+        if coll.step_per_table and not np.asarray(batch[f][0]).size:
+            want_s["step"] -= 1  # a table's own count skips a batch with none of its ids
         assert got_s["step"] == want_s["step"]
         for slot in state_names(coll.optimizer):
             np.testing.assert_array_equal(got_s[slot].reshape(want_s[slot].shape), want_s[slot],
@@ -82,8 +84,7 @@ def test_each_table_as_its_own_fused_step(cuda_backend, rng, opt_name):
     _, seen = recorded_launches(
         lambda: coll.backward({f: device_family("cuda").put(g) for f, g in grads.items()}))
     names = [k.built_by[1] if hasattr(k, "built_by") else k.__name__ for k in seen]
-    assert names == ["prepare_tables_kernel", "heads_kernel", "compact_kernel",
-                     "update_tables_kernel"]  # one table's fused step
+    assert names == ["prepare_tables_kernel", "update_tables_kernel"]  # one table's fused step
     hbk.synchronize()
     check_against_own_steps(coll, opt_name, specs, before, batch, psw, grads)
 

@@ -34,11 +34,11 @@ def _constant(values):
 
 
 def _backward_answers(ids, offsets):
-    """The one read of ``embedding_bag_backward``: its error slots (clean), the distinct
-    id count and the first (smallest) distinct id, as the CPU gives them."""
+    """The one read of ``embedding_bag_backward``: the distinct id count, the first
+    (smallest) distinct id and its error slots (clean), as the CPU gives them."""
     grad = hbk.embedding_bag_backward(np.ones((len(offsets) - 1, 1), np.float32), ids, offsets,
                                       num_rows=int(ids.max()) + 1)
-    info = [NO_ERROR, NO_ERROR, len(grad.ids), int(grad.ids.min())]
+    info = [len(grad.ids), int(grad.ids.min()), NO_ERROR, NO_ERROR]
     return {"hbkernels.cuda.embedding_bag_backward.embedding_bag_backward": _constant(info)}
 
 

@@ -9,6 +9,7 @@ Under the simulator (``NUMBA_ENABLE_CUDASIM=1``) grids are kept tiny: every
 simulated thread is a Python thread.
 """
 import functools
+import threading
 
 import numpy as np
 from numba import cuda
@@ -292,6 +293,34 @@ def fill(a, value):
 def error_slots(count):
     """``count`` error slots (int64, ``NO_ERROR_SLOT``), from the scratch pool."""
     return _device.full(count, NO_ERROR_SLOT, np.int64)
+
+
+_READ_BACK = {}  # (thread, device, stream, count) -> (slots, count, their view past count)
+
+
+def read_back_slots(count, extra):
+    """``(array, slots)``: an int64 array of ``extra`` entries then ``count`` error slots
+    (``slots``, its view past ``extra``), held for the calling thread's current device and
+    stream, for an op that reads the whole array back before it returns. Its slots are
+    clean at each call: a read that finds them clean leaves them so on the device (only
+    an error writes a slot); after a read that finds an error, :func:`drop_read_back`.
+    The ``extra`` entries are the op's to write every call."""
+    key = (threading.get_ident(), _device.device_id(),
+           0 if _SIMULATOR else _device.current_stream().ptr, count, extra)
+    held = _READ_BACK.get(key)
+    if held is None:
+        if len(_READ_BACK) >= 64:  # threads come and go: a new array for whoever calls next
+            _READ_BACK.clear()
+        array = error_slots(extra + count)
+        held = _READ_BACK[key] = (array, array[extra:])
+    return held
+
+
+def drop_read_back(array):
+    """Stop holding ``array`` (of :func:`read_back_slots`): its slots hold an error."""
+    for key, held in list(_READ_BACK.items()):
+        if held[0] is array:
+            del _READ_BACK[key]
 
 
 def no_error_slots():

@@ -2,12 +2,14 @@
 long groups summed in pieces, so that no row group sums more than ``CHUNK`` items
 one after another, whatever the id frequencies.
 
-:func:`group` (CuPy's argsort and cumsum around two Numba kernels; NumPy under
-the simulator) sorts the positions ``0..n-1`` stably by key, so each distinct
-key's occurrences are contiguous and in input order, and finds the runs:
+:func:`group` (CuPy's argsort, NumPy's under the simulator, then :mod:`._runs`)
+sorts the positions ``0..n-1`` stably by key, so each distinct key's occurrences
+are contiguous and in input order, and finds the runs:
 ``run[i]`` is 1 + the distinct index of sorted position ``i``, ``starts[r]`` the
 first sorted position of distinct key ``r`` (``starts[K] = n``), ``ids[r]`` the
 key, ``count[0] = K``. Sizes are host-known bounds (``n``): nothing is read back.
+Without numbered runs, :func:`run_start` and :func:`run_end` find a sorted position's
+run from the sorted keys alone (the fused step's kernels do, after the sort alone).
 
 The sums need no plan arrays: they follow from a run's bounds ``[lo, hi)`` by the
 arithmetic of :func:`final_level`, :func:`piece`, :func:`level_base` and
@@ -31,11 +33,10 @@ from dataclasses import dataclass
 
 import numba
 import numpy as np
-from numba import cuda
 
 from . import _device
-from ._launch import blocks_for, inline_device, threads_per_block
-from ._launcher import launch
+from ._launch import inline_device
+from ._runs import find_runs
 
 CHUNK = 256  # items one row group sums serially, at most (occurrences or partial rows)
 
@@ -68,48 +69,22 @@ def index_dtype(n):
     return np.dtype(np.int32) if n < 2**31 - 1 else np.dtype(np.int64)
 
 
-@cuda.jit
-def heads_kernel(keys, order, heads):
-    """``heads[i] = 1`` where sorted position ``i`` starts a run, else 0."""
-    for i in range(cuda.grid(1), order.shape[0], cuda.gridsize(1)):
-        here = keys[order[i]]
-        heads[i] = 1 if i == 0 or keys[order[i - 1]] != here else 0
-
-
-@cuda.jit
-def compact_kernel(keys, order, run, starts, ids, count):
-    """Run bounds, distinct keys and their count from the inclusive scan of the heads."""
-    n = run.shape[0]
-    for i in range(cuda.grid(1), n, cuda.gridsize(1)):
-        here = run[i]
-        before = run[i - 1] if i > 0 else 0
-        p = order[i]  # loaded with the run numbers, used at heads only
-        r = here - 1
-        if here != before:
-            starts[r] = i
-            ids[r] = keys[p]
-        if i == n - 1:
-            starts[r + 1] = n
-            count[0] = r + 1
-
-
-def group(keys):
+def group(keys, count=None, order=None, numbered=True):
     """:class:`Grouping` of ``keys`` (a 1-D integer ``xp`` array, at least one entry),
-    queued on the current stream."""
-    xp = _device.xp()
+    queued on the current stream. ``count``: where the count goes (an int64 array of one
+    entry, or of two: the first key after it), else one allocated here; ``order``: the
+    positions sorted (:func:`stable_argsort`), else sorted here; ``numbered=False``:
+    ``run`` and ``ids`` are left empty (a run's key is ``keys[order[starts[r]]]``)."""
     n = keys.shape[0]
     index = index_dtype(n)
-    order = stable_argsort(xp, keys)
-    heads = _device.scratch(n, np.int8)
-    tpb = threads_per_block()
-    blocks = blocks_for(n, tpb)
-    launch(heads_kernel, blocks, tpb, keys, order, heads)
-    run = xp.cumsum(heads, dtype=index)
-    starts = _device.scratch(n + 1, index)
-    ids = _device.scratch(n, keys.dtype)
-    count = _device.scratch(1, np.int64)
-    launch(compact_kernel, blocks, tpb, keys, order, run, starts, ids, count)
-    return Grouping(order, run, starts, ids, count)
+    if order is None:
+        order = stable_argsort(_device.xp(), keys)
+    grouping = Grouping(order, _device.scratch(n if numbered else 0, index),
+                        _device.scratch(n + 1, index),
+                        _device.scratch(n if numbered else 0, keys.dtype),
+                        _device.scratch(1, np.int64) if count is None else count)
+    find_runs(keys, order, grouping.run, grouping.starts, grouping.ids, grouping.count)
+    return grouping
 
 
 # ---------------------------------------------------------------------------
@@ -159,10 +134,80 @@ def partial_row(lo, m, width, base):
     return base + 2 * m + (1 if lo > m * width else 0)
 
 
+def run_edge(keys, order, i, bound, direction):
+    """The first sorted position from ``i`` in ``direction`` (+1 or -1) whose key (at
+    sorted position ``p``: ``keys[order[p]]``) differs from position ``i``'s, else
+    ``bound`` (exclusive): a galloping search, then a binary one, ``O(log L)`` reads for
+    a run of ``L``."""
+    key = keys[order[i]]
+    inside = i  # holds the key
+    step = 1
+    probe = i + direction
+    while (probe - bound) * direction < 0 and keys[order[probe]] == key:
+        inside = probe
+        step *= 2
+        probe = inside + direction * step
+    if (probe - bound) * direction > 0:
+        probe = bound
+    while (probe - inside) * direction > 1:  # probe is the bound or holds another key
+        mid = (inside + probe) // 2
+        if keys[order[mid]] == key:
+            inside = mid
+        else:
+            probe = mid
+    return probe
+
+
+def _searches(edge):
+    """``(run_end, run_start, slot_run)`` built on ``edge`` (:func:`run_edge`, or its
+    device function)."""
+
+    def run_end(keys, order, i, last):
+        """The end of the run holding sorted position ``i`` among the sorted positions
+        ``[.., last)`` (:func:`run_edge`)."""
+        return edge(keys, order, i, last, 1)
+
+    def run_start(keys, order, first, i):
+        """The start of the run holding sorted position ``i`` among the sorted positions
+        ``[first, ..)`` (:func:`run_edge`)."""
+        return edge(keys, order, i, first - 1, -1) + 1
+
+    def slot_run(keys, order, first, last, w_lo, w_hi, odd):
+        """``(lo, hi)`` of the run of a window slot (the window's sorted positions ``[w_lo,
+        w_hi)`` among the run's sorted positions ``[first, last)``; the even slot's run
+        holds ``w_lo``, the odd slot's starts inside the window and reaches past its end),
+        or ``(-1, -1)`` when the odd slot has no such run. Exact where the slot's piece or
+        the run's final level depend on them; for a run reaching past both ends of the
+        window, ``(w_lo - 1, w_hi + 1)``, which give its piece, a final level above the
+        window's and its partial rows: only a run's first and last windows search past
+        their own."""
+        p = w_hi - 1 if odd else w_lo
+        key = keys[order[p]]
+        right = w_hi < last and keys[order[w_hi]] == key
+        if odd:
+            if keys[order[w_lo]] == key or not right:
+                return -1, -1
+            return edge(keys, order, p, w_lo - 1, -1) + 1, edge(keys, order, w_hi, last, 1)
+        left = w_lo > first and keys[order[w_lo - 1]] == key
+        if left and right:
+            return w_lo - 1, w_hi + 1
+        lo = edge(keys, order, p, first - 1, -1) + 1 if left else w_lo
+        hi = edge(keys, order, w_hi, last, 1) if right else edge(keys, order, p, w_hi, 1)
+        return lo, hi
+
+    return run_end, run_start, slot_run
+
+
+run_end, run_start, slot_run = _searches(run_edge)
+
+
 device_final_level = inline_device(final_level)
 device_piece = inline_device(piece)
 device_level_base = inline_device(level_base)
 device_partial_row = inline_device(partial_row)
+device_run_edge = inline_device(run_edge)
+device_run_end, device_run_start, device_slot_run = (
+    inline_device(f) for f in _searches(device_run_edge))
 
 
 def partial_levels(n, chunk):

@@ -56,6 +56,7 @@ from ._launch import (
     columns_per_lane,
     dtype_key,
     error_positions,
+    drop_read_back,
     error_slots,
     group_size,
     inline_device,
@@ -63,6 +64,7 @@ from ._launch import (
     kernel_factory,
     load_as_float,
     no_error_slots,
+    read_back_slots,
     read_error_slots,
     store_as,
     threads_per_block,
@@ -73,6 +75,7 @@ from ._segments import device_final_level as final_level
 from ._segments import device_level_base as level_base
 from ._segments import device_partial_row as partial_row
 from ._segments import device_piece as piece
+from ._segments import device_slot_run as slot_run
 from ._warp import group_mask, shfl_idx
 from .embedding_bag import check_bag_offsets, empty_batch_bad_offset
 from .segment_sum import cast_kernel
@@ -181,28 +184,40 @@ def prepare(family, values, offsets, weights, combiner, num_rows, acc_dtype, che
     ``slots[2]``, in the same launch."""
     n = values.shape[0]
     num_bags = offsets.shape[0] - 1
-    if check_offsets:
-        keys = _device.scratch(n, key_dtype(num_rows))
-        bag_of = _device.scratch(n, _segments.index_dtype(num_bags))
-    else:
-        keys = _device.full(n, -1, key_dtype(num_rows))
-        bag_of = _device.full(n, -1, _segments.index_dtype(num_bags))
     scaled = weights is not None or combiner != Combiner.SUM
-    coef = _device.scratch(n if scaled else 0, acc_dtype)
+    signature = (num_rows < 2**31, num_bags < 2**31 - 1, acc_dtype,
+                 None if weights is None else weights.dtype, scaled,
+                 None if grad is None else grad.dtype, _device.device_id())
+    plan = _PREPARE.get(signature)
+    if plan is None:
+        plan = _PREPARE[signature] = (
+            key_dtype(num_rows), _segments.index_dtype(num_bags),
+            prepare_kernel(dtype_key(acc_dtype), dtype_key(signature[3]), scaled,
+                           dtype_key(signature[5])),
+            _device.scratch(0, acc_dtype), _device.scratch((0, 1), acc_dtype))
+    keys_dtype, bags_dtype, kernel, no_coef, no_grad = plan
+    if check_offsets:
+        keys = _device.scratch(n, keys_dtype)
+        bag_of = _device.scratch(n, bags_dtype)
+    else:
+        keys = _device.full(n, -1, keys_dtype)
+        bag_of = _device.full(n, -1, bags_dtype)
+    coef = _device.scratch(n, acc_dtype) if scaled else no_coef
     if slots is None:
         slots = error_slots(2) if check_offsets or record_ids else no_error_slots()
-    k_values = family.kernel_array(values)
-    k_weights = k_values if weights is None else family.kernel_array(weights)
+    k_weights = values if weights is None else family.kernel_array(weights)
     tpb = threads_per_block()
-    kernel = prepare_kernel(dtype_key(acc_dtype), dtype_key(None if weights is None else weights.dtype),
-                            scaled, None if grad is None else dtype_key(grad.dtype))
     blocks = blocks_for(num_bags, tpb)
     if grad is not None:
         blocks = max(blocks, scan_blocks(grad, tpb))
-    launch(kernel, blocks, tpb, k_values, family.kernel_array(offsets), n, num_rows, k_weights,
+    launch(kernel, blocks, tpb, values, offsets, n, num_rows, k_weights,
            combiner, check_offsets, record_ids, keys, bag_of, coef, slots,
-           _device.scratch((0, 1), acc_dtype) if grad is None else family.kernel_array(grad))
+           no_grad if grad is None else family.kernel_array(grad))
     return keys, bag_of, coef, slots
+
+
+_PREPARE = {}  # what prepare derives from its call's signature: key and bag dtypes, kernel,
+#               zero-sized coefficients and gradient
 
 
 # ---------------------------------------------------------------------------
@@ -210,11 +225,14 @@ def prepare(family, values, offsets, weights, combiner, num_rows, acc_dtype, che
 # ---------------------------------------------------------------------------
 @dataclass
 class Occurrences:
-    """Everything the summing kernels read: the :class:`._segments.Grouping`, each
-    position's bag and coefficient (``coef`` empty: all 1), the partial buffer of
-    ``levels`` levels, and the chunk the sums are cut by."""
+    """Everything the summing kernels read: the sorted positions ``order`` (sorted
+    position -> input position) of the sort ``keys``, each position's bag and coefficient
+    (``coef`` empty: all 1), the partial buffer of ``levels`` levels, and the chunk the
+    sums are cut by. A sorted position's run (its key's occurrences) is found from
+    ``keys[order[...]]`` (:func:`._segments.run_end`)."""
 
-    grouping: _segments.Grouping
+    order: object
+    keys: object
     bag_of: object
     coef: object
     partials: object
@@ -223,15 +241,17 @@ class Occurrences:
 
     def kernel_arrays(self):
         """``(order, bag_of, coef, partials)`` as the kernels take them."""
-        return (self.grouping.order, self.bag_of, self.coef, self.partials)
+        return (self.order, self.bag_of, self.coef, self.partials)
 
 
 def occurrences(keys, bag_of, coef, dim, acc_dtype):
-    """Group ``keys`` (no host synchronisation) and take the partial buffer."""
+    """Sort the positions by ``keys`` (no host synchronisation) and take the partial
+    buffer."""
     chunk = _segments.CHUNK
     levels, rows = _segments.partial_levels(keys.shape[0], chunk)
     partials = _device.scratch((rows, dim), acc_dtype)  # (zero-sized: made once)
-    return Occurrences(_segments.group(keys), bag_of, coef, partials, levels, chunk)
+    return Occurrences(_segments.stable_argsort(_device.xp(), keys), keys, bag_of, coef,
+                       partials, levels, chunk)
 
 
 # ---------------------------------------------------------------------------
@@ -331,13 +351,17 @@ def make_accumulate(acc_dtype, grad_dtype, columns):
 
 
 @inline_device
-def run_sum_range(starts, r, num, n, chunk):
-    """``(level, first, last, lo, base, width)``: the final sum of run ``r`` as
-    :func:`make_accumulate`'s accumulate takes it (an empty sum for ``r >= num``)."""
-    lo = starts[r] if r < num else 0
-    hi = starts[r + 1] if r < num else 0
+def sum_range(lo, hi, n, chunk):
+    """``(level, first, last, lo, base, width)``: the final sum of the run of sorted
+    positions ``[lo, hi)`` of ``n`` as :func:`make_accumulate`'s accumulate takes it."""
     level, first, last, width = final_level(lo, hi, chunk)
     return level, first, last, lo, level_base(n, level, chunk), width
+
+
+@inline_device
+def run_sum_range(starts, r, num, n, chunk):
+    """:func:`sum_range` of run ``r`` (an empty sum for ``r >= num``)."""
+    return sum_range(starts[r] if r < num else 0, starts[r + 1] if r < num else 0, n, chunk)
 
 
 @inline_device
@@ -361,13 +385,13 @@ def store_columns(out, row, c0, group, store, a0, a1, a2, a3):
 def partial_kernel(acc_dtype, grad_dtype, columns):
     """Kernel writing the partial rows of one level ``>= 1``: slot ``s`` of the level
     (window ``s // 2``; :mod:`._segments`) gets its run's piece, for the runs whose
-    final level is at least this one (other slots are not written)."""
+    final level is at least this one (other slots are not written). A slot finds its
+    run's bounds from the sorted keys (:func:`._segments.slot_run`)."""
     accumulate = make_accumulate(acc_dtype, grad_dtype, columns)
     store = store_as(acc_dtype)
 
     @jit_kernel(min_blocks_per_sm=2)
-    def partial_kernel(grad, order, bag_of, coef, partials, run, starts, ids, level, chunk,
-                       group):
+    def partial_kernel(grad, order, bag_of, coef, partials, keys, level, chunk, group):
         n = order.shape[0]
         dim = grad.shape[1]
         width = 1
@@ -381,10 +405,11 @@ def partial_kernel(acc_dtype, grad_dtype, columns):
         for s in range(tid // group, 2 * ((n + width - 1) // width), step):
             window = s // 2
             w_lo = window * width
-            r = run[w_lo if s % 2 == 0 else min(w_lo + width, n) - 1] - 1
-            lo = starts[r]
-            hi = starts[r + 1]
-            if (s % 2 == 1 and lo <= w_lo) or ids[r] < 0:
+            w_hi = min(w_lo + width, n)
+            if keys[order[w_lo if s % 2 == 0 else w_hi - 1]] < 0:  # the ids out of range
+                continue
+            lo, hi = slot_run(keys, order, 0, n, w_lo, w_hi, s % 2 == 1)
+            if lo < 0:
                 continue
             final, _, _, _ = final_level(lo, hi, chunk)
             if final < level:
@@ -399,16 +424,16 @@ def partial_kernel(acc_dtype, grad_dtype, columns):
     return partial_kernel
 
 
-def sum_partials(family, grad, occ, columns):
+def sum_partials(family, grad, occ):
     """Launch the partial kernels, level by level (none when no run can be long)."""
     if not occ.levels:
         return
     group = group_size(grad.shape[1])
+    columns = columns_per_lane(grad.shape[1], group)
     tpb = threads_per_block()
-    n = occ.grouping.order.shape[0]
+    n = occ.order.shape[0]
     kernel = partial_kernel(dtype_key(occ.partials.dtype), dtype_key(grad.dtype), columns)
-    g = occ.grouping
-    args = (family.kernel_array(grad), *occ.kernel_arrays(), g.run, g.starts, g.ids)
+    args = (family.kernel_array(grad), *occ.kernel_arrays(), occ.keys)
     width = 1
     for level in range(1, occ.levels + 1):
         width *= occ.chunk
@@ -428,8 +453,8 @@ def gather_kernel(grad_dtype, columns):
     @jit_kernel(min_blocks_per_sm=2)
     def gather_kernel(grad, order, bag_of, coef, partials, starts, count, chunk, skip, group,
                       keys, ids, rows):
-        """rows[r - skip] = the sum of run r's occurrences and ids[r - skip] its key (zeros
-        and -1 for the padding past the runs)."""
+        """rows[r - skip] = the sum of run r's occurrences and ids[r - skip] its key
+        (``keys[order[starts[r]]]``; zeros and -1 for the padding past the runs)."""
         n = order.shape[0]
         dim = grad.shape[1]
         num = count[0]
@@ -438,7 +463,7 @@ def gather_kernel(grad_dtype, columns):
         step = cuda.gridsize(1) // group
         for r in range(tid // group + skip, rows.shape[0] + skip, step):
             if lane == 0:
-                ids[r - skip] = keys[r] if r < num else -1
+                ids[r - skip] = keys[order[starts[r]]] if r < num else -1
             level, first, last, lo, base, width = run_sum_range(starts, r, num, n, chunk)
             for cb in range(0, dim, UNROLL * group):
                 a0, a1, a2, a3 = accumulate(grad, order, bag_of, coef, partials, level, first,
@@ -492,13 +517,16 @@ def embedding_bag_backward(family, grad_out, values, offsets, num_rows, per_samp
         bad_offset = empty_batch_bad_offset(family, offsets, n) if check else -1
         return (*empty(), bad_offset, -1)
     acc_dtype = accumulator_dtype(grad_out.dtype)
+    # what the host reads, in one array: the distinct count, the first key, the error slots
+    info, slots = (None, None) if padded or n == 0 else read_back_slots(2, 2)
     keys, bag_of, coef, slots = prepare(family, values, offsets, per_sample_weights, combiner,
-                                        num_rows, acc_dtype, check, check)
+                                        num_rows, acc_dtype, check, check, slots=slots)
     if n == 0:
         bad_offset = read_error_slots(slots)[0] if check else -1
         return (*empty(), bad_offset, -1)
     occ = occurrences(keys, bag_of, coef, dim, acc_dtype)
-    grouping = occ.grouping
+    # the runs: where each id's row goes (numbered for the atomic sums)
+    grouping = _segments.group(keys, info, occ.order, numbered=not deterministic)
     if padded:  # every distinct key (-1 for out-of-range ids), then -1: no count read back
         if check:
             bad_offset, bad_id = read_error_slots(slots)
@@ -508,14 +536,17 @@ def embedding_bag_backward(family, grad_out, values, offsets, num_rows, per_samp
         if not deterministic:
             ids = grouping.ids.astype(values.dtype)
             ids[xp.arange(n) >= grouping.count] = -1
-    else:  # one read: error slots, distinct count, first key (-1: the out-of-range ids)
-        info = _device.to_host(xp.concatenate([slots, grouping.count, grouping.ids[:1]],
-                                              dtype=np.int64))
-        bad_offset, bad_id = error_positions(info[:2]) if check else (-1, -1)
+    else:  # one read: distinct count, first key (-1: the out-of-range ids), error slots
+        read = _device.to_host(info)
+        bad_offset, bad_id = error_positions(read[2:])
+        if bad_offset != -1 or bad_id != -1:
+            drop_read_back(info)
+        if not check:
+            bad_offset = bad_id = -1
         if bad_offset != -1 or (bounds == Bounds.RAISE and bad_id != -1):
             return (*empty(), bad_offset, bad_id if bounds == Bounds.RAISE else -1)
-        skip = 1 if info[-1] < 0 else 0
-        num_ids = int(info[-2]) - skip
+        skip = 1 if read[1] < 0 else 0
+        num_ids = int(read[0]) - skip
         if num_ids == 0:
             return (*empty(), -1, -1)
         if not deterministic:
@@ -525,12 +556,12 @@ def embedding_bag_backward(family, grad_out, values, offsets, num_rows, per_samp
     tpb = threads_per_block()
     k_grad = family.kernel_array(grad_out)
     if deterministic:  # the ids in the values' dtype come with the rows
-        sum_partials(family, grad_out, occ, columns)
+        sum_partials(family, grad_out, occ)
         ids = family.empty(num_ids, values.dtype)
         rows = family.empty((num_ids, dim), grad_out.dtype)
         launch(gather_kernel(dtype_key(grad_out.dtype), columns),
                blocks_for(num_ids, tpb // group), tpb, k_grad, *occ.kernel_arrays(),
-               grouping.starts, grouping.count, occ.chunk, skip, group, grouping.ids,
+               grouping.starts, grouping.count, occ.chunk, skip, group, keys,
                family.kernel_array(ids), family.kernel_array(rows))
         return ids, rows, -1, -1
     ids = _device.to_family(family, ids)

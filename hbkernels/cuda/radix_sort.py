@@ -1,13 +1,11 @@
-"""Stable sort of non-negative integer keys and their runs, in memory allocated once,
-in launches whose number and shapes depend only on the capacity and the largest key:
-the grouping a step captured in a CUDA graph takes (no allocation, no library call,
-no host read).
+"""Stable sort of non-negative integer keys in memory allocated once, in launches whose
+number and shapes depend only on the capacity and the largest key: the sort a step
+captured in a CUDA graph takes (no allocation, no library call, no host read).
 
 A :class:`SortSpace` holds every array the sort writes, for ``capacity`` keys at most
-``max_key``. :meth:`SortSpace.group` sorts the positions ``0..capacity-1`` of a key
-array stably by key and gives the same :class:`._segments.Grouping` that
-:func:`._segments.group` gives (order as int64 positions, run numbers, run bounds,
-distinct keys and their count), bit for bit.
+``max_key``. :meth:`SortSpace.sort` gives the positions ``0..capacity-1`` of a key array
+sorted stably by key (int64), as :func:`._segments.stable_argsort` gives them, bit for
+bit.
 
 The sort is least-significant-digit first, ``DIGIT_BITS`` bits a pass (``ceil(bits of
 max_key / 8)`` passes, at least one). A pass cuts the keys into tiles of ``ITEMS``
@@ -23,9 +21,7 @@ keys per thread of a block; per pass:
    read in rounds of one key per thread, a warp ranks its lanes by ``match_any`` and
    the lanes' order, and warps and rounds follow one another.
 
-The runs then take three launches: each tile's count of run heads (a key unlike the
-one before it), those counts scanned (``scan_rows`` again), and each position's run
-number with the runs' bounds and keys: ``5 * passes + 3`` launches in all.
+``5 * passes`` launches in all.
 """
 from typing import NamedTuple
 
@@ -35,12 +31,11 @@ from numba import cuda, int32, int64, uint32
 from . import _device
 from ._launch import WARP, kernel_factory, threads_per_block
 from ._launcher import prepare
-from ._segments import Grouping, index_dtype
+from ._runs import ITEMS, scan_kernels
 from ._warp import match_any
 
 DIGIT_BITS = 8
 DIGITS = 1 << DIGIT_BITS
-ITEMS = 8  # keys per thread of a tile
 
 
 def passes_for(max_key):
@@ -50,29 +45,13 @@ def passes_for(max_key):
 
 @kernel_factory
 def radix_kernels(tpb):
-    """``(digit_counts, chunk_sums, scan_rows, scan_chunks, scatter_digits, head_counts,
-    runs)`` for blocks of ``tpb`` threads (a multiple of the warp dividing ``DIGITS``)."""
+    """``(digit_counts, chunk_sums, scan_chunks, scatter_digits)`` for blocks of ``tpb``
+    threads (a multiple of the warp dividing ``DIGITS``)."""
     warps = tpb // WARP
     tile = tpb * ITEMS
     warp_digits = warps * DIGITS  # (a shared array's size: a constant of the closure)
 
-    @cuda.jit(device=True)
-    def block_scan(buf, t, value):
-        """``(exclusive prefix, total)`` of ``value`` over the block's threads in
-        thread order (``buf``: ``tpb`` shared int32; every thread calls it)."""
-        buf[t] = value
-        cuda.syncthreads()
-        offset = 1
-        while offset < tpb:
-            x = buf[t - offset] if t >= offset else 0
-            cuda.syncthreads()
-            buf[t] += x
-            cuda.syncthreads()
-            offset *= 2
-        inclusive = buf[t]
-        total = buf[tpb - 1]
-        cuda.syncthreads()
-        return inclusive - value, total
+    block_scan = scan_kernels(tpb)[0]
 
     @cuda.jit(cache=False)
     def digit_counts(keys, n, shift, counts, tiles):
@@ -109,24 +88,6 @@ def radix_kernels(tpb):
         cuda.syncthreads()
         if t == 0:
             sums[here] = total[0]
-
-    @cuda.jit(cache=False)
-    def scan_rows(counts, rows, length, totals):
-        """Each row ``counts[r * length:(r + 1) * length]`` scanned in place (exclusive),
-        its sum to ``totals[r]``; rows taken by blocks in turn."""
-        t = cuda.threadIdx.x
-        buf = cuda.shared.array(tpb, int32)
-        for r in range(cuda.blockIdx.x, rows, cuda.gridDim.x):
-            carry = 0
-            for c0 in range(0, length, tpb):
-                c = c0 + t
-                v = counts[r * length + c] if c < length else 0
-                before, total = block_scan(buf, t, v)
-                if c < length:
-                    counts[r * length + c] = carry + before
-                carry += total
-            if t == 0:
-                totals[r] = carry
 
     @cuda.jit(cache=False)
     def scan_chunks(values, length, sums):
@@ -190,47 +151,7 @@ def radix_kernels(tpb):
                     s += per_warp[w * DIGITS + x]
                 base[x] += s
 
-    @cuda.jit(device=True)
-    def heads_before(keys, n, here, t):
-        """Run heads among the thread's ``ITEMS`` consecutive positions of tile ``here``."""
-        c = 0
-        for k in range(ITEMS):
-            i = here * tile + t * ITEMS + k
-            if i < n and (i == 0 or keys[i] != keys[i - 1]):
-                c += 1
-        return c
-
-    @cuda.jit(cache=False)
-    def head_counts(keys, n, heads):
-        """``heads[tile]``: positions of tile ``tile`` that start a run of the sorted ``keys``."""
-        t = cuda.threadIdx.x
-        buf = cuda.shared.array(tpb, int32)
-        _, total = block_scan(buf, t, heads_before(keys, n, cuda.blockIdx.x, t))
-        if t == 0:
-            heads[cuda.blockIdx.x] = total
-
-    @cuda.jit(cache=False)
-    def runs(keys, n, heads, run, starts, ids, count):
-        """Run numbers (1 + distinct index), run bounds, distinct keys and their count,
-        ``heads`` holding each tile's first run (the scanned head counts)."""
-        t = cuda.threadIdx.x
-        here = cuda.blockIdx.x
-        buf = cuda.shared.array(tpb, int32)
-        before, _ = block_scan(buf, t, heads_before(keys, n, here, t))
-        r = heads[here] + before
-        for k in range(ITEMS):
-            i = here * tile + t * ITEMS + k
-            if i < n:
-                if i == 0 or keys[i] != keys[i - 1]:
-                    starts[r] = i
-                    ids[r] = keys[i]
-                    r += 1
-                run[i] = r
-                if i == n - 1:
-                    starts[r] = n
-                    count[0] = r
-
-    return digit_counts, chunk_sums, scan_rows, scan_chunks, scatter_digits, head_counts, runs
+    return digit_counts, chunk_sums, scan_chunks, scatter_digits
 
 
 class _Arrays(NamedTuple):
@@ -238,16 +159,11 @@ class _Arrays(NamedTuple):
     order: object  # [2, capacity] int64: their input positions
     counts: object  # [DIGITS * tiles] int32
     sums: object  # [chunks of the counts] int32
-    heads: object  # [tiles] int32
     total: object  # [1] int32
-    run: object
-    starts: object
-    ids: object
-    count: object  # [1] int64
 
 
 class SortSpace:
-    """Arrays for grouping ``capacity`` keys of ``key_dtype`` in ``[0, max_key]``,
+    """Arrays for sorting ``capacity`` keys of ``key_dtype`` in ``[0, max_key]``,
     allocated once (see the module doc)."""
 
     def __init__(self, capacity, max_key, key_dtype):
@@ -259,33 +175,29 @@ class SortSpace:
         self.tiles = -(-self.capacity // (self.tpb * ITEMS))
         self.chunks = -(-DIGITS * self.tiles // (self.tpb * ITEMS))
         xp = _device.xp()
-        index = index_dtype(self.capacity)
         self.arrays = _Arrays(
             xp.empty((2, self.capacity), key_dtype), xp.empty((2, self.capacity), np.int64),
             xp.empty(DIGITS * self.tiles, np.int32), xp.empty(self.chunks, np.int32),
-            xp.empty(self.tiles, np.int32), xp.empty(1, np.int32),
-            xp.empty(self.capacity, index), xp.empty(self.capacity + 1, index),
-            xp.empty(self.capacity, key_dtype), xp.empty(1, np.int64))
-        out = (self.passes - 1) % 2
-        self.grouping = Grouping(self.arrays.order[out], self.arrays.run, self.arrays.starts,
-                                 self.arrays.ids, self.arrays.count)
+            xp.empty(1, np.int32))
+        self.order = self.arrays.order[(self.passes - 1) % 2]
         self._launches = None  # (keys, their prepared launches)
 
-    def group(self, keys):
-        """:attr:`grouping` of ``keys`` (``capacity`` keys of the space's dtype, each in
-        ``[0, max_key]``), queued on the current stream. The launches of the last keys
-        array given are kept, their arguments packed (:func:`._launcher.prepare`)."""
+    def sort(self, keys):
+        """:attr:`order`, the positions of ``keys`` (``capacity`` keys of the space's dtype,
+        each in ``[0, max_key]``) sorted stably by key, queued on the current stream. The
+        launches of the last keys array given are kept, their arguments packed
+        (:func:`._launcher.prepare`)."""
         if self._launches is None or self._launches[0] is not keys:
             self._launches = (keys, self._prepare(keys))
         for run in self._launches[1]:
             run()
-        return self.grouping
+        return self.order
 
     def _prepare(self, keys):
         a = self.arrays
         n, tiles, chunks, tpb = self.capacity, self.tiles, self.chunks, self.tpb
-        digit_counts, chunk_sums, scan_rows, scan_chunks, scatter_digits, head_counts, runs = (
-            radix_kernels(tpb))
+        digit_counts, chunk_sums, scan_chunks, scatter_digits = radix_kernels(tpb)
+        scan_rows = scan_kernels(tpb)[1]
         out = []
         source, order = keys, a.order[1]
         for p in range(self.passes):
@@ -297,7 +209,4 @@ class SortSpace:
                     prepare(scatter_digits, tiles, tpb, source, order, a.keys[p % 2],
                             a.order[p % 2], a.counts, n, shift, tiles, p == 0)]
             source, order = a.keys[p % 2], a.order[p % 2]
-        return out + [prepare(head_counts, tiles, tpb, source, n, a.heads),
-                      prepare(scan_rows, 1, tpb, a.heads, 1, tiles, a.total),
-                      prepare(runs, tiles, tpb, source, n, a.heads, a.run, a.starts, a.ids,
-                              a.count)]
+        return out

@@ -2,7 +2,9 @@
 rows and ``fused_sparse_update`` straight from ``embedding_bag``'s ``grad_out``.
 
 Both run one kernel, :func:`_update_kernel`, with one row group of
-``G = group_size(D)`` lanes per distinct row (as the forward: lane ``d`` owns
+``G = group_size(D)`` lanes per distinct row (fused: the row group of the first sorted
+position of the id's run, which finds the run's end from the sorted keys; as the
+forward, lane ``d`` owns
 columns ``d, d+G, d+2G, d+3G`` of a pass, in registers; wider rows take several
 passes). A group gets its gradient ``g`` either by loading ``rows[k]`` (plain)
 or by summing the id's occurrences in input order (fused; the decomposition of
@@ -30,7 +32,7 @@ import numpy as np
 from numba import cuda, from_dtype, int32, int64, uint64
 
 from .._modes import Bounds
-from .._validate import raise_nonfinite, raise_ragged
+from .._validate import is_bfloat16, raise_nonfinite, raise_ragged
 from .. import _rules as rules
 from . import _device, _pending
 from ._launch import (
@@ -38,6 +40,7 @@ from ._launch import (
     UNROLL,
     WIDEN,
     accumulator_dtype,
+    as_rows,
     blocks_for,
     column_reader,
     columns_per_lane,
@@ -58,12 +61,13 @@ from ._launcher import launch
 from ._nonfinite import record_nonfinite
 from ._warp import group_mask, shfl_xor
 from .embedding_bag import empty_batch_bad_offset
+from ._segments import device_run_end as run_end
 from .embedding_bag_backward import (
     make_accumulate,
     occurrences,
     prepare,
-    run_sum_range,
     sum_partials,
+    sum_range,
 )
 
 _M32 = np.uint64(0xFFFFFFFF)
@@ -210,7 +214,7 @@ def row_updater(table_dtype, grad_dtype, fused, columns, passes, any_width=False
     @inline_device
     def gradient(grad, order, bag_of, coef, partials, sums, r, c0, lane, group):
         """This lane's 4 gradient values of columns ``c0 + k·group`` (0 past the row);
-        ``sums``: the run's final sum (:func:`.run_sum_range`) when fused."""
+        ``sums``: the run's final sum (:func:`.sum_range`) when fused."""
         if fused:
             level, first, last, lo, base, width = sums
             return accumulate(grad, order, bag_of, coef, partials, level, first, last, lo,
@@ -369,27 +373,42 @@ def widened_hyper(table_dtype):
     return hyper
 
 
+@cuda.jit(device=True, inline="always")  # returns a view: inlined by Numba, not NVVM
+def _per_row(state):
+    """A per-row state ``[E]`` as the ``[E, 1]`` rows the row update indexes."""
+    return as_rows(state, 0, state.shape[0], 1)
+
+
+@cuda.jit(device=True, inline="always")
+def _as_is(state):
+    return state
+
+
 @kernel_factory
-def _update_kernel(table_dtype, grad_dtype, fused, columns, passes):
+def _update_kernel(table_dtype, grad_dtype, fused, columns, passes, per_row=False):
     """Update kernel for a table of ``table_dtype`` (a :func:`dtype_key`), computing in
     its accumulator type, ``columns`` per lane (:func:`columns_per_lane`) and
     ``passes`` passes of ``UNROLL·G`` columns over a row. ``fused``: the gradient is
     summed from ``grad_out`` (of ``grad_dtype``) in that type, else loaded from
-    ``rows`` (``grad``, of ``grad_dtype``)."""
+    ``rows`` (``grad``, of ``grad_dtype``). ``per_row``: ``state1`` is a per-row state
+    ``[E]`` (else ``[E, D]`` or ``[0, 1]``, as ``state2``)."""
     widen = WIDEN[accumulator_dtype(table_dtype)]
     update_row = row_updater(table_dtype, grad_dtype, fused, columns, passes)
     hyper = widened_hyper(table_dtype)
+    view1 = _per_row if per_row else _as_is
 
     @jit_kernel(min_blocks_per_sm=2)
-    def update_kernel(weights, state1, state2, ids, count, grad, order, bag_of, coef, partials,
-                      starts, chunk, rule, lr64, eps64, one_m_b1_64,
-                      one_m_b2_64, l1_64, two_l2_64, neg_power64, sqrt_power, step64, inv_dim64,
-                      skip_nonfinite, stochastic, key_lo, key_hi, group, checks):
+    def update_kernel(weights, state1, state2, ids, num_ids, grad, order, bag_of, coef, partials,
+                      chunk, rule, lr64, eps64, one_m_b1_64, one_m_b2_64, l1_64, two_l2_64,
+                      neg_power64, sqrt_power, step64, inv_dim64, skip_nonfinite, stochastic,
+                      key_lo, key_hi, group, checks):
+        """``fused``: a row group per sorted position, the first of each run (``ids``
+        the sort keys, ``num_ids`` unused) summing the run; else a row group per row
+        ``ids[r]``, ``r < num_ids``, of gradient row ``grad[r]``."""
         for k in range(checks.shape[0]):  # a failed input check: nothing is written
             if checks[k] != NO_ERROR_SLOT:
                 return
-        num_ids = count[0]
-        n = order.shape[0]
+        state1 = view1(state1)
         num_rows = weights.shape[0]
         inv_dim = widen(inv_dim64)
         hp = hyper(lr64, eps64, one_m_b1_64, one_m_b2_64, l1_64, two_l2_64, neg_power64,
@@ -397,65 +416,79 @@ def _update_kernel(table_dtype, grad_dtype, fused, columns, passes):
         tid = cuda.grid(1)
         lane = tid % group
         step = cuda.gridsize(1) // group
-        for r in range(tid // group, num_ids, step):
-            row = int64(ids[r])
-            if row < 0 or row >= num_rows:  # the -1 key (bad id) or untrusted garbage
-                continue
-            sums = run_sum_range(starts, r, num_ids if fused else 0, n, chunk)
-            update_row(weights, state1, state2, row, grad, order, bag_of, coef, partials, sums,
-                       r, lane, group, rule, hp, inv_dim, skip_nonfinite, stochastic, key_lo,
-                       key_hi)
+        if fused:
+            n = order.shape[0]
+            for i in range(tid // group, n, step):
+                key = ids[order[i]]
+                if i > 0 and ids[order[i - 1]] == key:  # not the run's first position
+                    continue
+                row = int64(key)
+                if row < 0 or row >= num_rows:  # the -1 key (bad id) or untrusted garbage
+                    continue
+                sums = sum_range(i, run_end(ids, order, i, n), n, chunk)
+                update_row(weights, state1, state2, row, grad, order, bag_of, coef, partials,
+                           sums, i, lane, group, rule, hp, inv_dim, skip_nonfinite, stochastic,
+                           key_lo, key_hi)
+        else:
+            for r in range(tid // group, num_ids, step):
+                row = int64(ids[r])
+                if row < 0 or row >= num_rows:  # untrusted garbage
+                    continue
+                update_row(weights, state1, state2, row, grad, order, bag_of, coef, partials,
+                           (0, 0, 0, 0, 0, 1), r, lane, group, rule, hp, inv_dim,
+                           skip_nonfinite, stochastic, key_lo, key_hi)
 
     return update_kernel
 
 
-def _state_view(family, state, acc_dtype):
-    """State as the 2-D array the kernel indexes ([E, D], or [E, 1] for per-row state);
-    a zero-size dummy when the rule has no such slot."""
-    if state is None:
-        return _device.scratch((0, 1), acc_dtype)
-    k = family.kernel_array(state)
-    return k.reshape((k.shape[0], 1)) if k.ndim == 1 else k
-
-
-def _launch_update(family, rule, weights, state1, state2, hp, ids, count, grad, occ, grad_dtype,
+def _launch_update(family, rule, weights, state1, state2, hp, ids, grad, occ, grad_dtype,
                    num_ids_bound, skip_nonfinite, stochastic, key, checks):
+    """The update kernel's launch: ``occ`` (:class:`.Occurrences`) when fused (``ids``
+    the sort keys), else ``ids`` (``num_ids_bound`` of them) the rows of ``grad``."""
     dim = weights.shape[1]
     fused = occ is not None
-    signature = (weights.dtype, grad_dtype, fused, dim)
+    per_row = state1 is not None and state1.ndim == 1
+    signature = (weights.dtype, grad_dtype, fused, dim, per_row, _device.device_id())
     plan = _PLANS.get(signature)
     if plan is None:
         group = group_size(dim)
         columns = columns_per_lane(dim, group)
+        table_acc = accumulator_dtype(weights.dtype)
         plan = _PLANS[signature] = (
-            accumulator_dtype(weights.dtype), np.dtype(weights.dtype).name in STOCHASTIC_FORMATS,
-            group, threads_per_block(),
+            np.dtype(weights.dtype).name in STOCHASTIC_FORMATS, group, threads_per_block(),
             _update_kernel(dtype_key(weights.dtype), dtype_key(grad_dtype), fused, columns,
-                           -(-dim // (UNROLL * group))))
-    table_acc, can_round, group, tpb, kernel = plan
+                           -(-dim // (UNROLL * group)), per_row),
+            _device.scratch((0, 1), table_acc),
+            (_device.scratch(0, np.int64), _device.scratch(0, np.int64),
+             _device.scratch(0, table_acc), _device.scratch((0, dim), table_acc), 1),
+            is_bfloat16(weights.dtype))
+    can_round, group, tpb, kernel, no_state, no_sums, bf16 = plan
+    if bf16:  # (the state is fp32)
+        weights = family.kernel_array(weights)
     stochastic = bool(stochastic) and can_round
     key = int(key)
-    h = np.asarray(hp, np.float64).tolist()  # Python floats: the kernel takes float64
-    if fused:
-        sums = (*occ.kernel_arrays(), occ.grouping.starts, occ.chunk)
-    else:
-        none_i = _device.scratch(0, np.int64)
-        sums = (none_i, none_i, _device.scratch(0, table_acc),
-                _device.scratch((0, dim), table_acc), none_i, 1)
-    launch(kernel, blocks_for(num_ids_bound, tpb // group), tpb,
-           family.kernel_array(weights),
-           _state_view(family, state1, table_acc),
-           _state_view(family, state2, table_acc),
-           ids, count, grad, *sums, int(rule),
-           h[rules.LR], h[rules.EPS], 1.0 - h[rules.BETA1], 1.0 - h[rules.BETA2], h[rules.L1],
-           2.0 * h[rules.L2], -h[rules.LR_POWER], h[rules.LR_POWER] == -0.5, h[rules.STEP_SIZE],
-           1.0 / dim,
+    hp_key = hp.tobytes()
+    constants = _CONSTANTS.get(hp_key)
+    if constants is None:  # the kernel's float64 scalars of these hyper-parameters
+        h = hp.tolist()
+        constants = _CONSTANTS[hp_key] = (
+            h[rules.LR], h[rules.EPS], 1.0 - h[rules.BETA1], 1.0 - h[rules.BETA2], h[rules.L1],
+            2.0 * h[rules.L2], -h[rules.LR_POWER], h[rules.LR_POWER] == -0.5,
+            h[rules.STEP_SIZE])
+        if len(_CONSTANTS) > 64:  # (Adam's step size changes every step)
+            _CONSTANTS.pop(next(iter(_CONSTANTS)))
+    sums = (*occ.kernel_arrays(), occ.chunk) if fused else no_sums
+    launch(kernel, blocks_for(num_ids_bound, tpb // group), tpb, weights,
+           no_state if state1 is None else state1, no_state if state2 is None else state2,
+           ids, num_ids_bound, grad, *sums, int(rule), *constants, 1.0 / dim,
            bool(skip_nonfinite), stochastic,
            np.uint64(key & 0xFFFFFFFF), np.uint64((key >> 32) & 0xFFFFFFFF), group,
            no_error_slots() if checks is None else checks)
 
 
-_PLANS = {}  # (table dtype, gradient dtype, fused, D) -> what _launch_update derives from them
+_PLANS = {}  # (table and gradient dtypes, fused, D, per-row state, device) -> what
+#             _launch_update derives from them
+_CONSTANTS = {}  # hyper-parameters' bytes -> the kernel's scalars of them
 
 
 def sparse_update(family, rule, weights, state1, state2, hp, ids, rows, skip_nonfinite,
@@ -464,8 +497,7 @@ def sparse_update(family, rule, weights, state1, state2, hp, ids, rows, skip_non
     num_ids = ids.shape[0]
     if num_ids == 0:
         return
-    count = _device.full(1, num_ids, np.int64)
-    _launch_update(family, rule, weights, state1, state2, hp, family.kernel_array(ids), count,
+    _launch_update(family, rule, weights, state1, state2, hp, family.kernel_array(ids),
                    family.kernel_array(rows), None, rows.dtype, num_ids, skip_nonfinite,
                    stochastic, key, None)
 
@@ -514,8 +546,8 @@ def fused_sparse_update(family, rule, weights, state1, state2, hp, grad_out, val
         if n == 0 or num_bags == 0:
             return clean
         occ = occurrences(keys, bag_of, coef, dim, grad_acc)
-        sum_partials(family, grad_out, occ, columns_per_lane(dim, group_size(dim)))
-        _launch_update(family, rule, weights, state1, state2, hp, occ.grouping.ids,
-                       occ.grouping.count, family.kernel_array(grad_out), occ,
-                       grad_out.dtype, n, skip_nonfinite, stochastic, key, slots)
+        sum_partials(family, grad_out, occ)
+        _launch_update(family, rule, weights, state1, state2, hp, keys,
+                       family.kernel_array(grad_out), occ, grad_out.dtype, n, skip_nonfinite,
+                       stochastic, key, slots)
     return clean

@@ -20,23 +20,24 @@ Pipeline, as the one-table step's:
    table (so a pool's ``count`` may be a capacity its bags do not fill). With
    ``finite``, the same launch checks the gradient for NaN and Inf (one slot left
    pending; the update writes nothing when it holds an error);
-2. :func:`._segments.group` (or, into memory allocated once by :func:`reserve`, the
-   radix sort of :mod:`.radix_sort`): the positions sorted by key, so a table's
+2. :func:`._segments.stable_argsort` (or, into memory allocated once by :func:`reserve`,
+   the radix sort of :mod:`.radix_sort`): the positions sorted by key, so a table's
    occurrences take the sorted positions ``[Σ earlier tables' ids, + its ids)``, known to
    the host;
 3. ``partial_tables_kernel`` per level, then ``update_tables_kernel``: each table takes a
    range of the grid's blocks, so a block's lanes share one width, with row groups of
    :func:`group_size` lanes. The partial rows of a table's long runs are cut by windows
    that start at its first sorted position, into partial rows of its own (a row of the
-   widest table's width), as its own step cuts them. A row group runs
-   :func:`.sparse_update.row_updater` for each of the table's distinct rows, with the
+   widest table's width), as its own step cuts them. The row group of the first sorted
+   position of each of the table's runs finds the run's end from the sorted keys and runs
+   :func:`.sparse_update.row_updater` for its row, with the
    table's hyper-parameters (Adam's step size and the stochastic rounding key follow each
    table's step count).
 
 Sums are taken in the order the one-table step takes them, so each table's weights and
 state come out with the same bits as its own ``fused_step``. The launches: the per-bag
-pass (with the check), the sort's two (:mod:`.radix_sort`'s ``5 * passes +
-3`` into reserved memory), one per partial level (none while no table has more than
+pass (with the check), the sort (a library call; :mod:`.radix_sort`'s ``5 * passes``
+into reserved memory), one per partial level (none while no table has more than
 ``CHUNK`` ids), the update.
 """
 import math
@@ -71,6 +72,8 @@ from ._nonfinite import nonfinite_scan, scan_blocks
 from ._segments import device_final_level as final_level
 from ._segments import device_level_base as level_base
 from ._segments import device_piece as piece
+from ._segments import device_run_end as run_end
+from ._segments import device_slot_run as slot_run
 from .embedding_bag_backward import key_dtype, make_accumulate, store_columns
 from .join_bags import feature_of
 from .sparse_update import STOCHASTIC_FORMATS, row_updater, widened_hyper
@@ -222,18 +225,16 @@ def _table_of_block(plan, at, tables, block):
 
 
 @inline_device
-def _table_sum_range(starts, r, num, position, ids, chunk, base):
-    """:func:`.embedding_bag_backward.run_sum_range` of run ``r`` within its table, whose
-    ``ids`` sorted positions start at ``position`` and whose partial rows at ``base``:
-    the windows are the table's own, as in its own step (level 0 items are positions of
-    the whole sort)."""
-    lo = (starts[r] if r < num else position) - position
-    hi = (starts[r + 1] if r < num else position) - position
-    level, first, last, width = final_level(lo, hi, chunk)
+def _table_sum_range(lo, hi, position, ids, chunk, base):
+    """:func:`.embedding_bag_backward.sum_range` of the run of sorted positions ``[lo,
+    hi)`` of a table whose ``ids`` sorted positions start at ``position`` and whose
+    partial rows at ``base``: the windows are the table's own, as in its own step (level
+    0 items are positions of the whole sort)."""
+    level, first, last, width = final_level(lo - position, hi - position, chunk)
     if level == 0:
         first += position
         last += position
-    return level, first, last, lo, base + level_base(ids, level, chunk), width
+    return level, first, last, lo - position, base + level_base(ids, level, chunk), width
 
 
 # ---------------------------------------------------------------------------
@@ -249,8 +250,8 @@ def partial_tables_kernel(acc_dtype, grad_dtype):
     store = store_as(acc_dtype)
 
     @jit_kernel(min_blocks_per_sm=2)
-    def partial_tables_kernel(grad, order, bag_of, coef, partials, widest, run, starts, ids,
-                              level, chunk, plan, tables):
+    def partial_tables_kernel(grad, order, bag_of, coef, partials, widest, keys, level, chunk,
+                              plan, tables):
         _, _, table_fields = _layout(plan[0], tables)
         t, local, blocks = _table_of_block(
             plan, table_fields + tables * len(TABLE_FIELDS) + (level - 1) * (tables + 1), tables,
@@ -272,13 +273,16 @@ def partial_tables_kernel(acc_dtype, grad_dtype):
         for s in range(tid // group, 2 * ((n + width - 1) // width), blocks * threads // group):
             window = s // 2
             w_lo = window * width
-            r = run[position + (w_lo if s % 2 == 0 else min(w_lo + width, n) - 1)] - 1
-            lo = starts[r] - position
-            hi = starts[r + 1] - position
-            if s % 2 == 1 and lo <= w_lo:
+            w_hi = min(w_lo + width, n)
+            at = position + (w_lo if s % 2 == 0 else w_hi - 1)
+            if keys[order[at]] - plan[t + T_KEY] >= plan[t + T_ROWS]:  # ids outside the table
                 continue
-            if ids[r] - plan[t + T_KEY] >= plan[t + T_ROWS]:  # ids outside the table
+            lo, hi = slot_run(keys, order, position, position + n, position + w_lo,
+                              position + w_hi, s % 2 == 1)
+            if lo < 0:
                 continue
+            lo -= position
+            hi -= position
             final, _, _, _ = final_level(lo, hi, chunk)
             if final < level:
                 continue
@@ -307,8 +311,8 @@ def update_tables_kernel(table_dtype, grad_dtype, passes):
     hyper = widened_hyper(table_dtype)
 
     @jit_kernel(min_blocks_per_sm=2)
-    def update_tables_kernel(weights, state1, state2, per_row1, per_row2, run, ids, count, grad,
-                             order, bag_of, coef, partials, widest, starts, chunk, plan, tables,
+    def update_tables_kernel(weights, state1, state2, per_row1, per_row2, keys, grad, order,
+                             bag_of, coef, partials, widest, chunk, plan, tables,
                              rule, lr64, eps64, one_m_b1_64, one_m_b2_64, l1_64, two_l2_64,
                              neg_power64, sqrt_power, skip_nonfinite, stochastic, checks):
         for k in range(checks.shape[0]):  # a failed input check: nothing is written
@@ -317,9 +321,8 @@ def update_tables_kernel(table_dtype, grad_dtype, passes):
         first_blocks, _, _ = _layout(plan[0], tables)
         t, local, blocks = _table_of_block(plan, first_blocks, tables, cuda.blockIdx.x)
         position = plan[t + T_POSITION]
+        end = position + plan[t + T_IDS]
         n_ids = plan[t + T_IDS]
-        r_lo = run[position] - 1
-        r_hi = run[position + n_ids - 1]
         num_rows = plan[t + T_ROWS]
         dim = plan[t + T_DIM]
         key0 = plan[t + T_KEY]
@@ -343,13 +346,16 @@ def update_tables_kernel(table_dtype, grad_dtype, passes):
         inv_dim = widen(1.0 / np.float64(dim))
         key_lo = uint64(plan[t + T_KEY_LO])
         key_hi = uint64(plan[t + T_KEY_HI])
-        num = count[0]
-        for r in range(r_lo + tid // group, r_hi, blocks * threads // group):
-            row = int64(ids[r]) - key0
+        for i in range(position + tid // group, end, blocks * threads // group):
+            key = keys[order[i]]
+            if i > position and keys[order[i - 1]] == key:  # not the run's first position
+                continue
+            row = int64(key) - key0
             if row < 0 or row >= num_rows:  # ids outside the table
                 continue
-            sums = _table_sum_range(starts, r, num, position, n_ids, chunk, partial_base)
-            update_row(w, s1, s2, row, g, order, bag_of, coef, rows, sums, r, lane, group, rule,
+            sums = _table_sum_range(i, run_end(keys, order, i, end), position, n_ids, chunk,
+                                    partial_base)
+            update_row(w, s1, s2, row, g, order, bag_of, coef, rows, sums, i, lane, group, rule,
                        hp, inv_dim, skip_nonfinite, stochastic, key_lo, key_hi)
 
     return update_tables_kernel
@@ -485,13 +491,13 @@ def update_tables(family, rule, weights, state1, state2, per_row, hp, tables, po
         launch(kernel, bag_blocks, tpb, k_rows, family.kernel_array(bounds),
                k_rows if psw is None else family.kernel_array(psw), plan, len(tables), keys,
                bag_of, coef, *args)
-        grouping = _segments.group(keys) if into is None else into.sort.group(keys)
+        order = (_segments.stable_argsort(_device.xp(), keys) if into is None
+                 else into.sort.sort(keys))
         widest = max(t.dim for t in tables)
-        sums = (grouping.order, bag_of, coef, partials, widest)
+        sums = (order, bag_of, coef, partials, widest)
         for level, level_blocks in enumerate(blocks[1:], 1):
             launch(partial_tables_kernel(dtype_key(acc), dtype_key(grad.dtype)), level_blocks, tpb,
-                   k_grad, *sums, grouping.run, grouping.starts, grouping.ids, level, chunk, plan,
-                   len(tables))
+                   k_grad, *sums, keys, level, chunk, plan, len(tables))
         # at least two: with one, the row's kept gradient stays in registers and ptxas
         # spills under the launch bounds (sm_90); with two it lives in local memory
         passes = max(2, *(-(-t.dim // (UNROLL * group_size(t.dim))) for t in tables))
@@ -501,8 +507,8 @@ def update_tables(family, rule, weights, state1, state2, per_row, hp, tables, po
                blocks[0], tpb, family.kernel_array(weights),
                none if state1 is None else family.kernel_array(state1),
                none if state2 is None else family.kernel_array(state2), bool(per_row[0]),
-               bool(per_row[1]), grouping.run, grouping.ids, grouping.count, k_grad, *sums,
-               grouping.starts, chunk, plan, len(tables), int(rule), h[rules.LR], h[rules.EPS],
+               bool(per_row[1]), keys, k_grad, *sums, chunk, plan, len(tables), int(rule),
+               h[rules.LR], h[rules.EPS],
                1.0 - h[rules.BETA1], 1.0 - h[rules.BETA2], h[rules.L1], 2.0 * h[rules.L2],
                -h[rules.LR_POWER], h[rules.LR_POWER] == -0.5, bool(skip_nonfinite),
                bool(stochastic) and np.dtype(weights.dtype).name in STOCHASTIC_FORMATS,

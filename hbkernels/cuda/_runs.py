@@ -1,0 +1,147 @@
+"""The runs of keys in sorted order, found on the device with no library call: each
+sorted position's run number (1 + the distinct index of its key), the runs' bounds,
+their keys and their count.
+
+The sorted positions are cut into *tiles* of ``ITEMS`` positions per thread of a block.
+Keys up to one tile take one launch (:func:`find_runs`: ``runs`` alone); more take three:
+``head_counts`` (each tile's run heads: a key unlike the one before it), ``scan_rows``
+(those counts scanned by one block) and ``runs`` (each tile numbers its heads from its
+scanned count). The key at sorted position ``i`` is ``keys[order[i]]``.
+
+``block_scan`` and ``scan_rows`` also serve :mod:`.radix_sort`'s digit counts.
+"""
+import numpy as np
+from numba import cuda, int32
+
+from . import _device
+from ._launch import kernel_factory, threads_per_block
+from ._launcher import launch
+
+ITEMS = 8  # sorted positions per thread of a tile
+
+
+@kernel_factory
+def scan_kernels(tpb):
+    """``(block_scan, scan_rows)`` for blocks of ``tpb`` threads: a device function
+    scanning one value per thread, and a kernel scanning rows of counts in place."""
+
+    @cuda.jit(device=True)
+    def block_scan(buf, t, value):
+        """``(exclusive prefix, total)`` of ``value`` over the block's threads in
+        thread order (``buf``: ``tpb`` shared int32; every thread calls it)."""
+        buf[t] = value
+        cuda.syncthreads()
+        offset = 1
+        while offset < tpb:
+            x = buf[t - offset] if t >= offset else 0
+            cuda.syncthreads()
+            buf[t] += x
+            cuda.syncthreads()
+            offset *= 2
+        inclusive = buf[t]
+        total = buf[tpb - 1]
+        cuda.syncthreads()
+        return inclusive - value, total
+
+    @cuda.jit(cache=False)
+    def scan_rows(counts, rows, length, totals):
+        """Each row ``counts[r * length:(r + 1) * length]`` scanned in place (exclusive),
+        its sum to ``totals[r]``; rows taken by blocks in turn."""
+        t = cuda.threadIdx.x
+        buf = cuda.shared.array(tpb, int32)
+        for r in range(cuda.blockIdx.x, rows, cuda.gridDim.x):
+            carry = 0
+            for c0 in range(0, length, tpb):
+                c = c0 + t
+                v = counts[r * length + c] if c < length else 0
+                before, total = block_scan(buf, t, v)
+                if c < length:
+                    counts[r * length + c] = carry + before
+                carry += total
+            if t == 0:
+                totals[r] = carry
+
+    return block_scan, scan_rows
+
+
+@kernel_factory
+def run_kernels(tpb):
+    """``(head_counts, runs)`` for blocks of ``tpb`` threads (see the module doc)."""
+    tile = tpb * ITEMS
+    block_scan = scan_kernels(tpb)[0]
+
+    @cuda.jit(device=True)
+    def starts_run(keys, order, i):
+        """Whether sorted position ``i`` holds a key unlike the one before it."""
+        return i == 0 or keys[order[i]] != keys[order[i - 1]]
+
+    @cuda.jit(device=True)
+    def heads_before(keys, order, n, here, t):
+        """Run heads among the thread's ``ITEMS`` consecutive positions of tile ``here``."""
+        c = 0
+        for k in range(ITEMS):
+            i = here * tile + t * ITEMS + k
+            if i < n and starts_run(keys, order, i):
+                c += 1
+        return c
+
+    @cuda.jit(cache=False)
+    def head_counts(keys, order, n, heads):
+        """``heads[tile]``: the sorted positions of tile ``tile`` that start a run."""
+        t = cuda.threadIdx.x
+        buf = cuda.shared.array(tpb, int32)
+        _, total = block_scan(buf, t, heads_before(keys, order, n, cuda.blockIdx.x, t))
+        if t == 0:
+            heads[cuda.blockIdx.x] = total
+
+    @cuda.jit(cache=False)
+    def runs(keys, order, n, heads, run, starts, ids, count):
+        """Run numbers, run bounds, distinct keys and their count (``count[0]``; the first
+        key too, in ``count[1]``, where ``count`` has two entries), ``heads`` holding each
+        tile's first run (the scanned head counts; empty: one tile, from run 0). An empty
+        ``run`` or ``ids`` is not written."""
+        t = cuda.threadIdx.x
+        here = cuda.blockIdx.x
+        buf = cuda.shared.array(tpb, int32)
+        before, _ = block_scan(buf, t, heads_before(keys, order, n, here, t))
+        r = (heads[here] if heads.shape[0] != 0 else 0) + before
+        for k in range(ITEMS):
+            i = here * tile + t * ITEMS + k
+            if i < n:
+                if starts_run(keys, order, i):
+                    starts[r] = i
+                    if ids.shape[0] != 0:
+                        ids[r] = keys[order[i]]
+                    if i == 0 and count.shape[0] > 1:
+                        count[1] = keys[order[i]]
+                    r += 1
+                if run.shape[0] != 0:
+                    run[i] = r
+                if i == n - 1:
+                    starts[r] = n
+                    count[0] = r
+
+    return head_counts, runs
+
+
+def tiles_of(n, tpb):
+    """Tiles of ``n`` sorted positions in blocks of ``tpb`` threads."""
+    return -(-n // (tpb * ITEMS))
+
+
+def find_runs(keys, order, run, starts, ids, count):
+    """Queue the launches writing ``run``, ``starts``, ``ids`` and ``count`` (int64; one
+    entry, or two: the first key after the count) of the ``order.shape[0] >= 1`` keys
+    ``keys`` in the order ``order`` (see the module doc; ``run`` and ``ids`` may be
+    empty: not written)."""
+    n = order.shape[0]
+    tpb = threads_per_block()
+    tiles = tiles_of(n, tpb)
+    head_counts, runs = run_kernels(tpb)
+    if tiles == 1:
+        heads = _device.scratch(0, np.int32)
+    else:
+        heads = _device.scratch(tiles + 1, np.int32)  # the total last
+        launch(head_counts, tiles, tpb, keys, order, n, heads)
+        launch(scan_kernels(tpb)[1], 1, tpb, heads, 1, tiles, heads[tiles:])
+    launch(runs, tiles, tpb, keys, order, n, heads, run, starts, ids, count)
