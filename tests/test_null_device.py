@@ -231,3 +231,62 @@ def test_it_refuses_the_simulator_and_a_late_install():
             "nd.install()")
     res = run_python("-c", late, timeout=120)
     assert res.returncode != 0 and "must be installed before" in res.stderr
+
+
+COLLECTION = textwrap.dedent("""
+    import sys
+    import numpy as np
+    from hbkernels.bench import null_device as nd
+    nd.install()
+    import hbkernels as hbk
+    from hbkernels.sharding import collection as module
+    cp = sys.modules["cupy"]
+    specs = [hbk.TableSpec("a", num_rows=10, dim=4), hbk.TableSpec("b", num_rows=7, dim=4)]
+    coll = hbk.EmbeddingCollection(specs, comm=hbk.dist.init("local"), device="cuda",
+                                   optimizer=hbk.optim.Adagrad(lr=0.1))
+    ids = lambda *v: cp.asarray(np.array(v, np.int64))
+    plain = {"a": hbk.Ragged(ids(1, 2, 2), ids(0, 1, 3)), "b": hbk.Ragged(ids(3), ids(0, 0, 1))}
+    grads = {f: cp.asarray(np.ones((2, 4), np.float32)) for f in plain}
+    hbk.lookup(cp.asarray(np.ones((3, 2), np.float32)), ids(0), bounds="unchecked")  # CuPy seen
+    general = module.contiguous_cupy_family
+    resolved = []
+    real_resolve = module.resolve
+    module.resolve = lambda *a, **k: resolved.append(1) or real_resolve(*a, **k)
+
+    def outcome(features, g, fast):
+        module.contiguous_cupy_family = general if fast else (lambda *arrays: None)
+        resolved.clear()
+        try:
+            out = coll.forward(features)
+            shapes = sorted((f, tuple(o.shape)) for f, o in out.items())
+            coll.backward(g)
+            result = f"ok {shapes}"
+        except (TypeError, ValueError) as error:
+            result = f"{type(error).__name__}: {error}"
+        return ("general" if resolved else "fast"), result
+
+    cases = {
+        "plain": (plain, grads),
+        "NumPy values": ({**plain, "b": hbk.Ragged(np.array([3]), ids(0, 0, 1))}, grads),
+        "strided values": ({**plain, "a": hbk.Ragged(ids(1, 0, 2, 0, 2, 0)[::2], ids(0, 1, 3))}, grads),
+        "int32 values": ({**plain, "a": hbk.Ragged(cp.asarray(np.array([1, 2, 2], np.int32)), ids(0, 1, 3))}, grads),
+        "2-D values": ({**plain, "a": hbk.Ragged(ids(1, 2, 2).reshape(3, 1), ids(0, 1, 3))}, grads),
+        "one-hot ids": ({**plain, "b": ids(3, 4)}, grads),
+        "NumPy grad": (plain, {**grads, "a": np.ones((2, 4), np.float32)}),
+        "grad of another shape": (plain, {**grads, "a": cp.asarray(np.ones((3, 4), np.float32))}),
+        "strided grad": (plain, {**grads, "a": cp.asarray(np.ones((2, 8), np.float32))[:, ::2]}),
+    }
+    for name, (features, g) in cases.items():
+        path, got = outcome(features, g, True)
+        _, want = outcome(features, g, False)
+        print(name, path, "agrees" if got == want else f"DIFFERS {got} {want}", sep="|")
+""")
+
+
+def test_the_collection_takes_cupy_inputs_as_they_are_only_where_resolve_would():
+    res = run_python("-c", COLLECTION, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [line.split("|") for line in res.stdout.splitlines()]
+    assert len(rows) == 9 and all(verdict == "agrees" for *_, verdict in rows), res.stdout
+    assert {name for name, path, _ in rows if path == "fast"} == {
+        "plain", "int32 values", "2-D values", "grad of another shape"}, res.stdout

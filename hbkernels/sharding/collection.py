@@ -63,7 +63,7 @@ from .. import _rules
 from .. import _validate as check
 from .. import dist as _dist
 from .. import optim as _optim
-from .._dispatch import device_family, host, kernels, resolve
+from .._dispatch import contiguous_cupy_family, device_family, host, kernels, resolve
 from .._machine import cupy, simulator_enabled
 from .._modes import Combiner
 from ..dist import _wire
@@ -102,6 +102,41 @@ class Pool(NamedTuple):
     pieces: list
     bounds: str = "unchecked"
     at: Any = None  # (first value, first bound) in its flat launch's rows and bounds
+
+    @property
+    def count(self):
+        return int(self.values.shape[0])
+
+    @property
+    def bags(self):
+        return int(self.offsets.shape[0]) - 1
+
+
+class FlatPool:
+    """A :class:`Pool` of a flat launch (:meth:`EmbeddingCollection._pool_flat`): its
+    ``count`` values and ``bags`` bags from ``at`` in the launch's rows and bounds, whose
+    views (``values``, ``offsets``, ``psw``) are made where they are read (a view costs
+    the host a call)."""
+
+    __slots__ = ("combiner", "pieces", "at", "count", "bags", "_flat", "_weighted")
+    bounds = "unchecked"
+
+    def __init__(self, combiner, flat, at, count, bags, pieces, weighted):
+        self.combiner, self.pieces, self.at, self.count, self.bags = (combiner, pieces, at,
+                                                                      count, bags)
+        self._flat, self._weighted = flat, weighted  # (rows, bounds, weights or None)
+
+    @property
+    def values(self):
+        return self._flat[0][self.at[0]:self.at[0] + self.count]
+
+    @property
+    def offsets(self):
+        return self._flat[1][self.at[1]:self.at[1] + self.bags + 1]
+
+    @property
+    def psw(self):
+        return self._flat[2][self.at[0]:self.at[0] + self.count] if self._weighted else None
 
 
 class ExchangeContext(NamedTuple):
@@ -613,13 +648,19 @@ class EmbeddingCollection:
             raise ValueError(f"unknown features {unknown}; this collection has "
                              f"{sorted(self.feature_table)}")
         space = self._family(self.device)
+        # C-contiguous CuPy arrays of the collection's device and no weights: as they are
+        as_given = (features and not psws and space.is_cuda
+                    and all(isinstance(x, Ragged) for x in features.values())
+                    and contiguous_cupy_family(*(a for x in features.values() for a in x)) is space)
         inputs = {}
         checked = []  # (name, values, offsets, row limit or None: ids unchecked) per feature
         plain = True  # no feature with weights or a sequence table's
         for f in sorted(features, key=self._feature_order.get):
             spec = self.tables[self.feature_table[f]]
             x = features[f]
-            if isinstance(x, Ragged):
+            if as_given:
+                values, offsets, psw = x.values, x.offsets, None
+            elif isinstance(x, Ragged):
                 values, offsets = x.values, x.offsets
             else:  # one id per sample
                 values = resolve(values=x)[1]["values"]
@@ -628,11 +669,12 @@ class EmbeddingCollection:
                 reserved = self._reserved
                 offsets = (reserved.ones if reserved is not None and values.shape[0] == reserved.batch
                            else space.xp.arange(values.shape[0] + 1, dtype=np.int64))
-            family, a = resolve(("psw",), values=values, offsets=offsets, psw=psws.get(f))
-            if family != space:
-                raise TypeError(f"feature {f!r} is a {family.name} array but the collection lives on "
-                                f"{self.device} ({space.name} arrays)")
-            values, offsets, psw = a["values"], a["offsets"], a["psw"]
+            if not as_given:
+                family, a = resolve(("psw",), values=values, offsets=offsets, psw=psws.get(f))
+                if family != space:
+                    raise TypeError(f"feature {f!r} is a {family.name} array but the collection "
+                                    f"lives on {self.device} ({space.name} arrays)")
+                values, offsets, psw = a["values"], a["offsets"], a["psw"]
             check.ids(f"{f}.values", values, ndim=1)
             try:  # the errors name the feature
                 check.offsets(offsets)
@@ -1188,19 +1230,20 @@ class EmbeddingCollection:
                 joined.values if joined is not None else xp.concatenate(values, dtype=np.int64),
                 joined.offsets if joined is not None else xp.concatenate(offsets, dtype=np.int64),
                 self._joined_weights(space, [inputs[f] for f in placed]), (at[2], at[3], at[4]))
+        dims = {self.tables[inputs[f].table].dim for f in placed}
+        by_rows = out.reshape(-1, dims.pop()) if len(dims) == 1 else None  # one width: rows
         for f, (_, _, first) in placed.items():
             batch, dim = inputs[f].batch, self.tables[inputs[f].table].dim
-            outputs[f] = [(0, dim, out[first:first + batch * dim].reshape(batch, dim))]
+            outputs[f] = [(0, dim, out[first:first + batch * dim].reshape(batch, dim)
+                           if by_rows is None else by_rows[first // dim:first // dim + batch])]
         psw = self._joined_weights(space, row_features)  # each row's weight, or None
         contexts = {}
         for (group, replicated), pools in layouts:
             made = []
             for combiner, first_row, end_row, first_bound, bags, pieces in pools:
                 weighted = any(inputs[f].psw is not None for f, *_ in pieces)
-                made.append(Pool(combiner, rows[first_row:end_row],
-                                 bounds[first_bound:first_bound + bags + 1],
-                                 psw[first_row:end_row] if weighted else None,
-                                 pieces, at=(first_row, first_bound)))
+                made.append(FlatPool(combiner, (rows, bounds, psw), (first_row, first_bound),
+                                     end_row - first_row, bags, pieces, weighted))
             contexts[(group, replicated)] = LocalContext(group, made, (key, rows, bounds, psw))
         return contexts
 
@@ -1397,7 +1440,7 @@ class EmbeddingCollection:
                     if self._capturing is not None:  # after each replay
                         self._capturing._after.append(
                             lambda group=ctx.group, rows=pool.values: self._mark_changed(group, rows))
-                    else:
+                    elif self._changed is not None:
                         self._mark_changed(ctx.group, pool.values)
         for group in self.arrays:
             fused = self._fast(group)
@@ -1454,7 +1497,7 @@ class EmbeddingCollection:
             width = ctx.group.width
             bags = ids = 0
             for pool in ctx.pools:
-                count, n_bags = int(pool.values.shape[0]), int(pool.offsets.shape[0]) - 1
+                count, n_bags = pool.count, pool.bags
                 pools.append(update_tables.Pool(len(tables), pool.at[0], count, pool.at[1],
                                                 n_bags, bags, int(Combiner[pool.combiner.upper()])))
                 for f, c0, c1, b0, batch in pool.pieces:
@@ -1488,8 +1531,12 @@ class EmbeddingCollection:
                 if given < batch:  # the empty bags' rows: checked, never read
                     block[given:] = 0
         elif plan.places:
-            grad = xp.concatenate([_columns(grads[f], c0, c1).reshape(-1)
-                                   for _, f, c0, c1, _ in plan.places]).astype(np.float32, copy=False)
+            pieces = [_columns(grads[f], c0, c1) for _, f, c0, c1, _ in plan.places]
+            if len({p.shape[1] for p in pieces}) == 1:  # one width: joined by rows, viewed flat
+                grad = xp.concatenate(pieces).reshape(-1)
+            else:
+                grad = xp.concatenate([p.reshape(-1) for p in pieces])
+            grad = grad.astype(np.float32, copy=False)
         else:
             grad = xp.zeros(0, np.float32)
         starts = [place[0] for place in plan.places]
@@ -1548,16 +1595,20 @@ class EmbeddingCollection:
             raise ValueError(f"backward needs a gradient for exactly the features of the forward "
                              f"{sorted(inputs)}, got {sorted(grads)}")
         space = self._family(self.device)
+        # C-contiguous CuPy arrays of the collection's device: as they are
+        as_given = (bool(grads) and space.is_cuda
+                    and contiguous_cupy_family(*grads.values()) is space)
         out = {}
         for f, feature in inputs.items():
             g = grads[f]
             if isinstance(g, JaggedRows):
                 g = g.values
-            family, a = resolve(grad=g)
-            g = a["grad"]
-            if family != space:
-                raise TypeError(f"grad of {f!r} is a {family.name} array; the collection lives on "
-                                f"{self.device}")
+            if not as_given:
+                family, a = resolve(grad=g)
+                g = a["grad"]
+                if family != space:
+                    raise TypeError(f"grad of {f!r} is a {family.name} array; the collection "
+                                    f"lives on {self.device}")
             dim = self.tables[feature.table].dim
             if g.ndim != 2 or tuple(g.shape) != (feature.batch, dim):
                 rows = "N" if feature.sequence_offsets is not None else "B"
