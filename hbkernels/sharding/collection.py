@@ -684,7 +684,8 @@ class EmbeddingCollection:
             # a dynamic table takes any int64 id: its offsets only
             checked.append((f, values, offsets, None if spec.dynamic else spec.num_rows))
             if self._reserved is None:  # (a reserved step copies them into its own int64 array)
-                values = values.astype(np.int64, copy=False)
+                if values.dtype != np.int64:
+                    values = values.astype(np.int64)
             sequence_offsets = None
             if spec.combiner is None:  # a sequence table: each id is a bag of its own
                 sequence_offsets, offsets = offsets, space.xp.arange(values.shape[0] + 1, dtype=np.int64)
@@ -1229,6 +1230,7 @@ class EmbeddingCollection:
                 space, self.flats[key], segments,
                 joined.values if joined is not None else xp.concatenate(values, dtype=np.int64),
                 joined.offsets if joined is not None else xp.concatenate(offsets, dtype=np.int64),
+                None if joined is not None else  # (joined: no feature has weights)
                 self._joined_weights(space, [inputs[f] for f in placed]), (at[2], at[3], at[4]))
         dims = {self.tables[inputs[f].table].dim for f in placed}
         by_rows = out.reshape(-1, dims.pop()) if len(dims) == 1 else None  # one width: rows
@@ -1236,7 +1238,8 @@ class EmbeddingCollection:
             batch, dim = inputs[f].batch, self.tables[inputs[f].table].dim
             outputs[f] = [(0, dim, out[first:first + batch * dim].reshape(batch, dim)
                            if by_rows is None else by_rows[first // dim:first // dim + batch])]
-        psw = self._joined_weights(space, row_features)  # each row's weight, or None
+        # each row's weight, or None
+        psw = None if joined is not None else self._joined_weights(space, row_features)
         contexts = {}
         for (group, replicated), pools in layouts:
             made = []

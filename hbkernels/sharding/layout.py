@@ -12,6 +12,7 @@ holds which rows is the placement's business (:mod:`hbkernels.sharding.kinds`);
 this module only stacks what they hand out.
 """
 import dataclasses
+import functools
 import zlib
 from collections import defaultdict
 from typing import Any, NamedTuple
@@ -106,12 +107,12 @@ class Layout:
         return sorted({r.group for routes in self.routes.values() for r in routes
                        if SHARDINGS[r.kind].replicated == replicated}, key=_group_order)
 
-    @property
+    @functools.cached_property  # (a frozen layout: found once)
     def exchange_groups(self):
         """Groups with sharded slices: one exchange each, every rank taking part."""
         return self._route_groups(False)
 
-    @property
+    @functools.cached_property
     def replica_groups(self):
         """Groups with replicated slices: one gradient allgather each."""
         return self._route_groups(True)
