@@ -425,13 +425,17 @@ def embedding_bag_backward(
     >>> sorted(zip(g.ids.tolist(), g.rows[:, 0].tolist()))
     [(1, 0.5), (4, 1.5)]
     """
-    family, a = resolve(
-        ("per_sample_weights",),
-        grad_out=grad_out, values=values, offsets=offsets, per_sample_weights=per_sample_weights,
-    )
-    grad_out, values, offsets, psw = (
-        a["grad_out"], a["values"], a["offsets"], a["per_sample_weights"]
-    )
+    family, psw = None, None
+    if per_sample_weights is None:  # CuPy inputs as they are, where resolve would take them
+        family = _plain_inputs(grad_out, values, offsets)
+    if family is None or family is NUMPY:  # (NumPy's gradient rows are made C-contiguous)
+        family, a = resolve(
+            ("per_sample_weights",), grad_out=grad_out, values=values, offsets=offsets,
+            per_sample_weights=per_sample_weights,
+        )
+        grad_out, values, offsets, psw = (
+            a["grad_out"], a["values"], a["offsets"], a["per_sample_weights"]
+        )
     num_rows = check.count("num_rows", num_rows)
     check.ids("values", values, ndim=1)
     check.offsets(offsets)

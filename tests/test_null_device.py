@@ -290,3 +290,57 @@ def test_the_collection_takes_cupy_inputs_as_they_are_only_where_resolve_would()
     assert len(rows) == 9 and all(verdict == "agrees" for *_, verdict in rows), res.stdout
     assert {name for name, path, _ in rows if path == "fast"} == {
         "plain", "int32 values", "2-D values", "grad of another shape"}, res.stdout
+
+
+BACKWARD = textwrap.dedent("""
+    import sys
+    import numpy as np
+    from hbkernels.bench import null_device as nd
+    nd.install()
+    import hbkernels as hbk
+    from hbkernels import ops
+    cp = sys.modules["cupy"]
+    ids = lambda *v: cp.asarray(np.array(v, np.int64))
+    values, offsets = ids(1, 2, 2), ids(0, 1, 3)
+    grad = cp.asarray(np.ones((2, 4), np.float32))
+    hbk.lookup(cp.asarray(np.ones((3, 2), np.float32)), ids(0), bounds="unchecked")  # CuPy seen
+    general = ops._plain_inputs
+    resolved = []
+    real_resolve = ops.resolve
+    ops.resolve = lambda *a, **k: resolved.append(1) or real_resolve(*a, **k)
+
+    def outcome(g, v, o, psw, fast):
+        ops._plain_inputs = general if fast else (lambda *arrays: None)
+        resolved.clear()
+        try:  # padded and unchecked: nothing read back, so no answer needed
+            out = hbk.embedding_bag_backward(g, v, o, num_rows=5, per_sample_weights=psw,
+                                             padded=True, bounds="unchecked")
+            result = f"ok {tuple(out.ids.shape)} {tuple(out.rows.shape)} {out.rows.dtype}"
+        except (TypeError, ValueError) as error:
+            result = f"{type(error).__name__}: {error}"
+        return ("general" if resolved else "fast"), result
+
+    cases = {
+        "plain": (grad, values, offsets, None),
+        "int32 values": (grad, values.astype(np.int32), offsets, None),
+        "fp16 grad": (grad.astype(np.float16), values, offsets, None),
+        "strided grad": (cp.asarray(np.ones((2, 8), np.float32))[:, ::2], values, offsets, None),
+        "NumPy grad": (np.ones((2, 4), np.float32), values, offsets, None),
+        "weights": (grad, values, offsets, cp.asarray(np.ones(3, np.float32))),
+        "float values": (grad, values.astype(np.float32), offsets, None),
+        "grad of 3 bags": (cp.asarray(np.ones((3, 4), np.float32)), values, offsets, None),
+    }
+    for name, args in cases.items():
+        path, got = outcome(*args, True)
+        _, want = outcome(*args, False)
+        print(name, path, "agrees" if got == want else f"DIFFERS {got} {want}", sep="|")
+""")
+
+
+def test_the_backward_takes_cupy_inputs_as_they_are_only_where_resolve_would():
+    res = run_python("-c", BACKWARD, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [line.split("|") for line in res.stdout.splitlines()]
+    assert len(rows) == 8 and all(verdict == "agrees" for *_, verdict in rows), res.stdout
+    assert {name for name, path, _ in rows if path == "fast"} == {
+        "plain", "int32 values", "fp16 grad", "grad of 3 bags"}, res.stdout
