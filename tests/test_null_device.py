@@ -233,39 +233,52 @@ def test_it_refuses_the_simulator_and_a_late_install():
     assert res.returncode != 0 and "must be installed before" in res.stderr
 
 
-COLLECTION = textwrap.dedent("""
+COMPARE = textwrap.dedent("""
     import sys
     import numpy as np
     from hbkernels.bench import null_device as nd
     nd.install()
     import hbkernels as hbk
-    from hbkernels.sharding import collection as module
     cp = sys.modules["cupy"]
+    ids = lambda *v: cp.asarray(np.array(v, np.int64))
+    hbk.lookup(cp.asarray(np.ones((3, 2), np.float32)), ids(0), bounds="unchecked")  # CuPy seen
+
+    def compare(module, fast_test, cases, call):
+        \"\"\"For each case, the path ``call(*args)`` takes (``fast`` where ``module.resolve``
+        is not called) and whether its outcome, an error included, is the general path's
+        (``module.<fast_test>`` answering None).\"\"\"
+        general, resolve, resolved = getattr(module, fast_test), module.resolve, []
+        module.resolve = lambda *a, **k: resolved.append(1) or resolve(*a, **k)
+
+        def outcome(args, fast):
+            setattr(module, fast_test, general if fast else (lambda *arrays: None))
+            resolved.clear()
+            try:
+                result = f"ok {call(*args)}"
+            except (TypeError, ValueError) as error:
+                result = f"{type(error).__name__}: {error}"
+            return ("general" if resolved else "fast"), result
+
+        for name, args in cases.items():
+            path, got = outcome(args, True)
+            _, want = outcome(args, False)
+            print(name, path, "agrees" if got == want else f"DIFFERS {got} {want}", sep="|")
+""")
+
+COLLECTION = COMPARE + textwrap.dedent("""
+    from hbkernels.sharding import collection as module
     specs = [hbk.TableSpec("a", num_rows=10, dim=4), hbk.TableSpec("b", num_rows=7, dim=4)]
     coll = hbk.EmbeddingCollection(specs, comm=hbk.dist.init("local"), device="cuda",
                                    optimizer=hbk.optim.Adagrad(lr=0.1))
-    ids = lambda *v: cp.asarray(np.array(v, np.int64))
     plain = {"a": hbk.Ragged(ids(1, 2, 2), ids(0, 1, 3)), "b": hbk.Ragged(ids(3), ids(0, 0, 1))}
     grads = {f: cp.asarray(np.ones((2, 4), np.float32)) for f in plain}
-    hbk.lookup(cp.asarray(np.ones((3, 2), np.float32)), ids(0), bounds="unchecked")  # CuPy seen
-    general = module.contiguous_cupy_family
-    resolved = []
-    real_resolve = module.resolve
-    module.resolve = lambda *a, **k: resolved.append(1) or real_resolve(*a, **k)
 
-    def outcome(features, g, fast):
-        module.contiguous_cupy_family = general if fast else (lambda *arrays: None)
-        resolved.clear()
-        try:
-            out = coll.forward(features)
-            shapes = sorted((f, tuple(o.shape)) for f, o in out.items())
-            coll.backward(g)
-            result = f"ok {shapes}"
-        except (TypeError, ValueError) as error:
-            result = f"{type(error).__name__}: {error}"
-        return ("general" if resolved else "fast"), result
+    def step(features, g):
+        out = coll.forward(features)
+        coll.backward(g)
+        return sorted((f, tuple(o.shape)) for f, o in out.items())
 
-    cases = {
+    compare(module, "contiguous_cupy_family", {
         "plain": (plain, grads),
         "NumPy values": ({**plain, "b": hbk.Ragged(np.array([3]), ids(0, 0, 1))}, grads),
         "strided values": ({**plain, "a": hbk.Ragged(ids(1, 0, 2, 0, 2, 0)[::2], ids(0, 1, 3))}, grads),
@@ -275,11 +288,7 @@ COLLECTION = textwrap.dedent("""
         "NumPy grad": (plain, {**grads, "a": np.ones((2, 4), np.float32)}),
         "grad of another shape": (plain, {**grads, "a": cp.asarray(np.ones((3, 4), np.float32))}),
         "strided grad": (plain, {**grads, "a": cp.asarray(np.ones((2, 8), np.float32))[:, ::2]}),
-    }
-    for name, (features, g) in cases.items():
-        path, got = outcome(features, g, True)
-        _, want = outcome(features, g, False)
-        print(name, path, "agrees" if got == want else f"DIFFERS {got} {want}", sep="|")
+    }, step)
 """)
 
 
@@ -292,35 +301,17 @@ def test_the_collection_takes_cupy_inputs_as_they_are_only_where_resolve_would()
         "plain", "int32 values", "2-D values", "grad of another shape"}, res.stdout
 
 
-BACKWARD = textwrap.dedent("""
-    import sys
-    import numpy as np
-    from hbkernels.bench import null_device as nd
-    nd.install()
-    import hbkernels as hbk
+BACKWARD = COMPARE + textwrap.dedent("""
     from hbkernels import ops
-    cp = sys.modules["cupy"]
-    ids = lambda *v: cp.asarray(np.array(v, np.int64))
     values, offsets = ids(1, 2, 2), ids(0, 1, 3)
     grad = cp.asarray(np.ones((2, 4), np.float32))
-    hbk.lookup(cp.asarray(np.ones((3, 2), np.float32)), ids(0), bounds="unchecked")  # CuPy seen
-    general = ops._plain_inputs
-    resolved = []
-    real_resolve = ops.resolve
-    ops.resolve = lambda *a, **k: resolved.append(1) or real_resolve(*a, **k)
 
-    def outcome(g, v, o, psw, fast):
-        ops._plain_inputs = general if fast else (lambda *arrays: None)
-        resolved.clear()
-        try:  # padded and unchecked: nothing read back, so no answer needed
-            out = hbk.embedding_bag_backward(g, v, o, num_rows=5, per_sample_weights=psw,
-                                             padded=True, bounds="unchecked")
-            result = f"ok {tuple(out.ids.shape)} {tuple(out.rows.shape)} {out.rows.dtype}"
-        except (TypeError, ValueError) as error:
-            result = f"{type(error).__name__}: {error}"
-        return ("general" if resolved else "fast"), result
+    def backward(g, v, o, psw):  # padded and unchecked: nothing is read back
+        out = hbk.embedding_bag_backward(g, v, o, num_rows=5, per_sample_weights=psw,
+                                         padded=True, bounds="unchecked")
+        return f"{tuple(out.ids.shape)} {tuple(out.rows.shape)} {out.rows.dtype}"
 
-    cases = {
+    compare(ops, "_plain_inputs", {
         "plain": (grad, values, offsets, None),
         "int32 values": (grad, values.astype(np.int32), offsets, None),
         "fp16 grad": (grad.astype(np.float16), values, offsets, None),
@@ -329,11 +320,7 @@ BACKWARD = textwrap.dedent("""
         "weights": (grad, values, offsets, cp.asarray(np.ones(3, np.float32))),
         "float values": (grad, values.astype(np.float32), offsets, None),
         "grad of 3 bags": (cp.asarray(np.ones((3, 4), np.float32)), values, offsets, None),
-    }
-    for name, args in cases.items():
-        path, got = outcome(*args, True)
-        _, want = outcome(*args, False)
-        print(name, path, "agrees" if got == want else f"DIFFERS {got} {want}", sep="|")
+    }, backward)
 """)
 
 
