@@ -182,6 +182,25 @@ def test_calls_after_a_bad_one_see_only_their_own_input(backend, rng):
             check_against_dense(ids, rows, dense, touched, np.float32, np.int64)
 
 
+def test_a_call_that_raises_an_earlier_error_leaves_no_trace(backend, rng):
+    """A fused step's bad id (left pending on the GPU), then a backward with bad offsets
+    (on the GPU its wait raises the step's error first), then a valid backward: it sees
+    only its own input."""
+    opt = hbk.optim.SGD(lr=0.1)
+    table = backend.put(np.ones((5, 3), np.float32))
+    state = opt.init_state(table)
+    with raises(hbk.BoundsError):  # on the GPU, at the next wait
+        opt.fused_step(table, state, backend.put(np.ones((1, 3), np.float32)),
+                       backend.put(np.array([99])), backend.put(np.array([0, 1])))
+        run_backward(backend, np.ones((2, 3), np.float32), np.array([1, 2, 3]),
+                     np.array([0, 2, 1]), 5)
+    grad_out = rng.standard_normal((2, 3)).astype(np.float32)
+    good, offsets = np.array([1, 4, 4], np.int64), np.array([0, 1, 3], np.int64)
+    dense, touched = dense_backward(grad_out, good, offsets, 5, "sum")
+    ids, rows = run_backward(backend, grad_out, good, offsets, 5)
+    check_against_dense(ids, rows, dense, touched, np.float32, np.int64)
+
+
 def test_bounds_unchecked_on_valid_input(backend, rng):
     batch, max_len, num_rows = sizes(backend)
     grad_out, values, offsets = make_case(rng, num_rows, 4, batch, max_len, np.float32,

@@ -295,7 +295,7 @@ def error_slots(count):
     return _device.full(count, NO_ERROR_SLOT, np.int64)
 
 
-_READ_BACK = {}  # (thread, device, stream, count) -> (slots, count, their view past count)
+_READ_BACK = {}  # (thread, device, stream, count, extra) -> (array, its slots' view)
 
 
 def read_back_slots(count, extra):

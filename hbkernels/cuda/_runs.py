@@ -14,10 +14,23 @@ import numpy as np
 from numba import cuda, int32
 
 from . import _device
-from ._launch import kernel_factory, threads_per_block
+from ._launch import inline_device, kernel_factory, threads_per_block
 from ._launcher import launch
 
 ITEMS = 8  # sorted positions per thread of a tile
+
+
+def index_dtype(n):
+    """Positions and run numbers of ``n`` items: int32 when they fit."""
+    return np.dtype(np.int32) if n < 2**31 - 1 else np.dtype(np.int64)
+
+
+@inline_device
+def run_starts_at(keys, order, first, i):
+    """Whether sorted position ``i`` (at least ``first``) starts a run among the sorted
+    positions from ``first``: ``i == first`` or its key (``keys[order[i]]``) differs from
+    the one before it."""
+    return i == first or keys[order[i]] != keys[order[i - 1]]
 
 
 @kernel_factory
@@ -71,17 +84,12 @@ def run_kernels(tpb):
     block_scan = scan_kernels(tpb)[0]
 
     @cuda.jit(device=True)
-    def starts_run(keys, order, i):
-        """Whether sorted position ``i`` holds a key unlike the one before it."""
-        return i == 0 or keys[order[i]] != keys[order[i - 1]]
-
-    @cuda.jit(device=True)
     def heads_before(keys, order, n, here, t):
         """Run heads among the thread's ``ITEMS`` consecutive positions of tile ``here``."""
         c = 0
         for k in range(ITEMS):
             i = here * tile + t * ITEMS + k
-            if i < n and starts_run(keys, order, i):
+            if i < n and run_starts_at(keys, order, 0, i):
                 c += 1
         return c
 
@@ -108,7 +116,7 @@ def run_kernels(tpb):
         for k in range(ITEMS):
             i = here * tile + t * ITEMS + k
             if i < n:
-                if starts_run(keys, order, i):
+                if run_starts_at(keys, order, 0, i):
                     starts[r] = i
                     if ids.shape[0] != 0:
                         ids[r] = keys[order[i]]
@@ -130,9 +138,9 @@ def tiles_of(n, tpb):
 
 
 def find_runs(keys, order, run, starts, ids, count):
-    """Queue the launches writing ``run``, ``starts``, ``ids`` and ``count`` (int64; one
-    entry, or two: the first key after the count) of the ``order.shape[0] >= 1`` keys
-    ``keys`` in the order ``order`` (see the module doc; ``run`` and ``ids`` may be
+    """Queue the launches writing ``run``, ``starts``, ``ids`` and ``count`` (int64: the
+    count, then the first key where it has a second entry) of the ``order.shape[0] >= 1``
+    keys ``keys`` in the order ``order`` (see the module doc; ``run`` and ``ids`` may be
     empty: not written)."""
     n = order.shape[0]
     tpb = threads_per_block()
@@ -141,7 +149,7 @@ def find_runs(keys, order, run, starts, ids, count):
     if tiles == 1:
         heads = _device.scratch(0, np.int32)
     else:
-        heads = _device.scratch(tiles + 1, np.int32)  # the total last
+        heads = _device.scratch(tiles + 1, index_dtype(n))  # the total last
         launch(head_counts, tiles, tpb, keys, order, n, heads)
         launch(scan_kernels(tpb)[1], 1, tpb, heads, 1, tiles, heads[tiles:])
     launch(runs, tiles, tpb, keys, order, n, heads, run, starts, ids, count)

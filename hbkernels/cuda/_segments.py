@@ -8,7 +8,7 @@ are contiguous and in input order, and finds the runs:
 ``run[i]`` is 1 + the distinct index of sorted position ``i``, ``starts[r]`` the
 first sorted position of distinct key ``r`` (``starts[K] = n``), ``ids[r]`` the
 key, ``count[0] = K``. Sizes are host-known bounds (``n``): nothing is read back.
-Without numbered runs, :func:`run_start` and :func:`run_end` find a sorted position's
+Without numbered runs, :func:`run_end` and :func:`slot_run` find a sorted position's
 run from the sorted keys alone (the fused step's kernels do, after the sort alone).
 
 The sums need no plan arrays: they follow from a run's bounds ``[lo, hi)`` by the
@@ -36,7 +36,7 @@ import numpy as np
 
 from . import _device
 from ._launch import inline_device
-from ._runs import find_runs
+from ._runs import find_runs, index_dtype
 
 CHUNK = 256  # items one row group sums serially, at most (occurrences or partial rows)
 
@@ -46,7 +46,7 @@ class Grouping:
     """Occurrences grouped by key (``xp`` arrays; entries past ``K`` are undefined):
     ``order`` (sorted position -> input position), ``run`` (sorted position -> 1 +
     distinct index), ``starts`` (``K + 1`` run bounds), ``ids`` (distinct keys),
-    ``count`` (``[K]``)."""
+    ``count`` (``[K, ...]``: see :func:`group`; ``run`` and ``ids`` empty unless numbered)."""
 
     order: object
     run: object
@@ -64,15 +64,11 @@ def stable_argsort(xp, keys):
     return xp.argsort(keys)
 
 
-def index_dtype(n):
-    """Positions and run numbers of ``n`` items: int32 when they fit."""
-    return np.dtype(np.int32) if n < 2**31 - 1 else np.dtype(np.int64)
-
-
 def group(keys, count=None, order=None, numbered=True):
     """:class:`Grouping` of ``keys`` (a 1-D integer ``xp`` array, at least one entry),
-    queued on the current stream. ``count``: where the count goes (an int64 array of one
-    entry, or of two: the first key after it), else one allocated here; ``order``: the
+    queued on the current stream. ``count``: where the count goes (an int64 array: the
+    count, then the first key where it has a second entry; any entries past those are
+    left as they are), else one allocated here; ``order``: the
     positions sorted (:func:`stable_argsort`), else sorted here; ``numbered=False``:
     ``run`` and ``ids`` are left empty (a run's key is ``keys[order[starts[r]]]``)."""
     n = keys.shape[0]
@@ -174,7 +170,7 @@ def _searches(edge):
 
     def slot_run(keys, order, first, last, w_lo, w_hi, odd):
         """``(lo, hi)`` of the run of a window slot (the window's sorted positions ``[w_lo,
-        w_hi)`` among the run's sorted positions ``[first, last)``; the even slot's run
+        w_hi)`` among the sorted positions ``[first, last)``, a table's; the even slot's run
         holds ``w_lo``, the odd slot's starts inside the window and reaches past its end),
         or ``(-1, -1)`` when the odd slot has no such run. Exact where the slot's piece or
         the run's final level depend on them; for a run reaching past both ends of the
@@ -206,8 +202,7 @@ device_piece = inline_device(piece)
 device_level_base = inline_device(level_base)
 device_partial_row = inline_device(partial_row)
 device_run_edge = inline_device(run_edge)
-device_run_end, device_run_start, device_slot_run = (
-    inline_device(f) for f in _searches(device_run_edge))
+device_run_end, _, device_slot_run = (inline_device(f) for f in _searches(device_run_edge))
 
 
 def partial_levels(n, chunk):

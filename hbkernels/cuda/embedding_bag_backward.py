@@ -519,14 +519,21 @@ def embedding_bag_backward(family, grad_out, values, offsets, num_rows, per_samp
     acc_dtype = accumulator_dtype(grad_out.dtype)
     # what the host reads, in one array: the distinct count, the first key, the error slots
     info, slots = (None, None) if padded or n == 0 else read_back_slots(2, 2)
-    keys, bag_of, coef, slots = prepare(family, values, offsets, per_sample_weights, combiner,
-                                        num_rows, acc_dtype, check, check, slots=slots)
-    if n == 0:
-        bad_offset = read_error_slots(slots)[0] if check else -1
-        return (*empty(), bad_offset, -1)
-    occ = occurrences(keys, bag_of, coef, dim, acc_dtype)
-    # the runs: where each id's row goes (numbered for the atomic sums)
-    grouping = _segments.group(keys, info, occ.order, numbered=not deterministic)
+    try:
+        keys, bag_of, coef, slots = prepare(family, values, offsets, per_sample_weights,
+                                            combiner, num_rows, acc_dtype, check, check,
+                                            slots=slots)
+        if n == 0:
+            bad_offset = read_error_slots(slots)[0] if check else -1
+            return (*empty(), bad_offset, -1)
+        occ = occurrences(keys, bag_of, coef, dim, acc_dtype)
+        # the runs: where each id's row goes (the atomic sums' need their numbers)
+        grouping = _segments.group(keys, info, occ.order, numbered=not deterministic)
+        read = None if info is None else _device.to_host(info)
+    except BaseException:  # (the wait may raise an earlier op's error): slots not seen
+        if info is not None:
+            drop_read_back(info)
+        raise
     if padded:  # every distinct key (-1 for out-of-range ids), then -1: no count read back
         if check:
             bad_offset, bad_id = read_error_slots(slots)
@@ -537,7 +544,6 @@ def embedding_bag_backward(family, grad_out, values, offsets, num_rows, per_samp
             ids = grouping.ids.astype(values.dtype)
             ids[xp.arange(n) >= grouping.count] = -1
     else:  # one read: distinct count, first key (-1: the out-of-range ids), error slots
-        read = _device.to_host(info)
         bad_offset, bad_id = error_positions(read[2:])
         if bad_offset != -1 or bad_id != -1:
             drop_read_back(info)

@@ -61,6 +61,7 @@ from ._launcher import launch
 from ._nonfinite import record_nonfinite
 from ._warp import group_mask, shfl_xor
 from .embedding_bag import empty_batch_bad_offset
+from ._runs import run_starts_at
 from ._segments import device_run_end as run_end
 from .embedding_bag_backward import (
     make_accumulate,
@@ -191,8 +192,8 @@ def row_updater(table_dtype, grad_dtype, fused, columns, passes, any_width=False
     """The inline device function ``update_row(weights, state1, state2, row, grad, order,
     bag_of, coef, partials, sums, r, lane, group, rule, hp, inv_dim, skip_nonfinite,
     stochastic, key_lo, key_hi) -> None`` that one row group of ``group`` lanes runs for
-    distinct row ``row`` (run ``r``): its gradient (summed as ``sums`` says when
-    ``fused``, else ``grad[r]``), the rule of ``hp`` (the widened hyper-parameters of
+    distinct row ``row``: its gradient (summed as ``sums`` says when ``fused``, else
+    ``grad[r]``), the rule of ``hp`` (the widened hyper-parameters of
     :func:`_make_rule`), the weight stored. ``columns`` per lane
     (:func:`columns_per_lane`) and ``passes`` passes of ``UNROLL·G`` columns are
     compile-time; ``weights.shape[1]`` gives the row's width. ``any_width``: ``columns``
@@ -419,10 +420,9 @@ def _update_kernel(table_dtype, grad_dtype, fused, columns, passes, per_row=Fals
         if fused:
             n = order.shape[0]
             for i in range(tid // group, n, step):
-                key = ids[order[i]]
-                if i > 0 and ids[order[i - 1]] == key:  # not the run's first position
+                if not run_starts_at(ids, order, 0, i):
                     continue
-                row = int64(key)
+                row = int64(ids[order[i]])
                 if row < 0 or row >= num_rows:  # the -1 key (bad id) or untrusted garbage
                     continue
                 sums = sum_range(i, run_end(ids, order, i, n), n, chunk)
@@ -467,20 +467,11 @@ def _launch_update(family, rule, weights, state1, state2, hp, ids, grad, occ, gr
         weights = family.kernel_array(weights)
     stochastic = bool(stochastic) and can_round
     key = int(key)
-    hp_key = hp.tobytes()
-    constants = _CONSTANTS.get(hp_key)
-    if constants is None:  # the kernel's float64 scalars of these hyper-parameters
-        h = hp.tolist()
-        constants = _CONSTANTS[hp_key] = (
-            h[rules.LR], h[rules.EPS], 1.0 - h[rules.BETA1], 1.0 - h[rules.BETA2], h[rules.L1],
-            2.0 * h[rules.L2], -h[rules.LR_POWER], h[rules.LR_POWER] == -0.5,
-            h[rules.STEP_SIZE])
-        if len(_CONSTANTS) > 64:  # (Adam's step size changes every step)
-            _CONSTANTS.pop(next(iter(_CONSTANTS)))
     sums = (*occ.kernel_arrays(), occ.chunk) if fused else no_sums
     launch(kernel, blocks_for(num_ids_bound, tpb // group), tpb, weights,
            no_state if state1 is None else state1, no_state if state2 is None else state2,
-           ids, num_ids_bound, grad, *sums, int(rule), *constants, 1.0 / dim,
+           ids, num_ids_bound, grad, *sums, int(rule), *rule_constants(hp),
+           float(hp[rules.STEP_SIZE]), 1.0 / dim,
            bool(skip_nonfinite), stochastic,
            np.uint64(key & 0xFFFFFFFF), np.uint64((key >> 32) & 0xFFFFFFFF), group,
            no_error_slots() if checks is None else checks)
@@ -488,7 +479,24 @@ def _launch_update(family, rule, weights, state1, state2, hp, ids, grad, occ, gr
 
 _PLANS = {}  # (table and gradient dtypes, fused, D, per-row state, device) -> what
 #             _launch_update derives from them
-_CONSTANTS = {}  # hyper-parameters' bytes -> the kernel's scalars of them
+
+
+def rule_constants(hp):
+    """The update kernels' float64 scalars of the hyper-parameters ``hp`` (their step
+    size aside): lr, eps, 1 - beta1, 1 - beta2, l1, 2 l2, -lr_power, lr_power == -0.5."""
+    key = hp.tobytes()
+    found = _CONSTANTS.get(key)
+    if found is None:
+        h = hp.tolist()
+        found = (h[rules.LR], h[rules.EPS], 1.0 - h[rules.BETA1], 1.0 - h[rules.BETA2],
+                 h[rules.L1], 2.0 * h[rules.L2], -h[rules.LR_POWER], h[rules.LR_POWER] == -0.5)
+        if len(_CONSTANTS) > 64:  # (Adam's step size changes every step)
+            _CONSTANTS.clear()
+        _CONSTANTS[key] = found
+    return found
+
+
+_CONSTANTS = {}  # hyper-parameters' bytes -> rule_constants of them
 
 
 def sparse_update(family, rule, weights, state1, state2, hp, ids, rows, skip_nonfinite,

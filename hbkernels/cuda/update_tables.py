@@ -46,7 +46,6 @@ from typing import NamedTuple
 import numpy as np
 from numba import cuda, int64, uint64
 
-from .. import _rules as rules
 from .._modes import Combiner
 from . import _device, _pending, _segments, radix_sort
 from ._launch import (
@@ -76,7 +75,7 @@ from ._segments import device_run_end as run_end
 from ._segments import device_slot_run as slot_run
 from .embedding_bag_backward import key_dtype, make_accumulate, store_columns
 from .join_bags import feature_of
-from .sparse_update import STOCHASTIC_FORMATS, row_updater, widened_hyper
+from .sparse_update import STOCHASTIC_FORMATS, row_updater, rule_constants, widened_hyper
 
 
 class Table(NamedTuple):
@@ -321,8 +320,8 @@ def update_tables_kernel(table_dtype, grad_dtype, passes):
         first_blocks, _, _ = _layout(plan[0], tables)
         t, local, blocks = _table_of_block(plan, first_blocks, tables, cuda.blockIdx.x)
         position = plan[t + T_POSITION]
-        end = position + plan[t + T_IDS]
         n_ids = plan[t + T_IDS]
+        end = position + n_ids
         num_rows = plan[t + T_ROWS]
         dim = plan[t + T_DIM]
         key0 = plan[t + T_KEY]
@@ -347,7 +346,7 @@ def update_tables_kernel(table_dtype, grad_dtype, passes):
         key_lo = uint64(plan[t + T_KEY_LO])
         key_hi = uint64(plan[t + T_KEY_HI])
         for i in range(position + tid // group, end, blocks * threads // group):
-            key = keys[order[i]]
+            key = keys[order[i]]  # (read once: with run_starts_at ptxas spills here)
             if i > position and keys[order[i - 1]] == key:  # not the run's first position
                 continue
             row = int64(key) - key0
@@ -502,14 +501,11 @@ def update_tables(family, rule, weights, state1, state2, per_row, hp, tables, po
         # spills under the launch bounds (sm_90); with two it lives in local memory
         passes = max(2, *(-(-t.dim // (UNROLL * group_size(t.dim))) for t in tables))
         none = _device.scratch(0, acc)
-        h = np.asarray(hp, np.float64).tolist()
         launch(update_tables_kernel(dtype_key(weights.dtype), dtype_key(grad.dtype), passes),
                blocks[0], tpb, family.kernel_array(weights),
                none if state1 is None else family.kernel_array(state1),
                none if state2 is None else family.kernel_array(state2), bool(per_row[0]),
                bool(per_row[1]), keys, k_grad, *sums, chunk, plan, len(tables), int(rule),
-               h[rules.LR], h[rules.EPS],
-               1.0 - h[rules.BETA1], 1.0 - h[rules.BETA2], h[rules.L1], 2.0 * h[rules.L2],
-               -h[rules.LR_POWER], h[rules.LR_POWER] == -0.5, bool(skip_nonfinite),
+               *rule_constants(np.asarray(hp, np.float64)), bool(skip_nonfinite),
                bool(stochastic) and np.dtype(weights.dtype).name in STOCHASTIC_FORMATS,
                slots if finite else no_error_slots())

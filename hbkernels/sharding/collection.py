@@ -104,7 +104,7 @@ class Pool(NamedTuple):
     at: Any = None  # (first value, first bound) in its flat launch's rows and bounds
 
     @property
-    def count(self):
+    def n_values(self):
         return int(self.values.shape[0])
 
     @property
@@ -114,21 +114,21 @@ class Pool(NamedTuple):
 
 class FlatPool:
     """A :class:`Pool` of a flat launch (:meth:`EmbeddingCollection._pool_flat`): its
-    ``count`` values and ``bags`` bags from ``at`` in the launch's rows and bounds, whose
+    ``n_values`` values and ``bags`` bags from ``at`` in the launch's rows and bounds, whose
     views (``values``, ``offsets``, ``psw``) are made where they are read (a view costs
     the host a call)."""
 
-    __slots__ = ("combiner", "pieces", "at", "count", "bags", "_flat", "_weighted")
+    __slots__ = ("combiner", "pieces", "at", "n_values", "bags", "_flat", "_weighted")
     bounds = "unchecked"
 
-    def __init__(self, combiner, flat, at, count, bags, pieces, weighted):
-        self.combiner, self.pieces, self.at, self.count, self.bags = (combiner, pieces, at,
-                                                                      count, bags)
+    def __init__(self, combiner, flat, at, n_values, bags, pieces, weighted):
+        self.combiner, self.pieces, self.at, self.n_values, self.bags = (combiner, pieces, at,
+                                                                         n_values, bags)
         self._flat, self._weighted = flat, weighted  # (rows, bounds, weights or None)
 
     @property
     def values(self):
-        return self._flat[0][self.at[0]:self.at[0] + self.count]
+        return self._flat[0][self.at[0]:self.at[0] + self.n_values]
 
     @property
     def offsets(self):
@@ -136,7 +136,7 @@ class FlatPool:
 
     @property
     def psw(self):
-        return self._flat[2][self.at[0]:self.at[0] + self.count] if self._weighted else None
+        return self._flat[2][self.at[0]:self.at[0] + self.n_values] if self._weighted else None
 
 
 class ExchangeContext(NamedTuple):
@@ -1500,7 +1500,7 @@ class EmbeddingCollection:
             width = ctx.group.width
             bags = ids = 0
             for pool in ctx.pools:
-                count, n_bags = pool.count, pool.bags
+                count, n_bags = pool.n_values, pool.bags
                 pools.append(update_tables.Pool(len(tables), pool.at[0], count, pool.at[1],
                                                 n_bags, bags, int(Combiner[pool.combiner.upper()])))
                 for f, c0, c1, b0, batch in pool.pieces:
