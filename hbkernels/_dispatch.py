@@ -268,13 +268,17 @@ def cupy_family_of(*arrays):
 def contiguous_cupy_family(*arrays):
     """The family of ``arrays`` when each is a C-contiguous CuPy array on one device (as
     :func:`resolve` would hand each over, read or updated in place), else None."""
-    family = cupy_family_of(*arrays)
-    if family is not None:
-        for a in arrays:  # (``.flags`` makes a Flags object; CuPy keeps the bit)
-            contiguous = getattr(a, "_c_contiguous", None)
-            if not (a.flags.c_contiguous if contiguous is None else contiguous):
-                return None
-    return family
+    t = type(arrays[0])
+    if t not in _CUPY_TYPES:
+        return None
+    device = arrays[0].data.device_id  # (``.device`` makes a Device object)
+    for a in arrays:  # (``.flags`` makes a Flags object; CuPy keeps the bit)
+        if type(a) is not t or a.data.device_id != device:
+            return None
+        contiguous = getattr(a, "_c_contiguous", None)
+        if not (a.flags.c_contiguous if contiguous is None else contiguous):
+            return None
+    return cuda_family("cupy", device)
 
 
 def classify(x):

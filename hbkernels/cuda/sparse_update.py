@@ -470,8 +470,7 @@ def _launch_update(family, rule, weights, state1, state2, hp, ids, grad, occ, gr
     sums = (*occ.kernel_arrays(), occ.chunk) if fused else no_sums
     launch(kernel, blocks_for(num_ids_bound, tpb // group), tpb, weights,
            no_state if state1 is None else state1, no_state if state2 is None else state2,
-           ids, num_ids_bound, grad, *sums, int(rule), *rule_constants(hp),
-           float(hp[rules.STEP_SIZE]), 1.0 / dim,
+           ids, num_ids_bound, grad, *sums, int(rule), *rule_constants(hp), 1.0 / dim,
            bool(skip_nonfinite), stochastic,
            np.uint64(key & 0xFFFFFFFF), np.uint64((key >> 32) & 0xFFFFFFFF), group,
            no_error_slots() if checks is None else checks)
@@ -482,14 +481,15 @@ _PLANS = {}  # (table and gradient dtypes, fused, D, per-row state, device) -> w
 
 
 def rule_constants(hp):
-    """The update kernels' float64 scalars of the hyper-parameters ``hp`` (their step
-    size aside): lr, eps, 1 - beta1, 1 - beta2, l1, 2 l2, -lr_power, lr_power == -0.5."""
+    """The update kernels' float64 scalars of the hyper-parameters ``hp``: lr, eps,
+    1 - beta1, 1 - beta2, l1, 2 l2, -lr_power, lr_power == -0.5, then the step size."""
     key = hp.tobytes()
     found = _CONSTANTS.get(key)
     if found is None:
         h = hp.tolist()
         found = (h[rules.LR], h[rules.EPS], 1.0 - h[rules.BETA1], 1.0 - h[rules.BETA2],
-                 h[rules.L1], 2.0 * h[rules.L2], -h[rules.LR_POWER], h[rules.LR_POWER] == -0.5)
+                 h[rules.L1], 2.0 * h[rules.L2], -h[rules.LR_POWER], h[rules.LR_POWER] == -0.5,
+                 h[rules.STEP_SIZE])
         if len(_CONSTANTS) > 64:  # (Adam's step size changes every step)
             _CONSTANTS.clear()
         _CONSTANTS[key] = found

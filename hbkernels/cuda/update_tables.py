@@ -501,11 +501,12 @@ def update_tables(family, rule, weights, state1, state2, per_row, hp, tables, po
         # spills under the launch bounds (sm_90); with two it lives in local memory
         passes = max(2, *(-(-t.dim // (UNROLL * group_size(t.dim))) for t in tables))
         none = _device.scratch(0, acc)
+        constants = rule_constants(np.asarray(hp, np.float64))[:-1]  # (step sizes: the plan's)
         launch(update_tables_kernel(dtype_key(weights.dtype), dtype_key(grad.dtype), passes),
                blocks[0], tpb, family.kernel_array(weights),
                none if state1 is None else family.kernel_array(state1),
                none if state2 is None else family.kernel_array(state2), bool(per_row[0]),
                bool(per_row[1]), keys, k_grad, *sums, chunk, plan, len(tables), int(rule),
-               *rule_constants(np.asarray(hp, np.float64)), bool(skip_nonfinite),
+               *constants, bool(skip_nonfinite),
                bool(stochastic) and np.dtype(weights.dtype).name in STOCHASTIC_FORMATS,
                slots if finite else no_error_slots())
