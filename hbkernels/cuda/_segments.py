@@ -68,9 +68,9 @@ def group(keys, count=None, order=None, numbered=True):
     """:class:`Grouping` of ``keys`` (a 1-D integer ``xp`` array, at least one entry),
     queued on the current stream. ``count``: where the count goes (an int64 array: the
     count, then the first key where it has a second entry; any entries past those are
-    left as they are), else one allocated here; ``order``: the
-    positions sorted (:func:`stable_argsort`), else sorted here; ``numbered=False``:
-    ``run`` and ``ids`` are left empty (a run's key is ``keys[order[starts[r]]]``)."""
+    left as they are), else one allocated here; ``order``: the positions sorted
+    (:func:`stable_argsort`), else sorted here; ``numbered=False``: ``run`` and ``ids``
+    are left empty (a run's key is ``keys[order[starts[r]]]``)."""
     n = keys.shape[0]
     index = index_dtype(n)
     if order is None:
