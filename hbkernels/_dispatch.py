@@ -252,32 +252,21 @@ def cuda_family(name, device_id):
     return family
 
 
-def cupy_family_of(*arrays):
+def cupy_family_of(*arrays, contiguous=False):
     """The family of ``arrays`` when each is a CuPy array (of a type :func:`classify` has
-    seen) on one device, else None: :func:`resolve` decides then."""
+    seen) on one device, and with ``contiguous`` C-contiguous (as :func:`resolve` would
+    hand each over, read or updated in place), else None: :func:`resolve` decides then."""
     t = type(arrays[0])
     if t not in _CUPY_TYPES:
         return None
     device = arrays[0].data.device_id  # (``.device`` makes a Device object)
-    for a in arrays[1:]:
+    for a in arrays:
         if type(a) is not t or a.data.device_id != device:
             return None
-    return cuda_family("cupy", device)
-
-
-def contiguous_cupy_family(*arrays):
-    """The family of ``arrays`` when each is a C-contiguous CuPy array on one device (as
-    :func:`resolve` would hand each over, read or updated in place), else None."""
-    t = type(arrays[0])
-    if t not in _CUPY_TYPES:
-        return None
-    device = arrays[0].data.device_id  # (``.device`` makes a Device object)
-    for a in arrays:  # (``.flags`` makes a Flags object; CuPy keeps the bit)
-        if type(a) is not t or a.data.device_id != device:
-            return None
-        contiguous = getattr(a, "_c_contiguous", None)
-        if not (a.flags.c_contiguous if contiguous is None else contiguous):
-            return None
+        if contiguous:  # (``.flags`` makes a Flags object; CuPy keeps the bit)
+            bit = getattr(a, "_c_contiguous", None)
+            if not (a.flags.c_contiguous if bit is None else bit):
+                return None
     return cuda_family("cupy", device)
 
 

@@ -50,7 +50,7 @@ import numpy as np
 from . import _bits
 from . import _rules as rules
 from . import _validate as check
-from ._dispatch import contiguous_cupy_family, in_place_ready, kernels, resolve
+from ._dispatch import cupy_family_of, in_place_ready, kernels, resolve
 from .ops import unique, segment_sum
 from .types import SparseGrad
 
@@ -223,7 +223,8 @@ class SparseOptimizer:
         if per_sample_weights is None and isinstance(state, dict):  # CuPy arrays as they are
             slots = [state.get(name) for name, _ in self.slots]
             if all(s is not None for s in slots):
-                family = contiguous_cupy_family(weights, grad_out, values, offsets, *slots)
+                family = cupy_family_of(weights, grad_out, values, offsets, *slots,
+                                        contiguous=True)
         psw, fast = None, family is not None
         if not fast:
             family, a = resolve(

@@ -112,6 +112,16 @@ def test_the_stand_in_counts_and_runs_no_kernel():
     assert "unique size (2,)" in lines
 
 
+def agreeing(script, count):
+    """``(rows, stdout)`` of ``script``, run in a new process: it ends well and prints
+    ``count`` rows (``|``-separated fields), each ending with ``agrees``."""
+    res = run_python("-c", script, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [line.split("|") for line in res.stdout.splitlines()]
+    assert len(rows) == count and all(verdict == "agrees" for *_, verdict in rows), res.stdout
+    return rows, res.stdout
+
+
 PLAIN = textwrap.dedent("""
     import sys
     import numpy as np
@@ -151,12 +161,9 @@ PLAIN = textwrap.dedent("""
 
 
 def test_plain_cupy_inputs_skip_only_what_resolve_and_the_checks_pass_as_they_are():
-    res = run_python("-c", PLAIN, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    rows = [line.split("|") for line in res.stdout.splitlines()]
-    assert len(rows) == 14 and all(verdict == "agrees" for *_, verdict in rows), res.stdout
+    rows, out = agreeing(PLAIN, 14)
     assert {name for name, path, _ in rows if path == "fast"} == {
-        "plain", "int32 ids", "2-D ids", "fp16", "two id arrays"}, res.stdout
+        "plain", "int32 ids", "2-D ids", "fp16", "two id arrays"}, out
 
 
 FUSED = textwrap.dedent("""
@@ -171,13 +178,13 @@ FUSED = textwrap.dedent("""
     values, offsets = cp.asarray(np.array([1, 2, 2])), cp.asarray(np.array([0, 1, 3]))
     grad = cp.asarray(np.ones((2, 4), np.float32))
     hbk.lookup(table, values, bounds="unchecked")  # CuPy's array type, seen once
-    general = optim.contiguous_cupy_family
+    general = optim.cupy_family_of
     resolved = []
     real_resolve = optim.resolve
     optim.resolve = lambda *a, **k: resolved.append(1) or real_resolve(*a, **k)
 
     def outcome(opt, state, g, psw, fast):
-        optim.contiguous_cupy_family = general if fast else (lambda *arrays: None)
+        optim.cupy_family_of = general if fast else (lambda *arrays, **kw: None)
         resolved.clear()
         try:
             opt.fused_step(table, state, g, values, offsets, per_sample_weights=psw,
@@ -209,13 +216,10 @@ FUSED = textwrap.dedent("""
 
 
 def test_fused_step_takes_cupy_arrays_as_they_are_only_where_resolve_would():
-    res = run_python("-c", FUSED, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    rows = [line.split("|") for line in res.stdout.splitlines()]
-    assert len(rows) == 4 + 2 * 9 and all(verdict == "agrees" for *_, verdict in rows), res.stdout
+    rows, out = agreeing(FUSED, 4 + 2 * 9)
     assert {(opt, name) for opt, name, path, _ in rows if path == "fast"} == {
         ("SGD", "plain"), *((opt, name) for opt in ("RowWiseAdagrad", "Adam") for name in (
-            "plain", "state of another shape", "state of another dtype"))}, res.stdout
+            "plain", "state of another shape", "state of another dtype"))}, out
 
 
 def test_it_refuses_the_simulator_and_a_late_install():
@@ -251,7 +255,7 @@ COMPARE = textwrap.dedent("""
         module.resolve = lambda *a, **k: resolved.append(1) or resolve(*a, **k)
 
         def outcome(args, fast):
-            setattr(module, fast_test, general if fast else (lambda *arrays: None))
+            setattr(module, fast_test, general if fast else (lambda *arrays, **kw: None))
             resolved.clear()
             try:
                 result = f"ok {call(*args)}"
@@ -278,7 +282,7 @@ COLLECTION = COMPARE + textwrap.dedent("""
         coll.backward(g)
         return sorted((f, tuple(o.shape)) for f, o in out.items())
 
-    compare(module, "contiguous_cupy_family", {
+    compare(module, "cupy_family_of", {
         "plain": (plain, grads),
         "NumPy values": ({**plain, "b": hbk.Ragged(np.array([3]), ids(0, 0, 1))}, grads),
         "strided values": ({**plain, "a": hbk.Ragged(ids(1, 0, 2, 0, 2, 0)[::2], ids(0, 1, 3))}, grads),
@@ -293,12 +297,9 @@ COLLECTION = COMPARE + textwrap.dedent("""
 
 
 def test_the_collection_takes_cupy_inputs_as_they_are_only_where_resolve_would():
-    res = run_python("-c", COLLECTION, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    rows = [line.split("|") for line in res.stdout.splitlines()]
-    assert len(rows) == 9 and all(verdict == "agrees" for *_, verdict in rows), res.stdout
+    rows, out = agreeing(COLLECTION, 9)
     assert {name for name, path, _ in rows if path == "fast"} == {
-        "plain", "int32 values", "2-D values", "grad of another shape"}, res.stdout
+        "plain", "int32 values", "2-D values", "grad of another shape"}, out
 
 
 BACKWARD = COMPARE + textwrap.dedent("""
@@ -325,9 +326,6 @@ BACKWARD = COMPARE + textwrap.dedent("""
 
 
 def test_the_backward_takes_cupy_inputs_as_they_are_only_where_resolve_would():
-    res = run_python("-c", BACKWARD, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    rows = [line.split("|") for line in res.stdout.splitlines()]
-    assert len(rows) == 8 and all(verdict == "agrees" for *_, verdict in rows), res.stdout
+    rows, out = agreeing(BACKWARD, 8)
     assert {name for name, path, _ in rows if path == "fast"} == {
-        "plain", "int32 values", "fp16 grad", "grad of 3 bags"}, res.stdout
+        "plain", "int32 values", "fp16 grad", "grad of 3 bags"}, out

@@ -31,7 +31,7 @@ from numba import cuda, int32, int64, uint32
 from . import _device
 from ._launch import WARP, kernel_factory, threads_per_block
 from ._launcher import prepare
-from ._runs import ITEMS, scan_kernels
+from ._runs import ITEMS, scan_kernels, tiles_of
 from ._warp import match_any
 
 DIGIT_BITS = 8
@@ -172,7 +172,7 @@ class SortSpace:
         self.capacity = int(capacity)
         self.passes = passes_for(max_key)
         self.tpb = threads_per_block()
-        self.tiles = -(-self.capacity // (self.tpb * ITEMS))
+        self.tiles = tiles_of(self.capacity, self.tpb)
         self.chunks = -(-DIGITS * self.tiles // (self.tpb * ITEMS))
         xp = _device.xp()
         self.arrays = _Arrays(

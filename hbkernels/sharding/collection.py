@@ -63,7 +63,7 @@ from .. import _rules
 from .. import _validate as check
 from .. import dist as _dist
 from .. import optim as _optim
-from .._dispatch import contiguous_cupy_family, device_family, host, kernels, resolve
+from .._dispatch import cupy_family_of, device_family, host, kernels, resolve
 from .._machine import cupy, simulator_enabled
 from .._modes import Combiner
 from ..dist import _wire
@@ -651,7 +651,8 @@ class EmbeddingCollection:
         # C-contiguous CuPy arrays of the collection's device and no weights: as they are
         as_given = (features and not psws and space.is_cuda
                     and all(isinstance(x, Ragged) for x in features.values())
-                    and contiguous_cupy_family(*(a for x in features.values() for a in x)) is space)
+                    and cupy_family_of(*(a for x in features.values() for a in x),
+                                       contiguous=True) is space)
         inputs = {}
         checked = []  # (name, values, offsets, row limit or None: ids unchecked) per feature
         plain = True  # no feature with weights or a sequence table's
@@ -1600,7 +1601,7 @@ class EmbeddingCollection:
         space = self._family(self.device)
         # C-contiguous CuPy arrays of the collection's device: as they are
         as_given = (bool(grads) and space.is_cuda
-                    and contiguous_cupy_family(*grads.values()) is space)
+                    and cupy_family_of(*grads.values(), contiguous=True) is space)
         out = {}
         for f, feature in inputs.items():
             g = grads[f]
