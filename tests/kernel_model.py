@@ -578,12 +578,12 @@ def phases(case, real):
         return counted, [
             prepare, sort,
             # the runs (:mod:`hbkernels.cuda._runs`): per tile its heads counted, the counts
-            # scanned, then the runs' bounds: the positions read and the keys gathered (they
-            # fit in L2) twice, at each head its start written. At the real size these are
-            # three launches; the simulated op (one tile) launches the last alone, whose
-            # figures stand for the three
-            Phase("runs: heads per tile, scanned; run bounds",
-                  2 * n * (position + key) + k * index, "_runs.run_kernels[1]"),
+            # scanned (a few KB), then the runs' bounds: each launch reads the positions and
+            # gathers the keys (they fit in L2); the last writes each head's start
+            Phase("runs: heads per tile", n * (position + key), "_runs.run_kernels[0]"),
+            Phase("runs: the tiles' counts scanned", 2 * index * -(-n // 2048),
+                  "_runs.scan_kernels[1]"),
+            Phase("runs: run bounds", n * (position + key) + k * index, "_runs.run_kernels[1]"),
             partials,
             # (final_reads holds each run's key; its id is written in the values' dtype)
             Phase("gather: sum each id's rows, write them and the ids",
@@ -657,10 +657,12 @@ def simulated_op(case):
     """A function running ``case``'s public op at a tiny size on Numba device arrays made
     beforehand (in the simulator child; the optimizer's state too, so that only the op's
     own launches are recorded). The forward runs 2 bags of up to 8 ids (the kernels do
-    not depend on L), the backward and ``fused_step`` 2 bags of 16 ids, and
-    the decomposition constant ``_segments.CHUNK`` is lowered to 4, so that the hottest
-    id (7 occurrences) takes the path of the real size's hot ids (partial rows) without
-    the simulator's slow shuffles over hundreds of items."""
+    not depend on L), ``fused_step`` 2 bags of 16 ids, the backward 2 bags of 136 (more
+    than the 256 sorted positions the simulator's blocks number in the sums' launch, so
+    that it launches as at the real size), and the decomposition constant
+    ``_segments.CHUNK`` is lowered to 4 (8 for the backward: two partial levels, as at
+    the real size), so that the hottest id takes the path of the real size's hot ids
+    (partial rows) without the simulator's slow shuffles over hundreds of items."""
     import hbkernels as hbk
     from numba import cuda
 
@@ -691,7 +693,10 @@ def simulated_op(case):
         ids = dev(rng.integers(0, rows, 64))
         return lambda: hbk.lookup(table, ids)
     forward = case.op in ("embedding_bag", "quantized_bag")
-    bags, length = (2, min(case.length, 8)) if forward else (2, 16)
+    # (the backward past one tile of sorted positions, as at the real size: its runs found
+    # by launches of their own, not by the sums' launch)
+    bags, length = ((2, min(case.length, 8)) if forward else
+                    (2, 136) if case.op == "embedding_bag_backward" else (2, 16))
     ids = dev(zipf_ids(bags * length, rows, ZIPF, seed=SEED))
     offsets = dev(np.arange(bags + 1, dtype=np.int64) * length)
     if forward:
@@ -700,7 +705,7 @@ def simulated_op(case):
         from hbkernels.cuda import _segments
 
         if hasattr(_segments, "CHUNK"):
-            _segments.CHUNK = 4
+            _segments.CHUNK = 8 if case.op == "embedding_bag_backward" else 4
     except ImportError:
         pass
     grad = dev(rng.uniform(-1, 1, (bags, case.dim)).astype(dtype))

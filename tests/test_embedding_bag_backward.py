@@ -394,3 +394,28 @@ def test_padded(backend, rng, small_chunks, bounds):
     assert np.all(rows[~real] == 0)
     pad = 1 + np.flatnonzero(ids[1:] == -1)  # ids[0] may be the -1 of the bad ids on the GPU
     assert pad.size == 0 or np.all(ids[pad[0]:] == -1), "the distinct ids come first"
+
+
+@pytest.mark.parametrize("beyond", [0, 1])  # one tile of sorted positions exactly, or one more
+@pytest.mark.parametrize("padded", [False, True])
+def test_one_tile_and_beyond(backend, rng, small_chunks, beyond, padded):
+    """On a GPU up to one tile of occurrences is summed by the launch that numbers its runs
+    (``hbkernels.cuda._runs.tile_runs``); past it the runs are numbered by launches of
+    their own. Both agree with the dense reference, with a hot id and out-of-range ids."""
+    from hbkernels.cuda import _launch, _runs
+
+    n = (_launch.threads_per_block() * _runs.ITEMS if backend.is_cuda else 300) + beyond
+    num_rows = 40
+    values = np.where(rng.random(n) < 0.5, 7, rng.integers(0, num_rows, n))
+    values[[3, n - 1]] = [num_rows, -2]  # dropped under bounds="zero"
+    offsets = np.concatenate([[0], np.sort(rng.integers(0, n, 60)), [n]])
+    grad_out = rng.standard_normal((len(offsets) - 1, 2))
+    ids, rows = run_backward(backend, grad_out, values, offsets, num_rows, bounds="zero",
+                             padded=padded)
+    dense, touched = dense_backward(grad_out, values, offsets, num_rows, "sum", bounds="zero")
+    real = ids != -1
+    if padded:
+        assert ids.shape == (n,) and np.all(rows[~real] == 0)
+    else:
+        assert real.all()
+    check_against_dense(ids[real], rows[real], dense, touched, np.float64, values.dtype)

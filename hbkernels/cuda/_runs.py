@@ -3,13 +3,16 @@ sorted position's run number (1 + the distinct index of its key), the runs' boun
 their keys and their count.
 
 The sorted positions are cut into *tiles* of ``ITEMS`` positions per thread of a block.
-Keys up to one tile take one launch (:func:`find_runs`: ``runs`` alone); more take three:
+Keys up to one tile take one launch (:func:`find_runs`: ``runs`` alone; or none, where a
+kernel numbers them itself with :func:`tile_runs`); more take three:
 ``head_counts`` (each tile's run heads: a key unlike the one before it), ``scan_rows``
 (those counts scanned by one block) and ``runs`` (each tile numbers its heads from its
 scanned count). The key at sorted position ``i`` is ``keys[order[i]]``.
 
 ``block_scan`` and ``scan_rows`` also serve :mod:`.radix_sort`'s digit counts.
 """
+import functools
+
 import numpy as np
 from numba import cuda, int32
 
@@ -77,21 +80,30 @@ def scan_kernels(tpb):
     return block_scan, scan_rows
 
 
-@kernel_factory
-def run_kernels(tpb):
-    """``(head_counts, runs)`` for blocks of ``tpb`` threads (see the module doc)."""
+@functools.lru_cache(maxsize=None)
+def _heads_before(tpb):
+    """Device function ``heads_before(keys, order, n, here, t)``: the run heads among
+    thread ``t``'s ``ITEMS`` consecutive positions of tile ``here`` (``tpb`` threads)."""
     tile = tpb * ITEMS
-    block_scan = scan_kernels(tpb)[0]
 
     @cuda.jit(device=True)
     def heads_before(keys, order, n, here, t):
-        """Run heads among the thread's ``ITEMS`` consecutive positions of tile ``here``."""
         c = 0
         for k in range(ITEMS):
             i = here * tile + t * ITEMS + k
             if i < n and run_starts_at(keys, order, 0, i):
                 c += 1
         return c
+
+    return heads_before
+
+
+@kernel_factory
+def run_kernels(tpb):
+    """``(head_counts, runs)`` for blocks of ``tpb`` threads (see the module doc)."""
+    tile = tpb * ITEMS
+    block_scan = scan_kernels(tpb)[0]
+    heads_before = _heads_before(tpb)
 
     @cuda.jit(cache=False)
     def head_counts(keys, order, n, heads):
@@ -130,6 +142,33 @@ def run_kernels(tpb):
                     count[0] = r
 
     return head_counts, runs
+
+
+@functools.lru_cache(maxsize=None)
+def tile_runs(tpb):
+    """Device function ``tile_runs(keys, order, n, starts) -> count``: the run starts of
+    the ``n <= tpb · ITEMS`` sorted positions (one tile) into ``starts`` (``count + 1``
+    bounds, the last ``n``; a block's shared array), numbered by the calling block alone;
+    every thread of the block calls it and gets the count once every bound is written."""
+    block_scan = scan_kernels(tpb)[0]
+    heads_before = _heads_before(tpb)
+
+    @cuda.jit(device=True)
+    def tile_runs(keys, order, n, starts):
+        t = cuda.threadIdx.x
+        buf = cuda.shared.array(tpb, int32)
+        r, total = block_scan(buf, t, heads_before(keys, order, n, 0, t))
+        for k in range(ITEMS):
+            i = t * ITEMS + k
+            if i < n and run_starts_at(keys, order, 0, i):
+                starts[r] = i
+                r += 1
+        if t == 0:
+            starts[total] = n
+        cuda.syncthreads()
+        return total
+
+    return tile_runs
 
 
 def tiles_of(n, tpb):

@@ -18,10 +18,13 @@ Pipeline (all queued on the current stream):
    the accumulator type); otherwise every coefficient is 1 and none is stored. An
    out-of-range id (recorded in error slot 1 when checked) gets the key -1, which sorts
    first and is dropped, and the bag -1, which sums as 0.
-2. :func:`._segments.group`: the positions stably sorted by key (CuPy's CUB radix
-   sort), so each distinct id's occurrences form a run in input order, and the
-   runs' bounds.
-3. ``partial_kernel`` per level, then ``gather_kernel``: one row group of
+2. :func:`occurrences`: the positions stably sorted by key (CuPy's CUB radix sort),
+   so each distinct id's occurrences form a run in input order; past one tile of
+   sorted positions (``threads_per_block() · _runs.ITEMS``) :func:`._segments.group`
+   then finds the runs' bounds.
+3. ``partial_kernel`` per level, then ``gather_kernel`` (up to one tile,
+   ``gather_tile_kernel``, each block of which first numbers the runs itself, into
+   results sized by the occurrences: their first rows are returned): one row group of
    ``G = group_size(D)`` lanes per window slot (per distinct id), summing its items
    in order (:func:`make_accumulate`); a run of more than ``CHUNK`` occurrences is
    summed from its pieces, windows of ``CHUNK^t`` sorted positions
@@ -40,13 +43,13 @@ back: no sync at all under ``bounds="unchecked"``.
 """
 import functools
 import math
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
-from numba import cuda
+from numba import cuda, int32
 
 from .._modes import Bounds, Combiner
-from . import _device, _segments
+from . import _device, _runs, _segments
 from ._launch import (
     UNROLL,
     WIDEN,
@@ -223,8 +226,7 @@ _PREPARE = {}  # what prepare derives from its call's signature: key and bag dty
 # ---------------------------------------------------------------------------
 # 2. occurrences grouped by id
 # ---------------------------------------------------------------------------
-@dataclass
-class Occurrences:
+class Occurrences(NamedTuple):
     """Everything the summing kernels read: the sorted positions ``order`` (sorted
     position -> input position) of the sort ``keys``, each position's bag and coefficient
     (``coef`` empty: all 1), the partial buffer of ``levels`` levels, and the chunk the
@@ -441,27 +443,26 @@ def sum_partials(family, grad, occ):
         launch(kernel, blocks_for(slots, tpb // group), tpb, *args, level, occ.chunk, group)
 
 
-@kernel_factory
-def gather_kernel(grad_dtype, columns):
-    """The deterministic kernel for a gradient of ``grad_dtype`` (a :func:`dtype_key`),
-    ``columns`` per lane (:func:`columns_per_lane`), summing in its accumulator type
-    and storing rows of ``grad_dtype``."""
-    acc = dtype_key(accumulator_dtype(grad_dtype))
-    accumulate = make_accumulate(acc, grad_dtype, columns)
+@functools.lru_cache(maxsize=None)
+def _gather_rows(grad_dtype, columns):
+    """Device function ``gather_rows(grad, order, bag_of, coef, partials, starts, num,
+    chunk, skip, end, group, keys, ids, rows)``: for runs ``r`` in ``[skip, end)``, one
+    row group each (grid-stride), ``rows[r - skip]`` = the sum of run ``r``'s occurrences
+    and ``ids[r - skip]`` its key (``keys[order[starts[r]]]``); zeros and -1 for
+    ``r >= num`` (padding). Sums in the accumulator type of ``grad_dtype``, stores rows of
+    ``grad_dtype``."""
+    accumulate = make_accumulate(dtype_key(accumulator_dtype(grad_dtype)), grad_dtype, columns)
     store = store_as(grad_dtype)
 
-    @jit_kernel(min_blocks_per_sm=2)
-    def gather_kernel(grad, order, bag_of, coef, partials, starts, count, chunk, skip, group,
-                      keys, ids, rows):
-        """rows[r - skip] = the sum of run r's occurrences and ids[r - skip] its key
-        (``keys[order[starts[r]]]``; zeros and -1 for the padding past the runs)."""
+    @inline_device
+    def gather_rows(grad, order, bag_of, coef, partials, starts, num, chunk, skip, end, group,
+                    keys, ids, rows):
         n = order.shape[0]
         dim = grad.shape[1]
-        num = count[0]
         tid = cuda.grid(1)
         lane = tid % group
         step = cuda.gridsize(1) // group
-        for r in range(tid // group + skip, rows.shape[0] + skip, step):
+        for r in range(tid // group + skip, end, step):
             if lane == 0:
                 ids[r - skip] = keys[order[starts[r]]] if r < num else -1
             level, first, last, lo, base, width = run_sum_range(starts, r, num, n, chunk)
@@ -470,7 +471,53 @@ def gather_kernel(grad_dtype, columns):
                                             last, lo, base, width, cb + lane, lane, group)
                 store_columns(rows, r - skip, cb + lane, group, store, a0, a1, a2, a3)
 
+    return gather_rows
+
+
+@kernel_factory
+def gather_kernel(grad_dtype, columns):
+    """The deterministic kernel for a gradient of ``grad_dtype`` (a :func:`dtype_key`),
+    ``columns`` per lane (:func:`columns_per_lane`), summing in its accumulator type
+    and storing rows of ``grad_dtype``."""
+    gather_rows = _gather_rows(grad_dtype, columns)
+
+    @jit_kernel(min_blocks_per_sm=2)
+    def gather_kernel(grad, order, bag_of, coef, partials, starts, count, chunk, skip, group,
+                      keys, ids, rows):
+        """Runs ``[skip, rows + skip)`` of the ``count[0]`` in ``starts`` (as
+        ``gather_rows``)."""
+        gather_rows(grad, order, bag_of, coef, partials, starts, count[0], chunk, skip,
+                    rows.shape[0] + skip, group, keys, ids, rows)
+
     return gather_kernel
+
+
+@kernel_factory
+def gather_tile_kernel(grad_dtype, columns, tpb):
+    """:func:`gather_kernel` for at most one tile of sorted positions (``tpb · ITEMS``,
+    :mod:`._runs`) in blocks of ``tpb`` threads: each block numbers the tile's runs in its
+    shared memory first (:func:`._runs.tile_runs`), so no launch finds them."""
+    gather_rows = _gather_rows(grad_dtype, columns)
+    tile_runs = _runs.tile_runs(tpb)
+    bounds = tpb * _runs.ITEMS + 1  # (a constant: the shared array's size)
+
+    @jit_kernel(min_blocks_per_sm=2)
+    def gather_tile_kernel(grad, order, bag_of, coef, partials, chunk, group, keys, drop_bad,
+                           padded, count, ids, rows):
+        """The runs' sums, from the first run unless ``drop_bad`` and its key is -1 (the
+        out-of-range ids); ``padded``: every row of ``rows`` written (zeros and -1 past
+        the runs). ``count`` (may be empty): the runs' count, then the first key."""
+        starts = cuda.shared.array(bounds, int32)
+        num = tile_runs(keys, order, order.shape[0], starts)
+        first = keys[order[0]]
+        if cuda.grid(1) == 0 and count.shape[0] != 0:
+            count[0] = num
+            count[1] = first
+        skip = 1 if drop_bad and first < 0 else 0
+        gather_rows(grad, order, bag_of, coef, partials, starts, num, chunk, skip,
+                    rows.shape[0] + skip if padded else num, group, keys, ids, rows)
+
+    return gather_tile_kernel
 
 
 @kernel_factory
@@ -502,13 +549,34 @@ def scatter_kernel(grad_dtype):
     return scatter_kernel
 
 
+class _Sums(NamedTuple):
+    """What the sums of a gradient's rows derive from its dtype and width."""
+
+    acc_dtype: object
+    group: int  # lanes per row
+    tpb: int
+    tile: int  # the sorted positions one block numbers (:func:`._runs.tile_runs`)
+    gather_tile: object  # the kernels
+    gather: object
+    scatter: object
+
+
+@functools.lru_cache(maxsize=None)
+def _sums(grad_dtype, dim, tpb):
+    group = group_size(dim)
+    columns = columns_per_lane(dim, group)
+    key = dtype_key(grad_dtype)
+    return _Sums(accumulator_dtype(grad_dtype), group, tpb, tpb * _runs.ITEMS,
+                 gather_tile_kernel(key, columns, tpb), gather_kernel(key, columns),
+                 scatter_kernel(key))
+
+
 def embedding_bag_backward(family, grad_out, values, offsets, num_rows, per_sample_weights,
                            combiner, bounds, deterministic, padded=False):
     n = values.shape[0]
     num_bags = offsets.shape[0] - 1
     dim = grad_out.shape[1]
     check = bounds != Bounds.UNCHECKED
-    xp = _device.xp()
 
     def empty():
         return family.empty(0, values.dtype), family.empty((0, dim), grad_out.dtype)
@@ -516,7 +584,11 @@ def embedding_bag_backward(family, grad_out, values, offsets, num_rows, per_samp
     if num_bags == 0:
         bad_offset = empty_batch_bad_offset(family, offsets, n) if check else -1
         return (*empty(), bad_offset, -1)
-    acc_dtype = accumulator_dtype(grad_out.dtype)
+    sums = _sums(grad_out.dtype, dim, threads_per_block())
+    acc_dtype, group, tpb = sums.acc_dtype, sums.group, sums.tpb
+    # at most one tile of occurrences: the sums' launch numbers the runs itself, into
+    # outputs sized by the occurrences (their first rows returned)
+    one_tile = deterministic and n <= sums.tile
     # what the host reads, in one array: the distinct count, the first key, the error slots
     info, slots = (None, None) if padded or n == 0 else read_back_slots(2, 2)
     try:
@@ -527,9 +599,18 @@ def embedding_bag_backward(family, grad_out, values, offsets, num_rows, per_samp
             bad_offset = read_error_slots(slots)[0] if check else -1
             return (*empty(), bad_offset, -1)
         occ = occurrences(keys, bag_of, coef, dim, acc_dtype)
-        # the runs: where each id's row goes (the atomic sums' need their numbers)
-        grouping = _segments.group(keys, info, occ.order, numbered=not deterministic)
-        read = None if info is None else _device.to_host(info)
+        k_grad = family.kernel_array(grad_out)
+        if one_tile:
+            sum_partials(family, grad_out, occ)
+            ids = family.empty(n, values.dtype)
+            rows = family.empty((n, dim), grad_out.dtype)
+            launch(sums.gather_tile, blocks_for(n, tpb // group), tpb, k_grad, *occ.kernel_arrays(), occ.chunk,
+                   group, keys, not padded, padded,
+                   _device.scratch(0, np.int64) if info is None else info,
+                   family.kernel_array(ids), family.kernel_array(rows))
+        else:  # the runs: where each id's row goes (the atomic sums' need their numbers)
+            grouping = _segments.group(keys, info, occ.order, numbered=not deterministic)
+        read = None if info is None else _device.to_host(info).tolist()
     except BaseException:  # (the wait may raise an earlier op's error): slots not seen
         if info is not None:
             drop_read_back(info)
@@ -539,10 +620,12 @@ def embedding_bag_backward(family, grad_out, values, offsets, num_rows, per_samp
             bad_offset, bad_id = read_error_slots(slots)
             if bad_offset != -1 or (bounds == Bounds.RAISE and bad_id != -1):
                 return (*empty(), bad_offset, bad_id if bounds == Bounds.RAISE else -1)
+        if one_tile:
+            return ids, rows, -1, -1
         skip, num_ids = 0, n
         if not deterministic:
             ids = grouping.ids.astype(values.dtype)
-            ids[xp.arange(n) >= grouping.count] = -1
+            ids[_device.xp().arange(n) >= grouping.count] = -1
     else:  # one read: distinct count, first key (-1: the out-of-range ids), error slots
         bad_offset, bad_id = error_positions(read[2:])
         if bad_offset != -1 or bad_id != -1:
@@ -552,21 +635,18 @@ def embedding_bag_backward(family, grad_out, values, offsets, num_rows, per_samp
         if bad_offset != -1 or (bounds == Bounds.RAISE and bad_id != -1):
             return (*empty(), bad_offset, bad_id if bounds == Bounds.RAISE else -1)
         skip = 1 if read[1] < 0 else 0
-        num_ids = int(read[0]) - skip
+        num_ids = read[0] - skip
         if num_ids == 0:
             return (*empty(), -1, -1)
+        if one_tile:
+            return ids[:num_ids], rows[:num_ids], -1, -1
         if not deterministic:
             ids = grouping.ids[skip:skip + num_ids].astype(values.dtype, copy=False)
-    group = group_size(dim)
-    columns = columns_per_lane(dim, group)
-    tpb = threads_per_block()
-    k_grad = family.kernel_array(grad_out)
     if deterministic:  # the ids in the values' dtype come with the rows
         sum_partials(family, grad_out, occ)
         ids = family.empty(num_ids, values.dtype)
         rows = family.empty((num_ids, dim), grad_out.dtype)
-        launch(gather_kernel(dtype_key(grad_out.dtype), columns),
-               blocks_for(num_ids, tpb // group), tpb, k_grad, *occ.kernel_arrays(),
+        launch(sums.gather, blocks_for(num_ids, tpb // group), tpb, k_grad, *occ.kernel_arrays(),
                grouping.starts, grouping.count, occ.chunk, skip, group, keys,
                family.kernel_array(ids), family.kernel_array(rows))
         return ids, rows, -1, -1
@@ -574,7 +654,7 @@ def embedding_bag_backward(family, grad_out, values, offsets, num_rows, per_samp
     acc = family.zeros((num_ids, dim), acc_dtype)
     k_acc = family.kernel_array(acc)
     order, bag_of, coef, _ = occ.kernel_arrays()
-    launch(scatter_kernel(dtype_key(grad_out.dtype)), blocks_for(n, tpb // group), tpb,
+    launch(sums.scatter, blocks_for(n, tpb // group), tpb,
            k_grad, order, bag_of, coef, grouping.run, skip, group, k_acc)
     if acc_dtype == np.dtype(grad_out.dtype):
         return ids, acc, -1, -1
