@@ -78,3 +78,37 @@ def test_empty_and_absent_features(cuda_backend, rng):
         want = expected(coll, spec, *batch[spec.name], None)
         got = out[spec.name].values if spec.combiner is None else out[spec.name]
         np.testing.assert_allclose(host(got), want, rtol=1e-5, atol=1e-6)
+
+
+def test_plain_features_check_rides_with_the_pooling_plan(cuda_backend, rng):
+    """Features with no weights and no sequence table: the input check's table and the
+    pooling's plan reach the device in one copy. The outputs are the reference's, and a
+    bad id or offset raises at the next wait, naming its feature."""
+    specs = [s for s in tables(("float32",)) if s.combiner is not None]
+    coll = hbk.EmbeddingCollection(specs, comm=hbk.dist.init("local"), device="cuda")
+    batch, _ = features(rng, specs, 3, np.int64)
+    out, total, pooling = launches(lambda: forward(coll, batch, {}))
+    assert (total, pooling) == (2, 1)
+    for spec in specs:
+        for f in spec.features or [spec.name]:
+            np.testing.assert_allclose(host(out[f]), expected(coll, spec, *batch[f], None),
+                                       rtol=1e-5, atol=1e-6, err_msg=f)
+    name = specs[2].name
+    values, offsets = batch[name]
+    bad = values.copy()
+    bad[-1] = specs[2].num_rows
+    with pytest.raises(hbk.BoundsError, match=rf"feature '{name}': values\[{len(bad) - 1}\]"):
+        forward(coll, {**batch, name: (bad, offsets)}, {})
+        hbk.synchronize()
+    with pytest.raises(ValueError, match=f"feature '{name}': malformed offsets"):
+        forward(coll, {**batch, name: (values, offsets[::-1].copy())}, {})
+        hbk.synchronize()
+    forward(coll, batch, {})
+    hbk.synchronize()  # the errors were raised once
+    # a forward with no pooling launch (a table in host memory alone) checks them too, first
+    slow = hbk.EmbeddingCollection(
+        specs + [hbk.TableSpec("h", num_rows=30, dim=4, storage="host", cache_rows=8)],
+        comm=hbk.dist.init("local"), device="cuda")
+    with pytest.raises(ValueError, match="feature 'h': malformed offsets"):
+        forward(slow, {"h": (np.array([5, 29, 7]), np.array([0, 2, 1]))}, {})
+        hbk.synchronize()

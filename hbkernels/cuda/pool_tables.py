@@ -179,11 +179,13 @@ def pool_tables_kernel(table_dtype, weights_dtype, widths):
     fields = len(FIELDS)
 
     @jit_kernel(2)
-    def pool_tables_kernel(table, values, offsets, weights, segments, count, out, rows,
+    def pool_tables_kernel(table, values, offsets, weights, plan, base, count, out, rows,
                            pool_offsets):
-        """Segment ``s`` (of ``count``) runs on blocks ``[segments[s], segments[s + 1])``;
-        its fields follow the ``count + 1`` first blocks, :data:`FIELDS` each. Without
-        weights, ``weights`` is ``values`` (never read)."""
+        """The segments' plan is ``plan[base:]``: segment ``s`` (of ``count``) runs on
+        blocks ``[segments[s], segments[s + 1])``; its fields follow the ``count + 1``
+        first blocks, :data:`FIELDS` each. Without weights, ``weights`` is ``values``
+        (never read)."""
+        segments = plan[base:]
         block = cuda.blockIdx.x
         s = feature_of(segments, 0, count, block)
         threads = cuda.blockDim.x
@@ -208,29 +210,21 @@ def pool_tables_kernel(table_dtype, weights_dtype, widths):
     return pool_tables_kernel
 
 
-class Pooled(NamedTuple):
-    """One pooling launch's results and plan, on the device (:func:`reserve`)."""
+class Layout(NamedTuple):
+    """A launch's plan on the host (:func:`layout`): the segments' first blocks, then
+    their :data:`FIELDS`; calls whose segments differ in their counts alone take copies
+    of it with those fields placed (:func:`placed`)."""
 
-    out: object
-    rows: object
-    pool_offsets: object
-    plan: object  # the segments' first blocks and fields
+    plan: object  # int64 NumPy array
     count: int  # segments
     blocks: int
     kernel: object
+    placed: object  # the positions in ``plan`` of each segment's PLACED fields, in turn
 
 
-def reserve(family, table, segments, weighted, sizes):
-    """The :class:`Pooled` of a launch of ``segments`` over the flat ``table``, weights
-    of ``weighted`` dtype (None: none): ``out``, ``rows`` and pool offsets of ``sizes``
-    elements (``out`` of ``table``'s dtype, the others int64; the elements no segment
-    writes are left as they are), and the plan. Calls with the same segments may reuse
-    it: each overwrites what the last wrote."""
-    out = family.empty((sizes[0],), table.dtype)
-    rows = family.empty((sizes[1],), np.int64)
-    pool_offsets = family.empty((sizes[2],), np.int64)
-    if not segments:
-        return Pooled(out, rows, pool_offsets, None, 0, 0, None)
+def layout(table, segments, weighted):
+    """The :class:`Layout` of a launch of ``segments`` (at least one) over the flat
+    ``table``, weights of ``weighted`` dtype (None: none)."""
     widths = tuple(sorted({s.block.width for s in segments}))  # one kernel per set of widths
     tpb = threads_per_block()
     firsts, fields = [0], []
@@ -242,21 +236,68 @@ def reserve(family, table, segments, weighted, sizes):
                    s.pool_offsets_at, s.pool_first_value, widths.index(block.width), block.group]
     kernel = pool_tables_kernel(dtype_key(table.dtype),
                                 None if weighted is None else dtype_key(weighted), widths)
-    plan = family.kernel_array(family.put(np.array(firsts + fields, np.int64)))
-    return Pooled(out, rows, pool_offsets, plan, len(segments), firsts[-1], kernel)
+    count = len(segments)
+    at = count + 1 + np.arange(count)[:, None] * len(FIELDS) + np.array(PLACED)
+    return Layout(np.array(firsts + fields, np.int64), count, firsts[-1], kernel, at.reshape(-1))
 
 
-def pool_tables(family, table, segments, values, offsets, weights, sizes, into=None):
+#: the fields :func:`placed` writes, in the order of its ``columns``
+PLACED = (FIRST_VALUE, COUNT, ROWS_AT, POOL_FIRST_VALUE)
+
+
+def placed(lay, columns):
+    """A copy of ``lay``'s plan with each segment's :data:`PLACED` fields from
+    ``columns`` (their values, segment by segment: ``len(PLACED)`` each)."""
+    plan = lay.plan.copy()
+    plan[lay.placed] = columns
+    return plan
+
+
+class Pooled(NamedTuple):
+    """One pooling launch's results and plan, on the device (:func:`reserve`)."""
+
+    out: object
+    rows: object
+    pool_offsets: object
+    plan: object  # the segments' first blocks and fields, from element ``base``
+    base: int
+    count: int  # segments
+    blocks: int
+    kernel: object
+
+
+def reserve(family, table, segments, weighted, sizes, plan=None):
+    """The :class:`Pooled` of a launch of ``segments`` over the flat ``table``, weights
+    of ``weighted`` dtype (None: none): ``out``, ``rows`` and pool offsets of ``sizes``
+    elements (``out`` of ``table``'s dtype, the others int64; the elements no segment
+    writes are left as they are), and the plan (``plan``: ``(its Layout, the device
+    array holding it, from element base, base)``, else made and copied here). Calls with
+    the same segments may reuse it: each overwrites what the last wrote."""
+    out = family.empty((sizes[0],), table.dtype)
+    rows = family.empty((sizes[1],), np.int64)
+    pool_offsets = family.empty((sizes[2],), np.int64)
+    if plan is None:
+        if not segments:
+            return Pooled(out, rows, pool_offsets, None, 0, 0, 0, None)
+        lay = layout(table, segments, weighted)
+        plan = (lay, family.put(lay.plan), 0)
+    lay, device, base = plan
+    return Pooled(out, rows, pool_offsets, family.kernel_array(device), base, lay.count,
+                  lay.blocks, lay.kernel)
+
+
+def pool_tables(family, table, segments, values, offsets, weights, sizes, into=None, plan=None):
     """One launch pooling every segment: ``(out, rows, pool offsets)``, those of
-    :func:`reserve` (made here, or ``into``, made for the same segments). ``table``: the
-    flat array the segments' blocks lie in; ``values``, ``offsets`` (int64), ``weights``
-    (or None) as the module doc says."""
+    :func:`reserve` (made here, with ``plan`` if given, or ``into``, made for the same
+    segments). ``table``: the flat array the segments' blocks lie in; ``values``,
+    ``offsets`` (int64), ``weights`` (or None) as the module doc says."""
     pooled = into or reserve(family, table, segments, None if weights is None else weights.dtype,
-                             sizes)
+                             sizes, plan)
     if pooled.count:
         k_values = family.kernel_array(values)
         launch(pooled.kernel, pooled.blocks, threads_per_block(), family.kernel_array(table),
                k_values, family.kernel_array(offsets),
                k_values if weights is None else family.kernel_array(weights), pooled.plan,
-               pooled.count, family.kernel_array(pooled.out), pooled.rows, pooled.pool_offsets)
+               pooled.base, pooled.count, family.kernel_array(pooled.out), pooled.rows,
+               pooled.pool_offsets)
     return pooled.out, pooled.rows, pooled.pool_offsets

@@ -106,6 +106,21 @@ def features_table(first_values, first_bags, limits, counts, padded=False):
                      *counts, int(padded)], np.int64)
 
 
+def join_features(family, values, offsets, limits):
+    """The :class:`Staged` of features' inputs (``values[k]``, ``offsets[k]``, ids checked
+    against ``limits[k]`` rows, None: not checked) joined on the device, one feature's
+    after another, its ``table`` on the host (NumPy) for the caller to copy (it may copy
+    more after it: the check reads the table's first entries only)."""
+    value, bag, counts = [0], [0], []
+    for k in range(len(values)):
+        counts.append(values[k].shape[0])
+        value.append(value[-1] + counts[k])
+        bag.append(bag[-1] + offsets[k].shape[0] - 1)
+    xp = family.xp
+    return Staged(xp.concatenate(values, dtype=np.int64), xp.concatenate(offsets, dtype=np.int64),
+                  features_table(value, bag, limits, counts))
+
+
 def check_features(family, features, values, offsets, limits, staged=None, padded=False):
     """Check the CSR input of several features at once (``values[k]``, ``offsets[k]``
     of feature named ``features[k]``): offsets always, ids against ``limits[k]`` rows
@@ -116,17 +131,9 @@ def check_features(family, features, values, offsets, limits, staged=None, padde
     ``values`` and ``offsets``: each feature's in the order given, one after another)."""
     count = len(features)
     if staged is None:
-        value, bag = [0], [0]
-        for k in range(count):
-            value.append(value[-1] + values[k].shape[0])
-            bag.append(bag[-1] + offsets[k].shape[0] - 1)
-        xp = family.xp
-        staged = Staged(xp.concatenate(values, dtype=np.int64),
-                        xp.concatenate(offsets, dtype=np.int64),
-                        family.put(features_table(value, bag, limits, np.diff(value))))
-        work = max(value[-1], bag[-1], count)
-    else:
-        work = max(staged.values.shape[0], staged.offsets.shape[0] - count, count)
+        staged = join_features(family, values, offsets, limits)
+        staged = staged._replace(table=family.put(staged.table))
+    work = max(staged.values.shape[0], staged.offsets.shape[0] - count, count)
 
     def report(bad):
         for k in range(count):

@@ -41,6 +41,7 @@ into reserved memory), one per partial level (none while no table has more than
 ``CHUNK`` ids), the update.
 """
 import math
+import struct
 from typing import NamedTuple
 
 import numpy as np
@@ -360,25 +361,28 @@ def update_tables_kernel(table_dtype, grad_dtype, passes):
     return update_tables_kernel
 
 
+_FLOAT64, _INT64 = struct.Struct("<d"), struct.Struct("<q")  # a step size's bits in the plan
+
+
 def _plan(tables, pools, tpb, chunk):
     """``(the int64 plan array (host), the update's blocks, each partial level's blocks,
     the partial rows)``."""
     firsts = [0]
     for p in pools:
         firsts.append(firsts[-1] + p.bags)
-    levels = max(_segments.partial_levels(t.ids, chunk)[0] for t in tables)
+    partials = [_segments.partial_levels(t.ids, chunk) for t in tables]
+    levels = max(own[0] for own in partials)
     blocks = [[0] for _ in range(levels + 1)]  # the update's, then each level's
     position, partial_rows, fields = 0, 0, []
-    for t in tables:
+    for t, (own_levels, own_rows) in zip(tables, partials):
         group = group_size(t.dim)
         blocks[0].append(blocks[0][-1] + (blocks_for(t.ids, tpb // group) if t.ids else 0))
-        own_levels, own_rows = _segments.partial_levels(t.ids, chunk)
         width = 1
         for level in range(1, levels + 1):
             width *= chunk
             slots = 2 * -(-t.ids // width) if level <= own_levels else 0
             blocks[level].append(blocks[level][-1] + (blocks_for(slots, tpb // group) if slots else 0))
-        step_bits = int(np.float64(t.step_size).view(np.int64))
+        step_bits = _INT64.unpack(_FLOAT64.pack(t.step_size))[0]
         fields += [t.at, t.rows, t.dim, t.key, t.grad, t.bags, position, t.ids, group,
                    partial_rows, step_bits, t.rounding_key & 0xFFFFFFFF,
                    (t.rounding_key >> 32) & 0xFFFFFFFF]

@@ -178,6 +178,22 @@ class _FlatPlan(NamedTuple):
     size: int  # elements of the flat gradient
 
 
+class _FlatLayout(NamedTuple):
+    """What a flat pooling launch takes from its signature (:meth:`EmbeddingCollection._flat_layout`):
+    the rest comes from its features' counts of values."""
+
+    order: list  # the features, in the order of their values in the launch
+    segment_features: list  # per segment: its feature's index in ``order``
+    segment_pools: list  # per segment: the first segment of its pool
+    launch: Any  # pool_tables.Layout, the counts' fields left 0
+    out_size: int  # output elements
+    bounds_size: int  # the pools' bounds
+    width: int  # the one width of every output, else 0
+    outputs: list  # (feature, first output element, batch, dim)
+    pools: list  # ((group, replicated), [(combiner, first segment, end segment, first bound,
+    #              bags, pieces, weighted)])
+
+
 class _ReservedFlat(NamedTuple):
     """A flat array's part of a :class:`_Reservation`."""
 
@@ -443,6 +459,8 @@ class EmbeddingCollection:
         #: group -> (element offset, first key) in its flat array
         self._flat_blocks = {group: (at, first) for group, (_, at, first) in blocks.items()}
         self._flat_plans = {}  # (group, replicated) -> what _flat_requests gives
+        self._flat_layouts = {}  # a flat launch's signature -> its _FlatLayout (_flat_layout)
+        self._unchecked = None  # a forward's input check left for its pooling launch
         for group in self.layout.groups(self.comm.rank):
             if group.bits:
                 arrays[group] = quantized_tables.allocate(
@@ -631,12 +649,14 @@ class EmbeddingCollection:
             return self.comm.alltoallv(x, counts, wire_dtype=self.wire_dtype if wire else None)
 
     # -- forward ------------------------------------------------------------------------------------
-    def _read_inputs(self, features, per_sample_weights):
+    def _read_inputs(self, features, per_sample_weights, defer=False):
         """``(inputs, joined)``: each feature's :class:`_Feature`, checked (the check left
         pending on a GPU), in the collection's feature order; ``joined``: the
         ``ragged.Staged`` the check joined their values and offsets into, one feature's
         after another, where a pooling launch may read them there (no weights, no
-        sequence table), else None."""
+        sequence table), else None. ``defer`` (a forward at world size 1 on a GPU): the
+        check of such inputs is left to :meth:`_launch_check`, ``joined``'s table on
+        the host."""
         if is_keyed_jagged_tensor(features):
             features, per_sample_weights = features_from_kjt(features, per_sample_weights)
         if not isinstance(features, dict):
@@ -705,12 +725,29 @@ class EmbeddingCollection:
         if self._reserved is not None:
             kernels(space, "ragged").check_features(space, *zip(*checked),
                                                     staged=self._stage(space, inputs), padded=True)
+        elif (checked and defer and plain and space.is_cuda and self.comm.world_size == 1
+              and not self.hash_tables):  # (a dynamic table's capacity check reads the device)
+            # joined, the check's table on the host: the check is launched where the pooling
+            # launch's plan is copied, with its table (one copy), or else by the forward
+            joined = kernels(space, "ragged").join_features(space, *list(zip(*checked))[1:])
+            self._unchecked = checked
         elif checked:
             staged = kernels(space, "ragged").check_features(space, *zip(*checked))
             joined = staged if plain else None  # the pooling launch may read them there
         if space.is_cuda and self.comm.world_size > 1:
             synchronize()  # the checks' errors here, where the peers are told, not mid-exchange
         return inputs, joined
+
+    def _launch_check(self, space, joined, table=None):
+        """Launch the check :meth:`_read_inputs` left (if any) over ``joined``, its table
+        in ``table`` (a device array starting with ``joined``'s host table), else copied
+        here."""
+        if self._unchecked is None:
+            return
+        checked, self._unchecked = self._unchecked, None
+        table = space.put(joined.table) if table is None else table
+        kernels(space, "ragged").check_features(space, *zip(*checked),
+                                                staged=joined._replace(table=table))
 
     def _stage(self, space, inputs):
         """Copy this forward's inputs into the reserved arrays (nothing allocated): the
@@ -905,12 +942,20 @@ class EmbeddingCollection:
         self._insert = bool(insert)
         self.stats = {"ids_bytes": 0, "rows_bytes": 0, "grads_bytes": 0, "replica_grads_bytes": 0}
         try:
-            inputs, joined = self._read_inputs(features, per_sample_weights)
+            inputs, joined = self._read_inputs(features, per_sample_weights, defer=True)
         except Exception as error:
             if self.layout.exchange_groups and self.comm.world_size > 1:
                 self.comm.fail_collectively("alltoallv", error)
             raise
         space = self._family(self.device)
+        try:
+            return self._pool_inputs(space, inputs, joined)
+        finally:
+            if self._unchecked is not None:  # a raise before any pooling launch
+                self._launch_check(space, joined)
+
+    def _pool_inputs(self, space, inputs, joined):
+        """The rest of :meth:`forward`, from its checked ``inputs``."""
         outputs = {}
         if self.comm.world_size == 1:  # nothing leaves the rank: every group pools its own rows
             self._check_capacity(self._local_ids(inputs))
@@ -1156,6 +1201,8 @@ class EmbeddingCollection:
         pooled = {}
         for key, members in flat.items():
             pooled.update(self._pool_flat(key, members, inputs, outputs, joined))
+        if self._unchecked is not None:  # no flat launch took the check: before the others
+            self._launch_check(self._family(self.device), joined)
         return [pooled[pair] if pair in pooled else
                 self._forward_local(pair[0], inputs, outputs, pair[1]) for pair in pairs]
 
@@ -1184,72 +1231,113 @@ class EmbeddingCollection:
                 batch = inputs[f].batch
                 outputs[f] = pieces if batch == r.batch else [(0, pieces[0][1], pieces[0][2][:batch])]
             return flat.contexts
-        values, offsets, segments, placed, layouts = [], [], [], {}, []
-        if joined is not None:  # each feature's values and offsets there: one after another
-            firsts, value, offset = {}, 0, 0
-            for f, x in inputs.items():
-                firsts[f] = (value, offset)
-                value, offset = value + int(x.values.shape[0]), offset + x.batch + 1
-        row_features = []  # the feature of each segment: whose ids the launch's rows are
-        at = [0, 0, 0, 0, 0]  # the next feature's first value, offset and output element;
-        #                       the next pool's first row and first bound
+        lay = self._flat_layout(space, key, pairs, inputs, joined is not None)
+        if lay is None:
+            return {}
+        # the counts' fields: per segment its first value, count, first row and first row
+        # in its pool
+        ns = [int(inputs[f].values.shape[0]) for f in lay.order]
+        firsts = [0]
+        for n in ns:
+            firsts.append(firsts[-1] + n)
+        rows_at, columns = [0], []
+        for k, pool_first in zip(lay.segment_features, lay.segment_pools):
+            at = rows_at[-1]
+            columns += (firsts[k], ns[k], at, at - rows_at[pool_first])
+            rows_at.append(at + ns[k])
+        with self._phase("kernels"):
+            if joined is not None:  # (no feature has weights)
+                values, offsets, weights = joined.values, joined.offsets, None
+            else:
+                values = xp.concatenate([inputs[f].values for f in lay.order], dtype=np.int64)
+                offsets = xp.concatenate([inputs[f].offsets for f in lay.order], dtype=np.int64)
+                weights = self._joined_weights(space, [inputs[f] for f in lay.order])
+            plan = pool_tables.placed(lay.launch, columns)
+            if self._unchecked is not None:  # the input check's table, then the plan: one copy
+                device = space.put(np.concatenate([joined.table, plan]))
+                self._launch_check(space, joined, device)
+                plan = (lay.launch, device, joined.table.shape[0])
+            else:
+                plan = (lay.launch, space.put(plan), 0)
+            out, rows, bounds = pool_tables.pool_tables(
+                space, self.flats[key], None, values, offsets, weights,
+                (lay.out_size, rows_at[-1], lay.bounds_size), plan=plan)
+        by_rows = out.reshape(-1, lay.width) if lay.width else None  # one width: rows
+        for f, first, batch, dim in lay.outputs:
+            outputs[f] = [(0, dim, out[first:first + batch * dim].reshape(batch, dim)
+                           if by_rows is None else by_rows[first // dim:first // dim + batch])]
+        # each row's weight, or None
+        psw = None if joined is not None else self._joined_weights(
+            space, [inputs[lay.order[k]] for k in lay.segment_features])
+        flat = (rows, bounds, psw)
+        return {pair: LocalContext(pair[0], [
+            FlatPool(combiner, flat, (rows_at[s0], first_bound), rows_at[s1] - rows_at[s0], bags,
+                     pieces, weighted)
+            for combiner, s0, s1, first_bound, bags, pieces, weighted in pools], (key, *flat))
+            for pair, pools in lay.pools}
+
+    def _flat_layout(self, space, key, pairs, inputs, joined):
+        """The :class:`_FlatLayout` of :meth:`_pool_flat`'s launch for ``pairs`` over the
+        features of ``inputs`` (their batches and whether each has weights), their values
+        ``joined`` in the order of ``inputs`` or else joined in the launch's order; None
+        when no feature reads those pairs. Made once per such signature."""
+        signature = (key, tuple(pairs), joined,
+                     tuple((f, x.batch, x.psw is not None) for f, x in inputs.items()))
+        found = self._flat_layouts.get(signature, False)
+        if found is not False:
+            return found
+        pool_tables = kernels(space, "pool_tables")
+        order = list(inputs) if joined else []  # the features, in the order of their values
+        outs = {}  # feature -> its first output element
+        out_at = bound_at = 0
+        segments, features, pools_of = [], [], []  # (segment, feature), the pools per pair
         for group, replicated in pairs:
             pools = []
             for combiner, members in self._flat_requests(space, group, replicated):
-                first_row, first_bound, bag, pieces = at[3], at[4], 0, []
+                first, bag, pieces = len(segments), 0, []
                 for f, route, block, code, row_start, dim in members:
                     feature = inputs.get(f)
                     if feature is None:
                         continue
-                    n = int(feature.values.shape[0])
-                    if f not in placed:
-                        if joined is None:
-                            placed[f] = tuple(at[:3])
-                            values.append(feature.values)
-                            offsets.append(feature.offsets)
-                            at[0] += n
-                            at[1] += feature.batch + 1
-                        else:
-                            placed[f] = (*firsts[f], at[2])
-                        at[2] += feature.batch * dim
-                    first_value, first_offset, out = placed[f]
-                    segments.append(pool_tables.Segment(
-                        block, first_value, n, first_offset, feature.batch, row_start, code, out,
-                        dim, route.c0, at[3], at[4] + bag, at[3] - first_row))
+                    if f not in outs:
+                        if not joined:
+                            order.append(f)
+                        outs[f] = out_at
+                        out_at += feature.batch * dim
+                    segments.append((block, feature.batch, row_start, code, outs[f], dim,
+                                     route.c0, bound_at + bag, first))
+                    features.append(f)
                     pieces.append((f, route.c0, route.c1, bag, feature.batch))
-                    row_features.append(feature)
-                    at[3] += n
                     bag += feature.batch
                 if pieces:
-                    at[4] += bag + 1
-                    pools.append((combiner, first_row, at[3], first_bound, bag, pieces))
-            layouts.append(((group, replicated), pools))
+                    pools.append((combiner, first, len(segments), bound_at, bag, tuple(pieces),
+                                  any(inputs[f].psw is not None for f, *_ in pieces)))
+                    bound_at += bag + 1
+            pools_of.append(((group, replicated), pools))
+        if len(self._flat_layouts) >= 64:  # (batch sizes that vary: the newest kept)
+            self._flat_layouts.clear()
         if not segments:
-            return {}
-        with self._phase("kernels"):
-            out, rows, bounds = pool_tables.pool_tables(
-                space, self.flats[key], segments,
-                joined.values if joined is not None else xp.concatenate(values, dtype=np.int64),
-                joined.offsets if joined is not None else xp.concatenate(offsets, dtype=np.int64),
-                None if joined is not None else  # (joined: no feature has weights)
-                self._joined_weights(space, [inputs[f] for f in placed]), (at[2], at[3], at[4]))
-        dims = {self.tables[inputs[f].table].dim for f in placed}
-        by_rows = out.reshape(-1, dims.pop()) if len(dims) == 1 else None  # one width: rows
-        for f, (_, _, first) in placed.items():
-            batch, dim = inputs[f].batch, self.tables[inputs[f].table].dim
-            outputs[f] = [(0, dim, out[first:first + batch * dim].reshape(batch, dim)
-                           if by_rows is None else by_rows[first // dim:first // dim + batch])]
-        # each row's weight, or None
-        psw = None if joined is not None else self._joined_weights(space, row_features)
-        contexts = {}
-        for (group, replicated), pools in layouts:
-            made = []
-            for combiner, first_row, end_row, first_bound, bags, pieces in pools:
-                weighted = any(inputs[f].psw is not None for f, *_ in pieces)
-                made.append(FlatPool(combiner, (rows, bounds, psw), (first_row, first_bound),
-                                     end_row - first_row, bags, pieces, weighted))
-            contexts[(group, replicated)] = LocalContext(group, made, (key, rows, bounds, psw))
-        return contexts
+            self._flat_layouts[signature] = None
+            return None
+        offset_firsts, at = {}, 0  # each feature's first offset
+        for f in order:
+            offset_firsts[f] = at
+            at += inputs[f].batch + 1
+        # the fields a call's counts change left 0 (pool_tables.placed writes them)
+        launch = pool_tables.layout(self.flats[key], [
+            pool_tables.Segment(block, 0, 0, offset_firsts[f], batch, row_start, code, out, dim,
+                                c0, 0, bound, 0)
+            for f, (block, batch, row_start, code, out, dim, c0, bound, _) in zip(features,
+                                                                               segments)],
+            np.dtype(np.float32) if any(inputs[f].psw is not None for f in order) else None)
+        index = {f: k for k, f in enumerate(order)}
+        dims = {self.tables[inputs[f].table].dim for f in outs}
+        found = self._flat_layouts[signature] = _FlatLayout(
+            order, [index[f] for f in features], [s[-1] for s in segments], launch, out_at,
+            bound_at, dims.pop() if len(dims) == 1 else 0,
+            [(f, first, inputs[f].batch, self.tables[inputs[f].table].dim)
+             for f, first in outs.items()], pools_of)
+        return found
 
     def _flat_requests(self, space, group, replicated):
         """``[(combiner, [(feature, route, block, combiner code, first row, dim), ...])]``:
