@@ -40,6 +40,7 @@ pass (with the check), the sort (a library call; :mod:`.radix_sort`'s ``5 * pass
 into reserved memory), one per partial level (none while no table has more than
 ``CHUNK`` ids), the update.
 """
+import functools
 import math
 import struct
 from typing import NamedTuple
@@ -454,6 +455,30 @@ def upload_plan(family, into, tables, pools):
     _copy_plan(family, into, _plan(tables, pools, threads_per_block(), _segments.CHUNK)[0])
 
 
+class _Kernels(NamedTuple):
+    """What an update derives from its dtypes, weights, checks and widths (:func:`_kernels`)."""
+
+    acc: object  # the accumulator dtype
+    prepare: object  # the kernels
+    partial: object
+    update: object
+    widest: int
+    stochastic: bool  # whether the weights' format rounds stochastically
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels(weights_dtype, grad_dtype, psw_dtype, scaled, finite, dims):
+    acc = accumulator_dtype(weights_dtype)
+    # at least two passes: with one, the row's kept gradient stays in registers and ptxas
+    # spills under the launch bounds (sm_90); with two it lives in local memory
+    passes = max(2, *(-(-d // (UNROLL * group_size(d))) for d in dims))
+    return _Kernels(acc, prepare_tables_kernel(dtype_key(acc), dtype_key(psw_dtype), scaled,
+                                               dtype_key(grad_dtype) if finite else None),
+                    partial_tables_kernel(dtype_key(acc), dtype_key(grad_dtype)),
+                    update_tables_kernel(dtype_key(weights_dtype), dtype_key(grad_dtype), passes),
+                    max(dims), np.dtype(weights_dtype).name in STOCHASTIC_FORMATS)
+
+
 def update_tables(family, rule, weights, state1, state2, per_row, hp, tables, pools, grad, rows,
                   bounds, psw, finite, skip_nonfinite, stochastic, report, into=None, upload=True):
     """Apply the rule ``rule`` (hyper-parameters ``hp``, their step size taken from each
@@ -469,8 +494,10 @@ def update_tables(family, rule, weights, state1, state2, per_row, hp, tables, po
     tpb = threads_per_block()
     chunk = _segments.CHUNK
     plan_host, blocks, partial_rows = _plan(tables, pools, tpb, chunk)
-    acc = accumulator_dtype(weights.dtype)
     scaled = _scaled(pools, psw)
+    kern = _kernels(weights.dtype, grad.dtype, None if psw is None else psw.dtype, scaled, finite,
+                    tuple(t.dim for t in tables))
+    acc = kern.acc
     if into is None:
         plan = family.kernel_array(family.put(plan_host))
         keys, bag_of, coef, partials = _arrays(tables, pools, acc, scaled, partial_rows, n)
@@ -482,8 +509,6 @@ def update_tables(family, rule, weights, state1, state2, per_row, hp, tables, po
     with _pending.checks(1, "fused_step", lambda bad: report(bad[0]), (grad,),
                          when=finite) as slots:
         k_rows = family.kernel_array(rows)
-        kernel = prepare_tables_kernel(dtype_key(acc), None if psw is None else dtype_key(psw.dtype),
-                                       scaled, dtype_key(grad.dtype) if finite else None)
         bag_blocks = blocks_for(sum(p.bags for p in pools), tpb)
         if finite:  # the gradient's check in the same launch
             flat = grad.reshape(-1, 1)
@@ -491,26 +516,21 @@ def update_tables(family, rule, weights, state1, state2, per_row, hp, tables, po
             bag_blocks = max(bag_blocks, scan_blocks(flat, tpb))
         else:
             args = (no_error_slots(), _device.scratch((0, 1), acc))
-        launch(kernel, bag_blocks, tpb, k_rows, family.kernel_array(bounds),
+        launch(kern.prepare, bag_blocks, tpb, k_rows, family.kernel_array(bounds),
                k_rows if psw is None else family.kernel_array(psw), plan, len(tables), keys,
                bag_of, coef, *args)
         order = (_segments.stable_argsort(_device.xp(), keys) if into is None
                  else into.sort.sort(keys))
-        widest = max(t.dim for t in tables)
-        sums = (order, bag_of, coef, partials, widest)
+        sums = (order, bag_of, coef, partials, kern.widest)
         for level, level_blocks in enumerate(blocks[1:], 1):
-            launch(partial_tables_kernel(dtype_key(acc), dtype_key(grad.dtype)), level_blocks, tpb,
-                   k_grad, *sums, keys, level, chunk, plan, len(tables))
-        # at least two: with one, the row's kept gradient stays in registers and ptxas
-        # spills under the launch bounds (sm_90); with two it lives in local memory
-        passes = max(2, *(-(-t.dim // (UNROLL * group_size(t.dim))) for t in tables))
+            launch(kern.partial, level_blocks, tpb, k_grad, *sums, keys, level, chunk, plan,
+                   len(tables))
         none = _device.scratch(0, acc)
         constants = rule_constants(np.asarray(hp, np.float64))[:-1]  # (step sizes: the plan's)
-        launch(update_tables_kernel(dtype_key(weights.dtype), dtype_key(grad.dtype), passes),
-               blocks[0], tpb, family.kernel_array(weights),
+        launch(kern.update, blocks[0], tpb, family.kernel_array(weights),
                none if state1 is None else family.kernel_array(state1),
                none if state2 is None else family.kernel_array(state2), bool(per_row[0]),
                bool(per_row[1]), keys, k_grad, *sums, chunk, plan, len(tables), int(rule),
                *constants, bool(skip_nonfinite),
-               bool(stochastic) and np.dtype(weights.dtype).name in STOCHASTIC_FORMATS,
+               bool(stochastic) and kern.stochastic,
                slots if finite else no_error_slots())
