@@ -502,10 +502,10 @@ def gather_tile_kernel(grad_dtype, columns, tpb):
     bounds = tpb * _runs.ITEMS + 1  # (a constant: the shared array's size)
 
     @jit_kernel(min_blocks_per_sm=2)
-    def gather_tile_kernel(grad, order, bag_of, coef, partials, chunk, group, keys, drop_bad,
-                           padded, count, ids, rows):
-        """The runs' sums, from the first run unless ``drop_bad`` and its key is -1 (the
-        out-of-range ids); ``padded``: every row of ``rows`` written (zeros and -1 past
+    def gather_tile_kernel(grad, order, bag_of, coef, partials, chunk, group, keys, padded,
+                           count, ids, rows):
+        """The runs' sums, from the first run unless its key is -1 (the out-of-range ids)
+        and not ``padded``; ``padded``: every row of ``rows`` written (zeros and -1 past
         the runs). ``count`` (may be empty): the runs' count, then the first key."""
         starts = cuda.shared.array(bounds, int32)
         num = tile_runs(keys, order, order.shape[0], starts)
@@ -513,7 +513,7 @@ def gather_tile_kernel(grad_dtype, columns, tpb):
         if cuda.grid(1) == 0 and count.shape[0] != 0:
             count[0] = num
             count[1] = first
-        skip = 1 if drop_bad and first < 0 else 0
+        skip = 1 if not padded and first < 0 else 0
         gather_rows(grad, order, bag_of, coef, partials, starts, num, chunk, skip,
                     rows.shape[0] + skip if padded else num, group, keys, ids, rows)
 
@@ -605,9 +605,9 @@ def embedding_bag_backward(family, grad_out, values, offsets, num_rows, per_samp
             ids = family.empty(n, values.dtype)
             rows = family.empty((n, dim), grad_out.dtype)
             launch(sums.gather_tile, blocks_for(n, tpb // group), tpb, k_grad, *occ.kernel_arrays(), occ.chunk,
-                   group, keys, not padded, padded,
+                   group, keys, padded,
                    _device.scratch(0, np.int64) if info is None else info,
-                   family.kernel_array(ids), family.kernel_array(rows))
+                   ids, family.kernel_array(rows))
         else:  # the runs: where each id's row goes (the atomic sums' need their numbers)
             grouping = _segments.group(keys, info, occ.order, numbered=not deterministic)
         read = None if info is None else _device.to_host(info).tolist()
@@ -648,7 +648,7 @@ def embedding_bag_backward(family, grad_out, values, offsets, num_rows, per_samp
         rows = family.empty((num_ids, dim), grad_out.dtype)
         launch(sums.gather, blocks_for(num_ids, tpb // group), tpb, k_grad, *occ.kernel_arrays(),
                grouping.starts, grouping.count, occ.chunk, skip, group, keys,
-               family.kernel_array(ids), family.kernel_array(rows))
+               ids, family.kernel_array(rows))
         return ids, rows, -1, -1
     ids = _device.to_family(family, ids)
     acc = family.zeros((num_ids, dim), acc_dtype)

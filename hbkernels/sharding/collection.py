@@ -258,6 +258,9 @@ def _device_of(device):
         return "cpu"
 
 
+_UNTIMED = contextlib.nullcontext()  # EmbeddingCollection._phase's context when not profiling
+
+
 def _columns(a, c0, c1):
     """Columns ``[c0, c1)`` of the 2-D ``a``: ``a`` itself when they are all of them."""
     return a if c0 == 0 and c1 == a.shape[1] else a[:, c0:c1]
@@ -624,13 +627,15 @@ class EmbeddingCollection:
         return out
 
     # -- timing -----------------------------------------------------------------------------------
-    @contextlib.contextmanager
     def _phase(self, name):
-        """Add the seconds of the block to ``timings[name]`` (under ``profile``; a
-        phase inside another counts once, in the outer one)."""
+        """The context adding the seconds of its block to ``timings[name]`` (under
+        ``profile``; a phase inside another counts once, in the outer one)."""
         if not self.profile or self._timing:
-            yield
-            return
+            return _UNTIMED
+        return self._timed(name)
+
+    @contextlib.contextmanager
+    def _timed(self, name):
         for family in self._families.values():
             family.sync()
         self._timing = True
@@ -1492,11 +1497,11 @@ class EmbeddingCollection:
         fused_steps = {}  # group -> (its one pool, that pool's gradient): a fused backward and step
         flat_steps = defaultdict(list)  # flat array -> its groups' contexts: one fused step
         for ctx in self._saved.locals:
-            group = ctx.group
-            space = self._family(group.device)
             if self.comm.world_size == 1 and ctx.flat is not None:
                 flat_steps[ctx.flat[0]].append(ctx)
                 continue
+            group = ctx.group
+            space = self._family(group.device)
             if self.comm.world_size == 1 and len(ctx.pools) == 1:
                 fused_steps[group] = (ctx.pools[0], self._pool_grad(space, ctx.pools[0], grads))
                 continue
@@ -1535,9 +1540,9 @@ class EmbeddingCollection:
                     elif self._changed is not None:
                         self._mark_changed(ctx.group, pool.values)
         for group in self.arrays:
-            fused = self._fast(group)
             if group in flat_groups:
                 continue
+            fused = self._fast(group)
             if stepped is not None and group.table not in stepped:
                 continue  # none of its table's ids in the global batch: no step to count
             if group in fused_steps:
@@ -1631,11 +1636,10 @@ class EmbeddingCollection:
             grad = grad.astype(np.float32, copy=False)
         else:
             grad = xp.zeros(0, np.float32)
-        starts = [place[0] for place in plan.places]
-
         def report(element):  # the step did not count
             for counter in plan.counters:
                 counter[0] -= 1
+            starts = [place[0] for place in plan.places]
             start, f, c0, c1, _ = plan.places[bisect.bisect_right(starts, element) - 1]
             check.raise_nonfinite(f"grad of {f!r}", (element - start) // (c1 - c0))
 
