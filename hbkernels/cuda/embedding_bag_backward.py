@@ -604,10 +604,10 @@ def embedding_bag_backward(family, grad_out, values, offsets, num_rows, per_samp
             sum_partials(family, grad_out, occ)
             ids = family.empty(n, values.dtype)
             rows = family.empty((n, dim), grad_out.dtype)
-            launch(sums.gather_tile, blocks_for(n, tpb // group), tpb, k_grad, *occ.kernel_arrays(), occ.chunk,
-                   group, keys, padded,
-                   _device.scratch(0, np.int64) if info is None else info,
-                   ids, family.kernel_array(rows))
+            launch(sums.gather_tile, blocks_for(n, tpb // group), tpb, k_grad,
+                   *occ.kernel_arrays(), occ.chunk, group, keys, padded,
+                   _device.scratch(0, np.int64) if info is None else info, ids,
+                   family.kernel_array(rows))
         else:  # the runs: where each id's row goes (the atomic sums' need their numbers)
             grouping = _segments.group(keys, info, occ.order, numbered=not deterministic)
         read = None if info is None else _device.to_host(info).tolist()

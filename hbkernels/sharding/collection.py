@@ -179,8 +179,9 @@ class _FlatPlan(NamedTuple):
 
 
 class _FlatLayout(NamedTuple):
-    """What a flat pooling launch takes from its signature (:meth:`EmbeddingCollection._flat_layout`):
-    the rest comes from its features' counts of values."""
+    """What a flat pooling launch takes from its signature
+    (:meth:`EmbeddingCollection._flat_layout`): the rest comes from its features' counts
+    of values."""
 
     order: list  # the features, in the order of their values in the launch
     segment_features: list  # per segment: its feature's index in ``order``
