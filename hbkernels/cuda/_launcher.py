@@ -303,7 +303,15 @@ def fast_packer(kinds, args, packer):
             env[f"d{i}"] = dtype
             tests.append(f"type({name}) is t{i} and {name}.dtype is d{i} and {name}.ndim == {ndim}"
                          f" and {name}._c_contiguous is {bool(contiguous)}")
-            if ndim == 1:  # indexed: a call with no unpacking packs faster
+            size = np.dtype(dtype).itemsize
+            if ndim == 1 and contiguous:  # C order: its strides follow from its shape (a
+                #                           stride matters where it has more than one
+                #                           element alone)
+                fields.append(f"0, 0, {name}.size, {size}, {name}.data.ptr, {name}.size, {size}")
+            elif ndim == 2 and contiguous:
+                fields.append(f"0, 0, {name}.size, {size}, {name}.data.ptr, {name}.shape[0], "
+                              f"{name}.shape[1], {name}.shape[1] * {size}, {size}")
+            elif ndim == 1:  # indexed: a call with no unpacking packs faster
                 fields.append(f"0, 0, {name}.size, {name}.itemsize, {name}.data.ptr, "
                               f"{name}.shape[0], {name}.strides[0]")
             else:
