@@ -693,8 +693,6 @@ def simulated_op(case):
         ids = dev(rng.integers(0, rows, 64))
         return lambda: hbk.lookup(table, ids)
     forward = case.op in ("embedding_bag", "quantized_bag")
-    # (the backward past one tile of sorted positions, as at the real size: its runs found
-    # by launches of their own, not by the sums' launch)
     bags, length = ((2, min(case.length, 8)) if forward else
                     (2, 136) if case.op == "embedding_bag_backward" else (2, 16))
     ids = dev(zipf_ids(bags * length, rows, ZIPF, seed=SEED))
