@@ -270,6 +270,18 @@ def cupy_family_of(*arrays, contiguous=False):
     return cuda_family("cupy", device)
 
 
+def device_family_of(*arrays, contiguous=False):
+    """:func:`cupy_family_of`, and under Numba's simulator the simulated family when each
+    array is a simulated CUDA array (with ``contiguous`` C-contiguous); else None."""
+    found = cupy_family_of(*arrays, contiguous=contiguous)
+    if found is None and type(arrays[0]) is _simulator.SimArray:
+        for a in arrays:
+            if type(a) is not _simulator.SimArray or (contiguous and not a.flags.c_contiguous):
+                return None
+        return cuda_family("simulated", 0)
+    return found
+
+
 def classify(x):
     """(family, array to use) for one argument, or raise TypeError."""
     t = type(x)

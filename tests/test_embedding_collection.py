@@ -421,6 +421,32 @@ def test_a_forward_without_a_replicated_tables_features():
     np.testing.assert_allclose(coll.full_weights("big"), expected, rtol=1e-6)
 
 
+def test_a_replicated_and_a_sharded_table_in_one_fused_array():
+    """Tables of one width share a fused array whether replicated or sharded: at world
+    size 1 each pools its own features once, and the backward updates both (it used to
+    keep one pool's fused step and drop the other's)."""
+    tables = [hbk.TableSpec("small", num_rows=12, dim=3), hbk.TableSpec("big", num_rows=30, dim=3)]
+    coll = hbk.EmbeddingCollection(tables, comm=local(), optimizer=hbk.optim.SGD(lr=0.5),
+                                   plan={"small": "data_parallel"}, seed=2)
+    assert len(coll.arrays) == 1
+    rng = np.random.default_rng(3)
+    want = {t.name: coll.full_weights(t.name).astype(np.float64) for t in tables}
+    features, grads = {}, {}
+    for t in tables:
+        offsets = np.array([0, 3, 3, 7])
+        values = rng.integers(0, t.num_rows, 7)
+        values[0] = values[1] = t.num_rows - 1  # a repeated id, at the table's edge
+        features[t.name] = hbk.Ragged(values, offsets)
+        grads[t.name] = rng.standard_normal((3, 3)).astype(np.float32)
+        for b in range(3):
+            np.subtract.at(want[t.name], values[offsets[b]:offsets[b + 1]], 0.5 * grads[t.name][b])
+    coll.forward(features)
+    coll.backward(grads)
+    for t in tables:
+        np.testing.assert_allclose(coll.full_weights(t.name), want[t.name], rtol=1e-5, atol=1e-6,
+                                   err_msg=t.name)
+
+
 # -- checkpoints in one process -----------------------------------------------------------------
 def _trained(tmp_path, kind="Adam", plan="mixed", steps=2, key="ckpt-local"):
     opt = cr.make_optimizer(hbk, kind)

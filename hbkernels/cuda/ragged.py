@@ -106,17 +106,28 @@ def features_table(first_values, first_bags, limits, counts, padded=False):
                      *counts, int(padded)], np.int64)
 
 
-def join_features(family, values, offsets, limits):
+def table_positions(count):
+    """``(first values, counts)``: where the table of :func:`features_table` of ``count``
+    features holds each feature's first value after the first (the last: the total) and
+    each one's count of values."""
+    return np.arange(1, count + 1), np.arange(3 * count + 2, 4 * count + 2)
+
+
+def join_features(family, values, offsets, limits, table=None):
     """The :class:`Staged` of features' inputs (``values[k]``, ``offsets[k]``, ids checked
     against ``limits[k]`` rows, None: not checked) joined on the device, one feature's
-    after another, its ``table`` on the host (NumPy) for the caller to copy (it may copy
-    more after it: the check reads the table's first entries only)."""
+    after another, its ``table`` on the host (NumPy; ``table``: the caller's, made as
+    :func:`features_table` makes it) for the caller to copy (it may copy more after it:
+    the check reads the table's first entries only)."""
+    xp = family.xp
+    if table is not None:
+        return Staged(xp.concatenate(values, dtype=np.int64),
+                      xp.concatenate(offsets, dtype=np.int64), table)
     value, bag, counts = [0], [0], []
     for k in range(len(values)):
         counts.append(values[k].shape[0])
         value.append(value[-1] + counts[k])
         bag.append(bag[-1] + offsets[k].shape[0] - 1)
-    xp = family.xp
     return Staged(xp.concatenate(values, dtype=np.int64), xp.concatenate(offsets, dtype=np.int64),
                   features_table(value, bag, limits, counts))
 

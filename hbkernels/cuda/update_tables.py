@@ -484,17 +484,23 @@ def update_tables(family, rule, weights, state1, state2, per_row, hp, tables, po
     """Apply the rule ``rule`` (hyper-parameters ``hp``, their step size taken from each
     table) to ``tables`` from ``grad`` through ``pools`` (see the module doc; ``state1``,
     ``state2``: the flat state arrays or None, ``per_row`` whether each is per row).
-    ``finite``: the gradient is checked first, ``report(element)`` called at the wait that
-    reads a NaN or Inf at that element of ``grad`` (nothing is written then). ``into``:
+    ``grad``: the flat gradient, or its rows where every table has one width (a C-contiguous
+    ``[rows, width]`` array). ``finite``: the gradient is checked first, ``report(element)``
+    called at the wait that reads a NaN or Inf in the row of ``grad`` starting at that
+    element of the flat gradient (nothing is written then). ``into``:
     the :func:`reserve` d arrays of these tables and pools; ``upload=False``: the plan in
     ``into`` is left as it is (see :func:`upload_plan`)."""
-    n = sum(p.count for p in pools)
+    n = bags = 0
+    scaled = psw is not None  # (as _scaled says)
+    for p in pools:
+        n += p.count
+        bags += p.bags
+        scaled = scaled or p.combiner != Combiner.SUM
     if not n:
         return
     tpb = threads_per_block()
     chunk = _segments.CHUNK
     plan_host, blocks, partial_rows = _plan(tables, pools, tpb, chunk)
-    scaled = _scaled(pools, psw)
     kern = _kernels(weights.dtype, grad.dtype, None if psw is None else psw.dtype, scaled, finite,
                     tuple(t.dim for t in tables))
     acc = kern.acc
@@ -505,13 +511,14 @@ def update_tables(family, rule, weights, state1, state2, per_row, hp, tables, po
         plan, keys, bag_of, coef, partials = into.plan, into.keys, into.bag_of, into.coef, into.partials
         if upload:
             _copy_plan(family, into, plan_host)
-    k_grad = family.kernel_array(grad)
-    with _pending.checks(1, "fused_step", lambda bad: report(bad[0]), (grad,),
+    width = grad.shape[1] if grad.ndim == 2 else 1
+    k_grad = family.kernel_array(grad.reshape(-1) if grad.ndim == 2 else grad)
+    with _pending.checks(1, "fused_step", lambda bad: report(bad[0] * width), (grad,),
                          when=finite) as slots:
         k_rows = family.kernel_array(rows)
-        bag_blocks = blocks_for(sum(p.bags for p in pools), tpb)
-        if finite:  # the gradient's check in the same launch
-            flat = grad.reshape(-1, 1)
+        bag_blocks = blocks_for(bags, tpb)
+        if finite:  # the gradient's check in the same launch, by rows
+            flat = grad if grad.ndim == 2 else grad.reshape(-1, 1)
             args = (slots, family.kernel_array(flat))
             bag_blocks = max(bag_blocks, scan_blocks(flat, tpb))
         else:

@@ -54,7 +54,7 @@ import os
 import time
 import warnings
 import zlib
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -63,7 +63,7 @@ from .. import _rules
 from .. import _validate as check
 from .. import dist as _dist
 from .. import optim as _optim
-from .._dispatch import cupy_family_of, device_family, host, kernels, resolve
+from .._dispatch import cupy_family_of, device_family, device_family_of, host, kernels, resolve
 from .._machine import cupy, simulator_enabled
 from .._modes import Combiner
 from ..dist import _wire
@@ -165,6 +165,35 @@ class Saved(NamedTuple):
     inputs: dict
     exchanges: list
     locals: list
+    flat: Any = None  # a forward of the flat path (_forward_flat): its _FlatCall
+
+
+class _Door(NamedTuple):
+    """What the flat path (:meth:`EmbeddingCollection._forward_flat`) takes from a
+    forward's signature, its features' names (in the order given) and batches."""
+
+    at: list  # per feature of the launch (in its order), its index in the order given
+    order: list  # the features, in the launch's order
+    limits: list  # each one's table rows (its ids are checked against them)
+    inputs: dict  # feature -> _Feature (no arrays): what backward reads of the forward
+    lay: Any  # the launch's _FlatLayout
+    tables: list  # each feature's table
+    # the check's table (ragged.features_table), then the launch's plan from element
+    # ``base``, the fields that counts change left 0; where those fields are (the
+    # first values, the counts, pool_tables.placed's columns)
+    host: Any
+    base: int
+    placed: Any
+
+
+class _FlatCall(NamedTuple):
+    """A forward of the flat path, for its backward."""
+
+    door: _Door
+    counts: list  # each feature's values, in the launch's order
+    rows_at: list  # each segment's first row in ``rows``, then their total
+    rows: Any  # what the launch wrote for the backward
+    bounds: Any
 
 
 class _FlatPlan(NamedTuple):
@@ -193,6 +222,30 @@ class _FlatLayout(NamedTuple):
     outputs: list  # (feature, first output element, batch, dim)
     pools: list  # ((group, replicated), [(combiner, first segment, end segment, first bound,
     #              bags, pieces, weighted)])
+
+    def columns(self, counts):
+        """``(columns, rows_at, firsts)`` of a call whose features (in :attr:`order`) hold
+        ``counts`` values: the fields ``pool_tables.placed`` writes, per segment its
+        first value, count, first row and first row in its pool; each segment's first
+        row, then their total; each feature's first value, then their total."""
+        firsts = [0]
+        for n in counts:
+            firsts.append(firsts[-1] + n)
+        rows_at, columns = [0], []
+        for k, pool_first in zip(self.segment_features, self.segment_pools):
+            at = rows_at[-1]
+            columns += (firsts[k], counts[k], at, at - rows_at[pool_first])
+            rows_at.append(at + counts[k])
+        return columns, rows_at, firsts
+
+    def results(self, out):
+        """``{feature: its [batch, dim] output}``: views of the launch's ``out``."""
+        if self.width:  # one width: rows
+            by_rows, width = out.reshape(-1, self.width), self.width
+            return {f: by_rows[first // width:first // width + batch]
+                    for f, first, batch, _ in self.outputs}
+        return {f: out[first:first + batch * dim].reshape(batch, dim)
+                for f, first, batch, dim in self.outputs}
 
 
 class _ReservedFlat(NamedTuple):
@@ -260,6 +313,14 @@ def _device_of(device):
 
 
 _UNTIMED = contextlib.nullcontext()  # EmbeddingCollection._phase's context when not profiling
+
+
+def _members(contexts):
+    """``[(group, [(combiner, first row, values, first bound, bags, pieces)])]``: what
+    a flat array's update takes of the pools of ``contexts`` (the LocalContexts of its
+    launch)."""
+    return [(ctx.group, [(p.combiner, p.at[0], p.n_values, p.at[1], p.bags, p.pieces)
+                         for p in ctx.pools]) for ctx in contexts]
 
 
 def _columns(a, c0, c1):
@@ -426,6 +487,10 @@ class EmbeddingCollection:
         self.stats = {}
         self.timings = defaultdict(float)
         self._timing = False
+        #: the flat array pooling every table in one launch where :meth:`_forward_flat`
+        #: may take a forward, else None
+        self._flat_key = self._single_flat()
+        self._doors = {}  # a forward's signature -> its _Door (_door)
 
     # -- layout -------------------------------------------------------------------------------
     def _family(self, device):
@@ -925,7 +990,7 @@ class EmbeddingCollection:
             firsts_of_rows += [(pieces[0][0], r0) for _, r0, _, _, pieces in pools]
         outputs = {f: [(0, dim, pooled.out[at:at + batch * dim].reshape(batch, dim))]
                    for f, (at, dim) in outs.items()}
-        plan = self._flat_plan(list(contexts.values()))
+        plan = self._flat_plan(_members(contexts.values()))
         step = kernels(space, "update_tables").reserve(space, plan.tables, plan.pools,
                                                        self.flats[key].dtype, psw is not None)
         return _ReservedFlat(pooled, contexts, outputs, step,
@@ -947,6 +1012,11 @@ class EmbeddingCollection:
         """
         self._insert = bool(insert)
         self.stats = {"ids_bytes": 0, "rows_bytes": 0, "grads_bytes": 0, "replica_grads_bytes": 0}
+        if (self._flat_key is not None and per_sample_weights is None and type(features) is dict
+                and self._reserved is None and self._capturing is None):
+            result = self._forward_flat(features)
+            if result is not None:
+                return result
         try:
             inputs, joined = self._read_inputs(features, per_sample_weights, defer=True)
         except Exception as error:
@@ -959,6 +1029,88 @@ class EmbeddingCollection:
         finally:
             if self._unchecked is not None:  # a raise before any pooling launch
                 self._launch_check(space, joined)
+
+    def _single_flat(self):
+        """The key of the flat array whose one launch pools every table (world size 1, a
+        GPU, every table static, unquantized, in the device's memory, pooled), else None."""
+        if (self.comm.world_size != 1 or self.quantize or self.hash_tables or self.tiers
+                or not self._family(self.device).is_cuda
+                or any(spec.combiner is None for spec in self.tables.values())):
+            return None
+        keys = {self._flat_of.get(group)
+                for group in (*self.layout.exchange_groups, *self.layout.replica_groups)}
+        return keys.pop() if len(keys) == 1 and None not in keys else None
+
+    def _forward_flat(self, features):
+        """:meth:`forward` of ``features`` where each is an ``hbk.Ragged`` of 1-D
+        C-contiguous int32 or int64 arrays on the collection's device (no weights) and one
+        launch pools every table (:attr:`_flat_key`): the check of the inputs and that
+        launch, their plans in one copy, what the signature decides laid out once
+        (:meth:`_door`). None where the inputs are not such: :meth:`forward` reads them."""
+        arrays = []  # each feature's values and offsets
+        for x in features.values():
+            if type(x) is not Ragged:
+                return None
+            arrays += x
+        space = self._family(self.device)
+        if not arrays or device_family_of(*arrays, contiguous=True) is not space:
+            return None
+        for a in arrays:
+            if a.ndim != 1 or a.dtype not in check.ID_DTYPES:
+                return None
+        batches = [arrays[k].shape[0] for k in range(1, len(arrays), 2)]  # (offsets: B + 1)
+        door = self._doors.get((*features, *batches)) or self._door(space, features, batches)
+        if door is None:
+            return None
+        values = [arrays[2 * k] for k in door.at]
+        offsets = [arrays[2 * k + 1] for k in door.at]
+        counts = [v.shape[0] for v in values]
+        lay = door.lay
+        columns, rows_at, firsts = lay.columns(counts)
+        host = door.host.copy()  # the check's table, then the pooling plan: one copy
+        host[door.placed] = firsts[1:] + counts + columns
+        ragged = kernels(space, "ragged")
+        with self._phase("kernels"):
+            device = space.put(host)
+            joined = ragged.join_features(space, values, offsets, door.limits, table=device)
+            ragged.check_features(space, door.order, values, offsets, door.limits, staged=joined)
+            out, rows, bounds = kernels(space, "pool_tables").pool_tables(
+                space, self.flats[self._flat_key], None, joined.values, joined.offsets, None,
+                (lay.out_size, rows_at[-1], lay.bounds_size),
+                plan=(lay.launch, device, door.base))
+        self._saved = Saved(door.inputs, [], [], _FlatCall(door, counts, rows_at, rows, bounds))
+        return lay.results(out)
+
+    def _door(self, space, features, batches):
+        """The :class:`_Door` of :meth:`_forward_flat` for ``features`` (names, the
+        lengths of their offsets ``batches``), made once per such signature; None where
+        :meth:`forward` reads them (a feature unknown or of no table, empty offsets)."""
+        if any(f not in self.feature_table for f in features) or min(batches) < 1:
+            return None
+        given = {f: k for k, f in enumerate(features)}
+        inputs = {}
+        for f in sorted(features, key=self._feature_order.get):
+            inputs[f] = _Feature(self.feature_table[f], None, None, None, batches[given[f]] - 1,
+                                 None, None)
+        pairs = ([(group, False) for group in self.layout.exchange_groups]
+                 + [(group, True) for group in self.layout.replica_groups])
+        lay = self._flat_layout(space, self._flat_key, pairs, inputs, True)
+        if lay is None or len(lay.order) != len(features):
+            return None
+        if len(self._doors) >= 64:  # (batch sizes that vary: the newest kept)
+            self._doors.clear()
+        tables = [inputs[f].table for f in lay.order]
+        limits = [self.tables[t].num_rows for t in tables]
+        ragged, n = kernels(space, "ragged"), len(lay.order)
+        bags = [0]
+        for f in lay.order:
+            bags.append(bags[-1] + inputs[f].batch)
+        table = ragged.features_table([0] * (n + 1), bags, limits, [0] * n)
+        door = self._doors[(*features, *batches)] = _Door(
+            [given[f] for f in lay.order], lay.order, limits, inputs, lay, tables,
+            np.concatenate([table, lay.launch.plan]), table.shape[0],
+            np.concatenate([*ragged.table_positions(n), lay.launch.placed + table.shape[0]]))
+        return door
 
     def _pool_inputs(self, space, inputs, joined):
         """The rest of :meth:`forward`, from its checked ``inputs``."""
@@ -1240,17 +1392,7 @@ class EmbeddingCollection:
         lay = self._flat_layout(space, key, pairs, inputs, joined is not None)
         if lay is None:
             return {}
-        # the counts' fields: per segment its first value, count, first row and first row
-        # in its pool
-        ns = [int(inputs[f].values.shape[0]) for f in lay.order]
-        firsts = [0]
-        for n in ns:
-            firsts.append(firsts[-1] + n)
-        rows_at, columns = [0], []
-        for k, pool_first in zip(lay.segment_features, lay.segment_pools):
-            at = rows_at[-1]
-            columns += (firsts[k], ns[k], at, at - rows_at[pool_first])
-            rows_at.append(at + ns[k])
+        columns, rows_at, _ = lay.columns([int(inputs[f].values.shape[0]) for f in lay.order])
         with self._phase("kernels"):
             if joined is not None:  # (no feature has weights)
                 values, offsets, weights = joined.values, joined.offsets, None
@@ -1268,10 +1410,8 @@ class EmbeddingCollection:
             out, rows, bounds = pool_tables.pool_tables(
                 space, self.flats[key], None, values, offsets, weights,
                 (lay.out_size, rows_at[-1], lay.bounds_size), plan=plan)
-        by_rows = out.reshape(-1, lay.width) if lay.width else None  # one width: rows
-        for f, first, batch, dim in lay.outputs:
-            outputs[f] = [(0, dim, out[first:first + batch * dim].reshape(batch, dim)
-                           if by_rows is None else by_rows[first // dim:first // dim + batch])]
+        for f, result in lay.results(out).items():
+            outputs[f] = [(0, result.shape[1], result)]
         # each row's weight, or None
         psw = None if joined is not None else self._joined_weights(
             space, [inputs[lay.order[k]] for k in lay.segment_features])
@@ -1473,6 +1613,9 @@ class EmbeddingCollection:
                             f"for inference (forward only), it takes no backward")
         if self._saved is None:
             raise RuntimeError("backward needs a forward first (each forward allows one backward)")
+        if self._saved.flat is not None:
+            self._backward_flat(grads)
+            return
         inputs = self._saved.inputs
         try:
             grads = self._read_grads(grads, inputs)
@@ -1497,13 +1640,15 @@ class EmbeddingCollection:
             updates[group].append((ctx.recv_keys, received))
         fused_steps = {}  # group -> (its one pool, that pool's gradient): a fused backward and step
         flat_steps = defaultdict(list)  # flat array -> its groups' contexts: one fused step
+        # a group pooled once (a fused array may hold a replicated table and a sharded one)
+        pooled_once = Counter(ctx.group for ctx in self._saved.locals)
         for ctx in self._saved.locals:
             if self.comm.world_size == 1 and ctx.flat is not None:
                 flat_steps[ctx.flat[0]].append(ctx)
                 continue
             group = ctx.group
             space = self._family(group.device)
-            if self.comm.world_size == 1 and len(ctx.pools) == 1:
+            if self.comm.world_size == 1 and len(ctx.pools) == 1 and pooled_once[group] == 1:
                 fused_steps[group] = (ctx.pools[0], self._pool_grad(space, ctx.pools[0], grads))
                 continue
             num_rows = int(self._fast(group).weights.shape[0])
@@ -1531,7 +1676,7 @@ class EmbeddingCollection:
         flat_groups = set()
         for contexts in flat_steps.values():
             with self._phase("kernels"):
-                self._flat_step(contexts, grads, stepped)
+                self._flat_step(contexts[0].flat, _members(contexts), grads, stepped)
             for ctx in contexts:
                 flat_groups.add(ctx.group)
                 for pool in ctx.pools:  # (rows past a reserved pool's bags are -1)
@@ -1579,46 +1724,73 @@ class EmbeddingCollection:
         flags = host(self.comm.allreduce(np.array([name in held for name in names], np.int64)))
         return {name for name, flag in zip(names, flags) if flag}
 
-    def _flat_plan(self, contexts, stepped=None):
-        """The :class:`_FlatPlan` of the update of ``contexts`` (one flat array's);
-        ``stepped``: as :meth:`_stepped_tables` gives it."""
-        update_tables = kernels(self._family(contexts[0].flat[0][0]), "update_tables")
+    def _backward_flat(self, grads):
+        """:meth:`backward` after a forward of :meth:`_forward_flat`."""
+        call = self._saved.flat
+        grads = self._read_grads(grads, self._saved.inputs)
+        self._saved = None
+        stepped = ({t for t, n in zip(call.door.tables, call.counts) if n}
+                   if self.step_per_table else None)
+        rows_at = call.rows_at
+        members = [(pair[0], [(combiner, rows_at[s0], rows_at[s1] - rows_at[s0], bound, bags, pieces)
+                              for combiner, s0, s1, bound, bags, pieces, _ in pools])
+                   for pair, pools in call.door.lay.pools]
+        with self._phase("kernels"):
+            self._flat_step((self._flat_key, call.rows, call.bounds, None), members, grads, stepped)
+        if self._changed is not None:
+            for group, pools in members:
+                for _, first, count, *_ in pools:
+                    self._mark_changed(group, call.rows[first:first + count])
+
+    def _flat_plan(self, members, stepped=None):
+        """The :class:`_FlatPlan` of the update of one flat array's ``members`` (as
+        :func:`_members` gives them); ``stepped``: as :meth:`_stepped_tables` gives it."""
+        update_tables = kernels(self._family(members[0][0].device), "update_tables")
         stochastic = self.optimizer.rounding == "stochastic"
         tables, pools, places, counters = [], [], [], []
         grad_at = 0
         hp = None
-        for ctx in sorted(contexts, key=lambda c: self._flat_blocks[c.group][1]):
-            fused = self.arrays[ctx.group]
-            if stepped is None or ctx.group.table in stepped:
+        constants = {}  # step number -> the optimizer's constants of that step
+        by_group = {}  # (a fused array may hold a replicated table and a sharded one: one table)
+        for group, group_pools in members:
+            by_group[group] = by_group.get(group, []) + group_pools
+        for group, group_pools in sorted(by_group.items(), key=lambda m: self._flat_blocks[m[0]][1]):
+            fused = self.arrays[group]
+            if stepped is None or group.table in stepped:
                 counters.append(fused.state["step"])
-            hp, rounding = self.optimizer.step_constants(int(fused.state["step"][0]) + 1)
-            width = ctx.group.width
+            step = int(fused.state["step"][0]) + 1
+            found = constants.get(step)
+            if found is None:
+                found = constants[step] = self.optimizer.step_constants(step)
+            hp, rounding = found
+            width = group.width
             bags = ids = 0
-            for pool in ctx.pools:
-                count, n_bags = pool.n_values, pool.bags
-                pools.append(update_tables.Pool(len(tables), pool.at[0], count, pool.at[1],
-                                                n_bags, bags, int(Combiner[pool.combiner.upper()])))
-                for f, c0, c1, b0, batch in pool.pieces:
+            for combiner, first_row, count, first_bound, n_bags, pieces in group_pools:
+                pools.append(update_tables.Pool(len(tables), first_row, count, first_bound,
+                                                n_bags, bags, int(Combiner[combiner.upper()])))
+                for f, c0, c1, b0, batch in pieces:
                     places.append((grad_at + (bags + b0) * width, f, c0, c1, batch))
                 bags += n_bags
                 ids += count
-            at, first_key = self._flat_blocks[ctx.group]
+            at, first_key = self._flat_blocks[group]
             tables.append(update_tables.Table(at, int(fused.weights.shape[0]), width, first_key,
                                               grad_at, bags, ids, hp[_rules.STEP_SIZE],
                                               rounding if stochastic else 0))
             grad_at += bags * width
         return _FlatPlan(tables, pools, places, counters, hp, grad_at)
 
-    def _flat_step(self, contexts, grads, stepped=None):
-        """The fused backward and optimizer step of the fused arrays of ``contexts`` (one
-        flat array's, pooled by its launch) in the launches of one ``fused_step``
-        (:mod:`hbkernels.cuda.update_tables`): the same results as a ``fused_step`` of
-        each. Each array's step count advances (taken back if the gradient's check
-        fails at the next wait), of those of ``stepped`` tables (None: all)."""
-        key, rows, bounds, psw = contexts[0].flat
+    def _flat_step(self, flat, members, grads, stepped=None):
+        """The fused backward and optimizer step of the fused arrays of ``members`` (one
+        flat array's, as :func:`_members` gives them, pooled by its launch, which wrote
+        ``flat``: ``(key, rows, bounds, weights or None)``) in the launches of one
+        ``fused_step`` (:mod:`hbkernels.cuda.update_tables`): the same results as a
+        ``fused_step`` of each. Each array's step count advances (taken back if the
+        gradient's check fails at the next wait), of those of ``stepped`` tables (None:
+        all)."""
+        key, rows, bounds, psw = flat
         space = self._family(key[0])
         xp = space.xp
-        plan = self._flat_plan(contexts, stepped)
+        plan = self._flat_plan(members, stepped)
         reserved = None if self._reserved is None else self._reserved.flats[key]
         if reserved is not None:  # the gradient copied into the reserved one, piece by piece
             grad = reserved.grad
@@ -1630,8 +1802,8 @@ class EmbeddingCollection:
                     block[given:] = 0
         elif plan.places:
             pieces = [_columns(grads[f], c0, c1) for _, f, c0, c1, _ in plan.places]
-            if len({p.shape[1] for p in pieces}) == 1:  # one width: joined by rows, viewed flat
-                grad = xp.concatenate(pieces).reshape(-1)
+            if len({p.shape[1] for p in pieces}) == 1:  # one width: joined by rows
+                grad = xp.concatenate(pieces)
             else:
                 grad = xp.concatenate([p.reshape(-1) for p in pieces])
             grad = grad.astype(np.float32, copy=False)
@@ -1668,7 +1840,7 @@ class EmbeddingCollection:
                          for counter in plan.counters]
             key = [(hp[_rules.STEP_SIZE], rounding) for hp, rounding in constants]
             if key != uploaded[0]:
-                upcoming = self._flat_plan(contexts, stepped)
+                upcoming = self._flat_plan(members, stepped)
                 kernels(space, "update_tables").upload_plan(space, reserved.step,
                                                             upcoming.tables, upcoming.pools)
                 uploaded[0] = key
@@ -1688,7 +1860,7 @@ class EmbeddingCollection:
     def _read_grads(self, grads, inputs):
         if not isinstance(grads, dict):
             raise TypeError(f"grads must be a dict feature -> [B, dim] array, got {type(grads).__name__}")
-        if set(grads) != set(inputs):
+        if grads.keys() != inputs.keys():
             raise ValueError(f"backward needs a gradient for exactly the features of the forward "
                              f"{sorted(inputs)}, got {sorted(grads)}")
         space = self._family(self.device)
@@ -1696,6 +1868,7 @@ class EmbeddingCollection:
         as_given = (bool(grads) and space.is_cuda
                     and cupy_family_of(*grads.values(), contiguous=True) is space)
         out = {}
+        read_nonfinite = self.optimizer.nonfinite == "raise" and not space.is_cuda
         for f, feature in inputs.items():
             g = grads[f]
             if isinstance(g, JaggedRows):
@@ -1707,12 +1880,13 @@ class EmbeddingCollection:
                     raise TypeError(f"grad of {f!r} is a {family.name} array; the collection "
                                     f"lives on {self.device}")
             dim = self.tables[feature.table].dim
-            if g.ndim != 2 or tuple(g.shape) != (feature.batch, dim):
+            if g.ndim != 2 or g.shape != (feature.batch, dim):
                 rows = "N" if feature.sequence_offsets is not None else "B"
                 raise ValueError(f"grad of {f!r} must be [{rows}, dim] = [{feature.batch}, {dim}], "
                                  f"got {tuple(g.shape)}")
-            check.floating(f"grad of {f!r}", g)
-            if self.optimizer.nonfinite == "raise" and not space.is_cuda:  # before any update
+            if g.dtype not in check.TABLE_DTYPES:
+                check.floating(f"grad of {f!r}", g)
+            if read_nonfinite:  # before any update
                 check.raise_nonfinite(f"grad of {f!r}",
                                       kernels(family, "sparse_update").first_nonfinite_row(family, g))
             out[f] = g
