@@ -57,6 +57,7 @@ def step_both(colls, batch, rng, flat=True, tolerance=1e-6):
     ``flat``: whether the CUDA collection's forward must take the flat path."""
     outs = {device: forward(coll, batch) for device, coll in colls.items()}
     assert (colls["cuda"]._saved.flat is not None) == flat
+    assert list(outs["cuda"]) == list(outs["cpu"])  # the collection's order of features
     for f in batch:
         np.testing.assert_allclose(host(outs["cuda"][f]), host(outs["cpu"][f]),
                                    rtol=10 * tolerance, atol=tolerance, err_msg=f)

@@ -417,9 +417,16 @@ def _arrays(tables, pools, acc, scaled, partial_rows, n):
     return keys, bag_of, coef, partials
 
 
-def _scaled(pools, psw):
-    """Whether the coefficients are written: weights, or a mean or sqrtn pool."""
-    return psw is not None or any(p.combiner != Combiner.SUM for p in pools)
+def _totals(pools, psw):
+    """``(positions, bags, scaled)`` of ``pools``: their counts, their bags, and whether the
+    coefficients are written (weights ``psw``, or a mean or sqrtn pool)."""
+    n = bags = 0
+    scaled = psw is not None
+    for p in pools:
+        n += p.count
+        bags += p.bags
+        scaled = scaled or p.combiner != Combiner.SUM
+    return n, bags, scaled
 
 
 def reserve(family, tables, pools, weights_dtype, weighted):
@@ -431,10 +438,9 @@ def reserve(family, tables, pools, weights_dtype, weighted):
     if any(not p.bags for p in pools):
         raise ValueError("a reserved update's pools each need at least one bag")
     plan, _, partial_rows = _plan(tables, pools, threads_per_block(), _segments.CHUNK)
-    n = sum(p.count for p in pools)
+    n, _, scaled = _totals(pools, None)
     acc = accumulator_dtype(weights_dtype)
-    keys, bag_of, coef, partials = _arrays(tables, pools, acc, weighted or _scaled(pools, None),
-                                           partial_rows, n)
+    keys, bag_of, coef, partials = _arrays(tables, pools, acc, weighted or scaled, partial_rows, n)
     last = tables[-1].key + tables[-1].rows
     return StepSpace(plan, family.kernel_array(family.put(plan)), keys, bag_of, coef, partials,
                      radix_sort.SortSpace(n, last, keys.dtype))
@@ -490,12 +496,7 @@ def update_tables(family, rule, weights, state1, state2, per_row, hp, tables, po
     element of the flat gradient (nothing is written then). ``into``:
     the :func:`reserve` d arrays of these tables and pools; ``upload=False``: the plan in
     ``into`` is left as it is (see :func:`upload_plan`)."""
-    n = bags = 0
-    scaled = psw is not None  # (as _scaled says)
-    for p in pools:
-        n += p.count
-        bags += p.bags
-        scaled = scaled or p.combiner != Combiner.SUM
+    n, bags, scaled = _totals(pools, psw)
     if not n:
         return
     tpb = threads_per_block()

@@ -219,7 +219,7 @@ class _FlatLayout(NamedTuple):
     out_size: int  # output elements
     bounds_size: int  # the pools' bounds
     width: int  # the one width of every output, else 0
-    outputs: list  # (feature, first output element, batch, dim)
+    outputs: list  # (feature, first output element, batch, dim), in the order of ``order``
     pools: list  # ((group, replicated), [(combiner, first segment, end segment, first bound,
     #              bags, pieces, weighted)])
 
@@ -237,6 +237,15 @@ class _FlatLayout(NamedTuple):
             columns += (firsts[k], counts[k], at, at - rows_at[pool_first])
             rows_at.append(at + counts[k])
         return columns, rows_at, firsts
+
+    def pooled(self, rows_at):
+        """``[((group, replicated), [(combiner, first row, values, first bound, bags, pieces,
+        weighted)])]``: each pair's pools in a call whose segments start at ``rows_at``
+        (:meth:`columns`)."""
+        return [(pair, [(combiner, rows_at[s0], rows_at[s1] - rows_at[s0], first_bound, bags,
+                         pieces, weighted)
+                        for combiner, s0, s1, first_bound, bags, pieces, weighted in pools])
+                for pair, pools in self.pools]
 
     def results(self, out):
         """``{feature: its [batch, dim] output}``: views of the launch's ``out``."""
@@ -923,8 +932,7 @@ class EmbeddingCollection:
                                                  space.zeros((offset,), np.int64), space.put(table))
         psw = space.full((value,), 1.0, np.float32) if weighted else None
         by_key = defaultdict(list)
-        for pair in ([(group, False) for group in self.layout.exchange_groups]
-                     + [(group, True) for group in self.layout.replica_groups]):
+        for pair in self._own_pairs():
             by_key[self._flat_of[pair[0]]].append(pair)
         flats = {key: self._reserve_flat(space, key, pairs, batch, caps, firsts, psw)
                  for key, pairs in by_key.items()}
@@ -1030,6 +1038,12 @@ class EmbeddingCollection:
             if self._unchecked is not None:  # a raise before any pooling launch
                 self._launch_check(space, joined)
 
+    def _own_pairs(self):
+        """``(group, replicated)`` of every group, sharded then replicated: what a rank
+        pools from its own rows at world size 1."""
+        return ([(group, False) for group in self.layout.exchange_groups]
+                + [(group, True) for group in self.layout.replica_groups])
+
     def _single_flat(self):
         """The key of the flat array whose one launch pools every table (world size 1, a
         GPU, every table static, unquantized, in the device's memory, pooled), else None."""
@@ -1084,7 +1098,7 @@ class EmbeddingCollection:
     def _door(self, space, features, batches):
         """The :class:`_Door` of :meth:`_forward_flat` for ``features`` (names, the
         lengths of their offsets ``batches``), made once per such signature; None where
-        :meth:`forward` reads them (a feature unknown or of no table, empty offsets)."""
+        :meth:`forward` reads them (an unknown feature, empty offsets)."""
         if any(f not in self.feature_table for f in features) or min(batches) < 1:
             return None
         given = {f: k for k, f in enumerate(features)}
@@ -1092,12 +1106,10 @@ class EmbeddingCollection:
         for f in sorted(features, key=self._feature_order.get):
             inputs[f] = _Feature(self.feature_table[f], None, None, None, batches[given[f]] - 1,
                                  None, None)
-        pairs = ([(group, False) for group in self.layout.exchange_groups]
-                 + [(group, True) for group in self.layout.replica_groups])
-        lay = self._flat_layout(space, self._flat_key, pairs, inputs, True)
-        if lay is None or len(lay.order) != len(features):
+        lay = self._flat_layout(space, self._flat_key, self._own_pairs(), inputs, True)
+        if lay is None or len(lay.outputs) != len(features):  # (each feature in the launch)
             return None
-        if len(self._doors) >= 64:  # (batch sizes that vary: the newest kept)
+        if len(self._doors) >= 64:  # (batch sizes that vary: at most 64, cleared when full)
             self._doors.clear()
         tables = [inputs[f].table for f in lay.order]
         limits = [self.tables[t].num_rows for t in tables]
@@ -1417,10 +1429,9 @@ class EmbeddingCollection:
             space, [inputs[lay.order[k]] for k in lay.segment_features])
         flat = (rows, bounds, psw)
         return {pair: LocalContext(pair[0], [
-            FlatPool(combiner, flat, (rows_at[s0], first_bound), rows_at[s1] - rows_at[s0], bags,
-                     pieces, weighted)
-            for combiner, s0, s1, first_bound, bags, pieces, weighted in pools], (key, *flat))
-            for pair, pools in lay.pools}
+            FlatPool(combiner, flat, (first_row, first_bound), count, bags, pieces, weighted)
+            for combiner, first_row, count, first_bound, bags, pieces, weighted in pools],
+            (key, *flat)) for pair, pools in lay.pooled(rows_at)}
 
     def _flat_layout(self, space, key, pairs, inputs, joined):
         """The :class:`_FlatLayout` of :meth:`_pool_flat`'s launch for ``pairs`` over the
@@ -1481,8 +1492,8 @@ class EmbeddingCollection:
         found = self._flat_layouts[signature] = _FlatLayout(
             order, [index[f] for f in features], [s[-1] for s in segments], launch, out_at,
             bound_at, dims.pop() if len(dims) == 1 else 0,
-            [(f, first, inputs[f].batch, self.tables[inputs[f].table].dim)
-             for f, first in outs.items()], pools_of)
+            [(f, outs[f], inputs[f].batch, self.tables[inputs[f].table].dim)
+             for f in order if f in outs], pools_of)
         return found
 
     def _flat_requests(self, space, group, replicated):
@@ -1641,7 +1652,7 @@ class EmbeddingCollection:
         fused_steps = {}  # group -> (its one pool, that pool's gradient): a fused backward and step
         flat_steps = defaultdict(list)  # flat array -> its groups' contexts: one fused step
         # a group pooled once (a fused array may hold a replicated table and a sharded one)
-        pooled_once = Counter(ctx.group for ctx in self._saved.locals)
+        pooled_once = Counter(ctx.group for ctx in self._saved.locals if ctx.pools)
         for ctx in self._saved.locals:
             if self.comm.world_size == 1 and ctx.flat is not None:
                 flat_steps[ctx.flat[0]].append(ctx)
@@ -1676,7 +1687,9 @@ class EmbeddingCollection:
         flat_groups = set()
         for contexts in flat_steps.values():
             with self._phase("kernels"):
-                self._flat_step(contexts[0].flat, _members(contexts), grads, stepped)
+                key = contexts[0].flat[0]
+                self._flat_step(contexts[0].flat, _members(contexts), grads, stepped,
+                                None if self._reserved is None else self._reserved.flats[key])
             for ctx in contexts:
                 flat_groups.add(ctx.group)
                 for pool in ctx.pools:  # (rows past a reserved pool's bags are -1)
@@ -1731,12 +1744,11 @@ class EmbeddingCollection:
         self._saved = None
         stepped = ({t for t, n in zip(call.door.tables, call.counts) if n}
                    if self.step_per_table else None)
-        rows_at = call.rows_at
-        members = [(pair[0], [(combiner, rows_at[s0], rows_at[s1] - rows_at[s0], bound, bags, pieces)
-                              for combiner, s0, s1, bound, bags, pieces, _ in pools])
-                   for pair, pools in call.door.lay.pools]
-        with self._phase("kernels"):
-            self._flat_step((self._flat_key, call.rows, call.bounds, None), members, grads, stepped)
+        members = [(pair[0], [p[:6] for p in pools])
+                   for pair, pools in call.door.lay.pooled(call.rows_at)]
+        with self._phase("kernels"):  # (no reservation: the forward took none)
+            self._flat_step((self._flat_key, call.rows, call.bounds, None), members, grads,
+                            stepped, None)
         if self._changed is not None:
             for group, pools in members:
                 for _, first, count, *_ in pools:
@@ -1779,19 +1791,19 @@ class EmbeddingCollection:
             grad_at += bags * width
         return _FlatPlan(tables, pools, places, counters, hp, grad_at)
 
-    def _flat_step(self, flat, members, grads, stepped=None):
+    def _flat_step(self, flat, members, grads, stepped, reserved):
         """The fused backward and optimizer step of the fused arrays of ``members`` (one
         flat array's, as :func:`_members` gives them, pooled by its launch, which wrote
         ``flat``: ``(key, rows, bounds, weights or None)``) in the launches of one
         ``fused_step`` (:mod:`hbkernels.cuda.update_tables`): the same results as a
         ``fused_step`` of each. Each array's step count advances (taken back if the
         gradient's check fails at the next wait), of those of ``stepped`` tables (None:
-        all)."""
+        all); ``reserved``: the flat array's part of the reservation the forward took, or
+        None."""
         key, rows, bounds, psw = flat
         space = self._family(key[0])
         xp = space.xp
         plan = self._flat_plan(members, stepped)
-        reserved = None if self._reserved is None else self._reserved.flats[key]
         if reserved is not None:  # the gradient copied into the reserved one, piece by piece
             grad = reserved.grad
             for start, f, c0, c1, batch in plan.places:
