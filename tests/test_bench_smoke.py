@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # the bench package lives at the repository root
     sys.path.insert(0, str(ROOT))
 
-from hbkernels.bench import anchors, common  # noqa: E402
+from hbkernels.bench import anchors, bounds, common  # noqa: E402
 
 SCRIPTS = ["embedding_bag", "embedding_bag_backward", "unique", "lookup", "segment_sum",
            "segment_reduce", "partition", "per_sample_weights_backward"]
@@ -115,7 +115,7 @@ def test_the_anchors_are_peers(tmp_path):
     rows = check_rows(smoke("embedding_bag", tmp_path / "eb.csv"), "embedding_bag")
     assert "fbgemm-tbe" in {r["provider"] for r in rows}
     rows = check_rows(smoke("fused_step", tmp_path / "fs.csv"), "fused_step")
-    assert {r["provider"] for r in rows} == {"hbkernels", "fbgemm-tbe"}
+    assert {r["provider"] for r in rows} == {"hbkernels", "fbgemm-tbe", bounds.BOUND}
     assert {r["mode"] for r in rows} == set(anchors.TBE_RULES)
 
 
@@ -155,6 +155,49 @@ def test_zipf_ids_are_skewed_scattered_and_reproducible():
     assert 0.4 < counts[hottest[1]] / counts[hottest[0]] < 0.53
     # the hot rows are spread over the table, not packed at its start
     assert np.median(hottest[:100]) > 1000
+
+
+def test_zipf_ids_ranked_and_uniform():
+    """Ranked: the same popularity law with rank k at row k - 1 (hot rows at the table's
+    start); uniform: every row alike."""
+    scattered = common.zipf_ids(200_000, 10_000, 1.1, seed=3)
+    ranked = common.zipf_ids(200_000, 10_000, 1.1, seed=3, layout="ranked")
+    np.testing.assert_array_equal(np.sort(np.bincount(ranked, minlength=10_000)),
+                                  np.sort(np.bincount(scattered, minlength=10_000)))
+    counts = np.bincount(ranked, minlength=10_000)
+    assert (np.diff(counts[:20]) <= 0).all() and counts[0] / ranked.size > 0.13
+    uniform = np.bincount(common.zipf_ids(200_000, 10_000, 1.1, seed=3, layout="uniform"),
+                          minlength=10_000)
+    assert uniform.max() < 60 and uniform.min() > 0  # 20 a row expected
+    with pytest.raises(ValueError, match="layout must be one of"):
+        common.zipf_ids(10, 10, 1.1, layout="sorted")
+
+
+@pytest.mark.parametrize("name", ["embedding_bag", "embedding_bag_backward", "fused_step"])
+def test_training_path_benchmarks_cover_the_id_layouts(name, tmp_path):
+    """Every id layout, each case with its gather-scatter bound beside it."""
+    if name == "fused_step" and not HAVE_TBE:
+        pytest.skip("FBGEMM's TBE (fbgemm-gpu-cpu) is not installed")
+    rows = [r for r in smoke(name, tmp_path / "bench.csv") if r["op"] == name]
+    sizes = {r["size"] for r in rows}
+    for layout in common.LAYOUTS:
+        mine = {r["provider"] for r in rows if f"layout={layout}" in r["size"]}
+        assert {"hbkernels", bounds.BOUND} <= mine, (layout, mine)
+    assert all(any(r["provider"] == bounds.BOUND and r["size"] == size and r["mode"] == mode
+                   for r in rows) for size, mode in {(r["size"], r["mode"]) for r in rows
+                                                     if r["mode"] != "fwd+bwd+adagrad"}), sizes
+
+
+def test_gather_scatter_reads_each_row_once_and_keeps_the_table():
+    w = np.arange(24, dtype=np.float32).reshape(6, 4)
+    ids = np.array([5, 0, 5, 2, 0])
+    reads = bounds.gather_scatter(step=False)
+    a = reads.prepare({"w": w, "ids": ids})
+    assert a["rows"].tolist() == [5, 0, 2]  # the order the ids first name them
+    np.testing.assert_array_equal(reads.run(a), w[[5, 0, 2]].sum(axis=1))
+    step = bounds.gather_scatter()
+    step.run(step.prepare({"w": w, "ids": ids}))
+    np.testing.assert_array_equal(w, np.arange(24, dtype=np.float32).reshape(6, 4))
 
 
 def test_reduceat_peer_handles_empty_segments():

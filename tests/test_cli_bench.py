@@ -119,7 +119,7 @@ def test_unknown_op_is_a_clear_error(tmp_path):
 
 @pytest.mark.parametrize("providers, ops, expected", [
     ("bogus", "embedding_bag", "unknown provider bogus; choose from "
-     "hbkernels, hbkernels-unchecked, numpy, torch, fbgemm-tbe (what the ops chosen time on cpu)"),
+     "hbkernels, hbkernels-unchecked, numpy, torch, fbgemm-tbe, gather-scatter (what the ops chosen time on cpu)"),
     ("torch,cupy,nope", "lookup,unique", "unknown providers cupy, nope; choose from hbkernels, "
      "hbkernels-unchecked, numpy, torch, hbkernels-sorted (what the ops chosen time on cpu)"),
     ("torch", "hash_table", "--providers does not apply to hash_table: it times every provider"),

@@ -7,8 +7,13 @@ bf16; then fp32 at every D in {16, 64, 128} and L in {1, 32}, with the table
 on a cache line (as torch's tensors and hbk.aligned_empty) and 16 bytes past
 one (as a plain large NumPy array: "plain"); then D=64, L=32 at E=1e5 and 1e7,
 and at B=65536 (cost against E and against the work B*L*D); last, D=64 and 128,
-L=32 with uniform ids ("zipf=0.0") over 1e7 and 5e6 rows of a plain table:
-nearly every row comes from DRAM (the random-row limit of the memory).
+L=32 with uniform ids over 1e7 and 5e6 rows of a plain table: nearly every row comes
+from DRAM (the random-row limit of the memory); then, sum at every D with L=32, the
+other id layouts (``layout=`` in the size column, :func:`.common.zipf_ids`): Zipf(1.1)
+and Zipf(1.05) ranked by frequency (hot rows packed at the table's start) and uniform
+over 1e6 rows. The L=32 cases on a cache line also time ``gather-scatter``
+(:mod:`.bounds`, each distinct row the ids name read once): the least memory traffic of
+the layout.
 GPU: E=1e7, D=128, B=65536, L=32, Zipf(1.05), fp32, fp16 and bf16 (CuPy >= 14).
 Results are checked against the NumPy (CuPy) gather + fp32 reduction first.
 GB/s counts rows read (B*L*D*itemsize) + ids and offsets read + output written.
@@ -17,7 +22,8 @@ GB/s counts rows read (B*L*D*itemsize) + ids and offsets read + output written.
 """
 import hbkernels as hbk
 from .anchors import fbgemm_tbe, tbe_table
-from .common import HBK, Provider, cli_main
+from .bounds import gather_scatter
+from .common import HBK, LAYOUTS, Provider, bags_size, cli_main
 
 OP = "embedding_bag"
 MODES = ("sum", "mean")
@@ -27,7 +33,8 @@ TOLERANCE = {"float32": (1e-5, 1e-4), "float16": (1e-2, 1e-2), "bfloat16": (2e-2
 
 def configs(ctx):
     if ctx.smoke:
-        return [dict(E=1000, D=8, B=64, L=4, alpha=1.1, dtypes=("float32",))]
+        return [dict(E=1000, D=8, B=64, L=4, alpha=1.1, dtypes=("float32",), layout=layout)
+                for layout in LAYOUTS]
     if ctx.is_cuda:
         return [dict(E=10**7, D=128, B=65536, L=32, alpha=1.05, dtypes=DTYPES)]
     return [dict(E=10**6, D=64, B=16384, L=32, alpha=1.1, dtypes=DTYPES)] + [
@@ -35,8 +42,13 @@ def configs(ctx):
         for dim in (16, 64, 128) for bag in (1, 32) for line in (0, 16)] + [
         dict(E=rows, D=64, B=bags, L=32, alpha=1.1, dtypes=("float32",))   # cost vs E and B
         for rows, bags in ((10**5, 16384), (10**7, 16384), (10**6, 65536))] + [
-        dict(E=rows, D=dim, B=16384, L=32, alpha=0.0, dtypes=("float32",), line_offset=16)
-        for rows, dim in ((10**7, 64), (5 * 10**6, 128))]  # uniform ids: every row from DRAM
+        dict(E=rows, D=dim, B=16384, L=32, alpha=0.0, dtypes=("float32",), line_offset=16,
+             layout="uniform")
+        for rows, dim in ((10**7, 64), (5 * 10**6, 128))] + [  # every row from DRAM
+        dict(E=10**6, D=dim, B=16384, L=32, alpha=alpha, dtypes=("float32",), modes=("sum",),
+             layout=layout)
+        for dim in (16, 64, 128)
+        for layout, alpha in (("ranked", 1.1), ("ranked", 1.05), ("uniform", 0.0))]
 
 
 def tbe_provider(ctx, mode):
@@ -72,8 +84,11 @@ def run(ctx):
     for cfg in configs(ctx):
         E, D, B, L = cfg["E"], cfg["D"], cfg["B"], cfg["L"]
         ids, offsets = ctx.fixed_bags(cfg)
-        size = f"E={E} D={D} B={B} L={L} zipf={cfg['alpha']}"
+        size = bags_size(cfg)
         line_offset = cfg.get("line_offset", 0)
+        # the memory traffic of the layout, beside the L=32 cases on a cache line (CPU)
+        bounded = not ctx.is_cuda and not line_offset and (L == 32 or ctx.smoke)
+        bounds = [gather_scatter(step=False)] if bounded else []
         if line_offset:
             size += f" plain (line+{line_offset}B)"
         for dtype in cfg["dtypes"]:
@@ -85,7 +100,7 @@ def run(ctx):
             item = w.dtype.itemsize
             nbytes = B * L * D * item + ids.nbytes + offsets.nbytes + B * D * item
             rtol, atol = TOLERANCE[dtype]
-            for mode in MODES:
+            for mode in cfg.get("modes", MODES):
                 providers = [
                     Provider(HBK, lambda a, m=mode: hbk.embedding_bag(
                         a["w"], a["ids"], a["offsets"], combiner=m)),
@@ -98,8 +113,8 @@ def run(ctx):
                     tbe_provider(ctx, mode) if dtype == "float32" else None,
                 ]
                 ctx.compare(OP, mode, size, dtype, {"w": w, "ids": ids, "offsets": offsets},
-                            providers, nbytes=nbytes,
-                            rtol=rtol, atol=atol)
+                            providers, nbytes=nbytes, rtol=rtol, atol=atol,
+                            bounds=bounds if dtype == "float32" else [])
             del w
             ctx.release()
     report_ratios(ctx)

@@ -9,7 +9,12 @@ so every provider is timed over the whole step (mode ``fwd+bwd+adagrad``); the
 ``bwd+adagrad`` rows time hbk's backward and update alone, against the plain
 array-library path (``unique`` + scatter-add + the Adagrad formula in NumPy/CuPy).
 
-CPU: E=1e6 rows, D=64, B=16384 bags of L=32 Zipf(1.1) ids, fp32.
+CPU: E=1e6 rows, B=16384 bags of L=32 ids, fp32, ``bwd+adagrad`` at D in {16, 64, 128} in
+each id layout (``layout=`` in the size column, :func:`.common.zipf_ids`): Zipf(1.1)
+scattered over the table, Zipf(1.1) and Zipf(1.05) ranked by frequency (hot rows packed at
+the table's start), uniform; ``fwd+bwd+adagrad`` at D=64 with scattered ids. Each
+``bwd+adagrad`` case also times ``gather-scatter`` (:mod:`.bounds`): each distinct row its
+ids name read and written once, the least memory traffic of the layout.
 GPU: E=1e7, D=128, B=65536, L=32, Zipf(1.05), fp32.
 GB/s counts the bytes the backward + update must move: grad_out read, the
 touched rows read and written, their Adagrad state read and written, ids and
@@ -22,7 +27,8 @@ the check compares the tables after one step.
 """
 
 import hbkernels as hbk
-from .common import HBK, Provider, cli_main
+from .bounds import gather_scatter
+from .common import HBK, LAYOUTS, Provider, bags_size, cli_main
 
 OP = "embedding_bag_backward"
 LR = 0.05
@@ -30,10 +36,14 @@ LR = 0.05
 
 def configs(ctx):
     if ctx.smoke:
-        return [dict(E=1000, D=8, B=64, L=4, alpha=1.1)]
+        return [dict(E=1000, D=8, B=64, L=4, alpha=1.1, layout=layout, step=layout == "scattered",
+                     bound=True) for layout in LAYOUTS]
     if ctx.is_cuda:
-        return [dict(E=10**7, D=128, B=65536, L=32, alpha=1.05)]
-    return [dict(E=10**6, D=64, B=16384, L=32, alpha=1.1)]
+        return [dict(E=10**7, D=128, B=65536, L=32, alpha=1.05, step=True, bound=False)]
+    layouts = (("scattered", 1.1), ("ranked", 1.1), ("ranked", 1.05), ("uniform", 0.0))
+    return [dict(E=10**6, D=dim, B=16384, L=32, alpha=alpha, layout=layout, bound=True,
+                 step=(dim, layout) == (64, "scattered"))  # (torch's step: this case alone)
+            for dim in (16, 64, 128) for layout, alpha in layouts]
 
 
 def hbk_provider(ctx, name, *, fused, forward=True, optimizer=None):
@@ -111,12 +121,12 @@ def run(ctx):
         grad = ctx.random_table(B, D, "float32", seed_offset=1)
         row = D * 4
         nbytes = grad.nbytes + 2 * touched * row + 2 * touched * row + ids.nbytes + offsets.nbytes
-        size = f"E={E} D={D} B={B} L={L} zipf={cfg['alpha']} touched={touched}"
+        size = f"{bags_size(cfg)} touched={touched}"
         inputs = {"w": w, "ids": ids, "offsets": offsets, "grad": grad}
-        peer = torch_provider(ctx)
-        if peer is None:
+        peer = torch_provider(ctx) if cfg["step"] else None
+        if peer is None and cfg["step"]:
             ctx.note("torch is not installed (or disabled): the fwd+bwd+adagrad step is skipped")
-        else:
+        elif peer is not None:
             ctx.compare(OP, "fwd+bwd+adagrad", size, "float32", inputs, [
                 hbk_provider(ctx, HBK, fused=False),
                 hbk_provider(ctx, HBK + "-fused", fused=True),
@@ -126,7 +136,8 @@ def run(ctx):
             hbk_provider(ctx, HBK, fused=False, forward=False),
             hbk_provider(ctx, HBK + "-fused", fused=True, forward=False),
             array_provider(ctx, B, L),
-        ], nbytes=nbytes, rtol=1e-4, atol=1e-5)
+        ], nbytes=nbytes, rtol=1e-4, atol=1e-5,
+            bounds=[gather_scatter()] if cfg["bound"] and not ctx.is_cuda else [])
         del w, grad, ids, offsets
         ctx.release()
 

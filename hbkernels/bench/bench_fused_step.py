@@ -4,12 +4,16 @@ optimizer update) in hbkernels (``hbk.embedding_bag`` then
 output, which applies TBE's fused optimizer), for every rule both run on the
 CPU: SGD, Adagrad and row-wise Adagrad (:data:`.anchors.TBE_RULES`).
 
-CPU: E=1e6 rows, B=16384 bags of L=32 Zipf(1.1) ids, fp32, D in {16, 64, 128},
-the table on a cache line (hbkernels' own tables, as TBE's) and 16 bytes past
-one ("plain", as a large NumPy array). Each provider steps its own copy of the
-table from the same start; the rows of the first 512 distinct ids after the
-first step are checked against TBE's before anything is timed. Without TBE
-the benchmark notes it and records nothing.
+CPU: E=1e6 rows, B=16384 bags of L=32 ids, fp32, D in {16, 64, 128}, in each id
+layout (``layout=`` in the size column, :func:`.common.zipf_ids`): Zipf(1.1) ids
+scattered over the table (on a cache line, hbkernels' own tables and TBE's, and 16
+bytes past one, "plain", as a large NumPy array); Zipf(1.1) and Zipf(1.05) ranked by
+frequency (hot rows packed at the table's start); uniform. Each case also times
+``gather-scatter`` (:mod:`.bounds`): each distinct row its ids name read and written
+once, the least memory traffic of that layout. Each provider steps its own
+copy of the table from the same start; the rows of the first 512 distinct ids after
+the first step are checked against TBE's before anything is timed. Without TBE the
+benchmark notes it and records nothing.
 
     python3 -m hbkernels.bench.bench_fused_step --device cpu
 """
@@ -17,7 +21,8 @@ import numpy as np
 
 import hbkernels as hbk
 from .anchors import TBE_RULES, fbgemm_tbe, tbe_table, tbe_weights
-from .common import HBK, Provider, cli_main, placed_empty
+from .bounds import gather_scatter
+from .common import HBK, LAYOUTS, Provider, bags_size, cli_main, placed_empty
 
 OP = "fused_step"
 LR, EPS = 0.01, 1e-8
@@ -26,9 +31,12 @@ CHECKED_IDS = 512
 
 def configs(ctx):
     if ctx.smoke:
-        return [dict(E=1000, D=8, B=64, L=4, alpha=1.1, line_offset=0)]
-    return [dict(E=10**6, D=dim, B=16384, L=32, alpha=1.1, line_offset=line)
-            for dim in (16, 64, 128) for line in (0, 16)]
+        return [dict(E=1000, D=8, B=64, L=4, alpha=1.1, line_offset=0, layout=layout)
+                for layout in LAYOUTS]
+    layouts = [("scattered", 1.1, 0), ("scattered", 1.1, 16), ("ranked", 1.1, 0),
+               ("ranked", 1.05, 0), ("uniform", 0.0, 0)]
+    return [dict(E=10**6, D=dim, B=16384, L=32, alpha=alpha, line_offset=line, layout=layout)
+            for dim in (16, 64, 128) for layout, alpha, line in layouts]
 
 
 def optimizer(name):
@@ -78,7 +86,7 @@ def run(ctx):
         grad = rng.standard_normal((B, D), dtype=np.float32)
         table = ctx.random_table(E, D, "float32")
         checked = hbk.unique(ids)[:CHECKED_IDS]
-        size = f"E={E} D={D} B={B} L={L} zipf={cfg['alpha']}"
+        size = bags_size(cfg)
         if cfg["line_offset"]:
             size += f" plain (line+{cfg['line_offset']}B)"
         nbytes = B * L * D * 4 * 2 + ids.nbytes + offsets.nbytes + 2 * B * D * 4
@@ -87,7 +95,7 @@ def run(ctx):
             ctx.compare(OP, name, size, "float32",
                         {"w": table, "ids": ids, "offsets": offsets, "grad": grad},
                         providers, nbytes=nbytes, canon=lambda w: (w[checked],),
-                        rtol=1e-5, atol=1e-6)
+                        rtol=1e-5, atol=1e-6, bounds=[gather_scatter()])
         del table
         ctx.release()
 

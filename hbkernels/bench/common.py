@@ -69,20 +69,38 @@ def zipf_cdf(num_rows, alpha):
     return cdf
 
 
-def zipf_ids(n, num_rows, alpha, *, seed=0, xp=np, dtype=np.int64):
+#: where an id space's rows lie by popularity (:func:`layout_ids`)
+LAYOUTS = ("scattered", "ranked", "uniform")
+
+
+def zipf_ids(n, num_rows, alpha, *, seed=0, xp=np, dtype=np.int64, layout="scattered"):
     """``n`` ids in ``[0, num_rows)`` whose popularity ranks follow Zipf(alpha).
 
     Ranks come from the inverse CDF of the bounded law (no rejection, no
-    modulo folding); rank r then maps to row ``perm[r]`` through one fixed
-    random permutation, so the hot rows are scattered across the table as in
-    real id spaces, not packed at its start. The same ``seed`` gives the same
-    ids with NumPy and CuPy (``xp``); the search runs on ``xp``'s device.
+    modulo folding). ``layout`` (:data:`LAYOUTS`): ``"scattered"``, rank r maps
+    to row ``perm[r]`` through one fixed random permutation, so the hot rows are
+    spread across the table as in a hashed id space; ``"ranked"``, rank r is row
+    r, the hot rows packed at the table's start as a vocabulary numbered by
+    frequency gives; ``"uniform"``, every row alike (``alpha`` is not used). The
+    same ``seed`` gives the same ids with NumPy and CuPy (``xp``); the search
+    runs on ``xp``'s device.
     """
-    cdf = xp.asarray(zipf_cdf(num_rows, alpha))
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    cdf = xp.asarray(zipf_cdf(num_rows, 0.0 if layout == "uniform" else alpha))
     u = xp.asarray(np.random.default_rng(seed).random(n))
     ranks = xp.minimum(xp.searchsorted(cdf, u, side="right"), num_rows - 1)
+    if layout != "scattered":
+        return ranks.astype(dtype)
     perm = xp.asarray(np.random.default_rng(PERMUTATION_SEED).permutation(num_rows))
     return perm[ranks].astype(dtype)
+
+
+def bags_size(cfg):
+    """The size column of bags of ``cfg`` (:meth:`Context.fixed_bags`)."""
+    layout = cfg.get("layout", "scattered")
+    skew = "" if layout == "uniform" else f" zipf={cfg['alpha']}"
+    return f"E={cfg['E']} D={cfg['D']} B={cfg['B']} L={cfg['L']}{skew} layout={layout}"
 
 
 def float_dtype(name):
@@ -315,8 +333,9 @@ class Context:
 
     def fixed_bags(self, cfg):
         """``(ids, offsets)``: ``cfg``'s ``B`` bags of ``L`` Zipf(``alpha``) ids over ``E``
-        rows, on this device."""
-        ids = self.zipf_ids(cfg["B"] * cfg["L"], cfg["E"], cfg["alpha"])
+        rows in its ``layout`` (:data:`LAYOUTS`; default scattered), on this device."""
+        ids = zipf_ids(cfg["B"] * cfg["L"], cfg["E"], cfg["alpha"], seed=self.seed, xp=self.xp,
+                       layout=cfg.get("layout", "scattered"))
         return ids, self.xp.arange(cfg["B"] + 1, dtype=self.xp.int64) * cfg["L"]
 
     def random_table(self, num_rows, dim, dtype, seed_offset=0, line_offset=0):
@@ -478,7 +497,7 @@ class Context:
 
     # -- one case: verify, then time every provider -------------------------------
     def compare(self, op, mode, size, dtype, inputs, providers, *, nbytes,
-                canon=as_arrays, rtol=0.0, atol=0.0, reference=()):
+                canon=as_arrays, rtol=0.0, atol=0.0, reference=(), bounds=()):
         """Verify every provider against a peer, then time and record each.
 
         ``providers[0]`` is hbkernels; ``None`` entries (peers not available)
@@ -487,7 +506,9 @@ class Context:
         arrays that must agree across providers (e.g. sorted for unique).
         Each row's speedup is against the fastest peer timed in this case, or
         the fastest of ``reference`` when given (e.g. hbkernels itself, for the
-        overhead of a front end).
+        overhead of a front end). ``bounds``: providers timed with the others
+        and not verified (what the machine's memory allows the case, e.g.
+        :func:`gather_scatter`), a row each.
         """
         providers = [p for p in providers if p is not None]
         if not providers or providers[0].name != HBK:
@@ -520,8 +541,12 @@ class Context:
             self.note(f"{op}: none of --providers {', '.join(sorted(self.only))} runs here "
                       f"(it has {', '.join(p.name for p in providers)}): nothing timed")
         moved = nbytes(hbk_result) if callable(nbytes) else nbytes
-        timings = self.measure_together([(p.run, prepared[p.name], p.block) for p in timed])
-        for p, timing in zip(timed, timings):
+        timed_bounds = [b for b in bounds if self.selected(b.name)]
+        for b in timed_bounds:
+            prepared[b.name] = [b.prepare(c) if b.prepare else c for c in copies]
+        timings = self.measure_together([(p.run, prepared[p.name], p.block)
+                                         for p in timed + timed_bounds])
+        for p, timing in zip(timed + timed_bounds, timings):
             self.record(op, p.name, mode, size, dtype, timing, moved,
                         reference=tuple(reference) or tuple(p.name for p in peers))
         del prepared, copies

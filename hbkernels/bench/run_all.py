@@ -28,6 +28,7 @@ from . import (
     bench_train,
     bench_unique,
 )
+from .bounds import BOUND
 from .common import HBK, Context, parser
 
 BENCHMARKS = {
@@ -55,9 +56,9 @@ ARRAYS = "<arrays>"
 #: the providers each op that honours ``--providers`` can time (hash_table, host_per_call
 #: and checkpoint time all theirs)
 PROVIDERS = {
-    "embedding_bag": (HBK, HBK + "-unchecked", ARRAYS, "torch", "fbgemm-tbe"),
-    "embedding_bag_backward": (HBK, HBK + "-fused", ARRAYS, "torch"),
-    "fused_step": (HBK, "fbgemm-tbe"),
+    "embedding_bag": (HBK, HBK + "-unchecked", ARRAYS, "torch", "fbgemm-tbe", BOUND),
+    "embedding_bag_backward": (HBK, HBK + "-fused", ARRAYS, "torch", BOUND),
+    "fused_step": (HBK, "fbgemm-tbe", BOUND),
     "lookup": (HBK, HBK + "-unchecked", ARRAYS, "torch"),
     "unique": (HBK, HBK + "-sorted", ARRAYS, "torch"),
     "segment_sum": (HBK, HBK + "-unchecked", ARRAYS, "torch", "jax"),
