@@ -69,7 +69,7 @@ def zipf_cdf(num_rows, alpha):
     return cdf
 
 
-#: where an id space's rows lie by popularity (:func:`layout_ids`)
+#: where an id space's rows lie by popularity (:func:`zipf_ids`)
 LAYOUTS = ("scattered", "ranked", "uniform")
 
 
@@ -508,7 +508,7 @@ class Context:
         the fastest of ``reference`` when given (e.g. hbkernels itself, for the
         overhead of a front end). ``bounds``: providers timed with the others
         and not verified (what the machine's memory allows the case, e.g.
-        :func:`gather_scatter`), a row each.
+        :func:`.bounds.gather_scatter`), a row each.
         """
         providers = [p for p in providers if p is not None]
         if not providers or providers[0].name != HBK:
