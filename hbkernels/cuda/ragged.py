@@ -113,23 +113,26 @@ def table_positions(count):
     return np.arange(1, count + 1), np.arange(3 * count + 2, 4 * count + 2)
 
 
-def join_features(family, values, offsets, limits, table=None):
+def join_arrays(family, values, offsets, table):
+    """The :class:`Staged` of features' ``values`` and ``offsets`` joined on the device (int64,
+    one feature's after another) with ``table``, their table as :func:`features_table` makes
+    it."""
+    xp = family.xp
+    return Staged(xp.concatenate(values, dtype=np.int64), xp.concatenate(offsets, dtype=np.int64),
+                  table)
+
+
+def join_features(family, values, offsets, limits):
     """The :class:`Staged` of features' inputs (``values[k]``, ``offsets[k]``, ids checked
     against ``limits[k]`` rows, None: not checked) joined on the device, one feature's
-    after another, its ``table`` on the host (NumPy; ``table``: the caller's, made as
-    :func:`features_table` makes it) for the caller to copy (it may copy more after it:
-    the check reads the table's first entries only)."""
-    xp = family.xp
-    if table is not None:
-        return Staged(xp.concatenate(values, dtype=np.int64),
-                      xp.concatenate(offsets, dtype=np.int64), table)
+    after another (:func:`join_arrays`), its ``table`` on the host (NumPy) for the caller to
+    copy (it may copy more after it: the check reads the table's first entries only)."""
     value, bag, counts = [0], [0], []
     for k in range(len(values)):
         counts.append(values[k].shape[0])
         value.append(value[-1] + counts[k])
         bag.append(bag[-1] + offsets[k].shape[0] - 1)
-    return Staged(xp.concatenate(values, dtype=np.int64), xp.concatenate(offsets, dtype=np.int64),
-                  features_table(value, bag, limits, counts))
+    return join_arrays(family, values, offsets, features_table(value, bag, limits, counts))
 
 
 def check_features(family, features, values, offsets, limits, staged=None, padded=False):

@@ -1051,8 +1051,7 @@ class EmbeddingCollection:
                 or not self._family(self.device).is_cuda
                 or any(spec.combiner is None for spec in self.tables.values())):
             return None
-        keys = {self._flat_of.get(group)
-                for group in (*self.layout.exchange_groups, *self.layout.replica_groups)}
+        keys = {self._flat_of.get(group) for group, _ in self._own_pairs()}
         return keys.pop() if len(keys) == 1 and None not in keys else None
 
     def _forward_flat(self, features):
@@ -1086,7 +1085,7 @@ class EmbeddingCollection:
         ragged = kernels(space, "ragged")
         with self._phase("kernels"):
             device = space.put(host)
-            joined = ragged.join_features(space, values, offsets, door.limits, table=device)
+            joined = ragged.join_arrays(space, values, offsets, device)
             ragged.check_features(space, door.order, values, offsets, door.limits, staged=joined)
             out, rows, bounds = kernels(space, "pool_tables").pool_tables(
                 space, self.flats[self._flat_key], None, joined.values, joined.offsets, None,
