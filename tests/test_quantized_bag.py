@@ -21,7 +21,8 @@ def quantized(backend, rng, rows, dim, bits):
 
 def float32_slack(q, backend, table, values, offsets, combiner, psw):
     """What float32 sums may differ by, in any order: 2^-18 of the magnitudes of a bag's
-    terms (scale·code and bias apart), up to 64 terms a bag, times the combiner's factor."""
+    terms (scale·code and bias apart), up to 64 terms a bag, times the combiner's factor;
+    for "mean", also the error of the weights' own sum, relative to that sum."""
     bias = backend.get(q.bias).astype(np.float64)[:, None]
     terms = np.abs(table - bias) + np.abs(bias)
     weights = np.ones(values.shape[0]) if psw is None else psw.astype(np.float64)
@@ -31,7 +32,12 @@ def float32_slack(q, backend, table, values, offsets, combiner, psw):
     with np.errstate(divide="ignore"):
         factor = {"sum": np.ones_like(sums), "mean": 1 / np.abs(sums),
                   "sqrtn": 1 / np.sqrt(squares)}[combiner]
-    return 2**-18 * magnitude * np.where(np.isfinite(factor), factor, 0) + 1e-7
+    factor = np.where(np.isfinite(factor), factor, 0)
+    # "mean" divides by the float32 sum of the weights, whose own error grows as they cancel
+    absolute = np.add.reduceat(np.append(np.abs(weights), 0), offsets[:-1])[:, None]
+    result = magnitude * factor
+    cancelled = result * absolute * factor if combiner == "mean" else 0
+    return 2**-18 * (result + cancelled) + 1e-7
 
 
 @pytest.mark.parametrize("bits", BITS)
