@@ -466,10 +466,15 @@ def _describe(fam):
 def kernels(family, op):
     """The module holding ``op``'s kernels for ``family``'s backend (on the CPU,
     with Numba's thread pool started: :func:`hbkernels.threads.start_numba_pool`)."""
+    module = _KERNELS.get((family.kernels, op))
+    if module is not None:
+        return module
     if not family.is_cuda:
         start_numba_pool()
-    elif "numba.cuda" not in sys.modules:
+    else:
         numba_cuda()  # a clear error when numba-cuda cannot be imported
-    name = f"{family.kernels}.{op}"
-    module = sys.modules.get(name)  # a dict lookup: import_module takes the import lock
-    return module if module is not None else importlib.import_module(name)
+    module = _KERNELS[(family.kernels, op)] = importlib.import_module(f"{family.kernels}.{op}")
+    return module
+
+
+_KERNELS = {}  # (family.kernels, op) -> its module, imported (what kernels returns)

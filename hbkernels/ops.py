@@ -428,7 +428,11 @@ def embedding_bag_backward(
     family, psw = None, None
     if per_sample_weights is None:  # CuPy inputs as they are, where resolve would take them
         family = _plain_inputs(grad_out, values, offsets)
-    if family is None or family is NUMPY:  # (NumPy's gradient rows are made C-contiguous)
+        if family is not None and (values.ndim != 1 or offsets.ndim != 1 or offsets.shape[0] < 1
+                                   or grad_out.shape[0] != offsets.shape[0] - 1):
+            family = None
+    general = family is None or family is NUMPY  # (NumPy's gradient rows made C-contiguous)
+    if general:
         family, a = resolve(
             ("per_sample_weights",), grad_out=grad_out, values=values, offsets=offsets,
             per_sample_weights=per_sample_weights,
@@ -437,10 +441,9 @@ def embedding_bag_backward(
             a["grad_out"], a["values"], a["offsets"], a["per_sample_weights"]
         )
     num_rows = check.count("num_rows", num_rows)
-    check.ids("values", values, ndim=1)
-    check.offsets(offsets)
-    check.per_sample_weights(psw, values)
-    check.grad_out(grad_out, offsets.shape[0] - 1)
+    if general:
+        _check_bags(values, offsets, psw)
+        check.grad_out(grad_out, offsets.shape[0] - 1)
     mode = check.choice("bounds", bounds, check.BOUNDS)
     comb = check.choice("combiner", combiner, check.COMBINERS)
     ids, rows, bad_offset, bad_id = kernels(family, "embedding_bag_backward").embedding_bag_backward(

@@ -328,4 +328,4 @@ BACKWARD = COMPARE + textwrap.dedent("""
 def test_the_backward_takes_cupy_inputs_as_they_are_only_where_resolve_would():
     rows, out = agreeing(BACKWARD, 8)
     assert {name for name, path, _ in rows if path == "fast"} == {
-        "plain", "int32 values", "fp16 grad", "grad of 3 bags"}, out
+        "plain", "int32 values", "fp16 grad"}, out

@@ -167,8 +167,13 @@ def flush(wait=False):
 def after_wait():
     """:func:`flush` when there is anything to read or raise (the caller has just waited
     for the device): what :func:`._device.to_host` and the CUDA families' reads call."""
-    if _FOUND or any(ledger.calls for ledger in _LEDGERS.values()):
+    if _FOUND:
         flush()
+        return
+    for ledger in _LEDGERS.values():
+        if ledger.calls:
+            flush()
+            return
 
 
 _device.AFTER_WAIT.append(after_wait)
