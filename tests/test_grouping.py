@@ -60,7 +60,9 @@ def check(values, offsets, weights=None, combiner=Combiner.SUM, num_rows=None, s
     num_rows = num_rows if num_rows is not None else int(values.max(initial=0)) + 1
     g = group_occurrences(values, offsets, weights, combiner, num_rows, skip_bad, np.float32)
     expected = numpy_grouping(values, offsets, weights, combiner, num_rows, skip_bad)
-    assert g.ids.dtype == values.dtype and g.parts.bag.dtype == np.int32
+    # kept ids (all in range when bad ones are dropped) in int32 where they fit
+    want_ids = np.int32 if skip_bad and num_rows <= 2**31 else values.dtype
+    assert g.ids.dtype == g.parts.ids.dtype == want_ids and g.parts.bag.dtype == np.int32
     assert g.parts.count >= 2 ** grouping.MIN_PARTITION_BITS
     unit = combiner == Combiner.SUM and weights is None
     assert (g.parts.coef.shape[0] == 0) == unit, "coefficients are left out exactly when all are 1"
@@ -106,6 +108,12 @@ def test_without_skipping_bad_ids_they_are_grouped_too():
     values = np.array([5, -3, 5, 10**12], np.int64)
     g = check(values, np.array([0, 2, 4]), num_rows=6, skip_bad=False)
     assert sorted(as_groups(g)) == [-3, 5, 10**12]
+
+
+def test_ids_past_int32_in_a_table_that_large():
+    values = np.array([2**40 + 5, 3, 2**31, 2**40 + 5, 2**31 - 1], np.int64)
+    g = check(values, np.array([0, 2, 5]), num_rows=2**41)
+    assert g.ids.dtype == np.int64 and sorted(as_groups(g)) == [3, 2**31 - 1, 2**31, 2**40 + 5]
 
 
 @pytest.mark.parametrize("values, offsets", [

@@ -10,7 +10,11 @@ scattered over the table (on a cache line, hbkernels' own tables and TBE's, and 
 bytes past one, "plain", as a large NumPy array); Zipf(1.1) and Zipf(1.05) ranked by
 frequency (hot rows packed at the table's start); uniform. Each case also times
 ``gather-scatter`` (:mod:`.bounds`): each distinct row its ids name read and written
-once, the least memory traffic of that layout. Each provider steps its own
+once, the least memory traffic of that layout. Row-wise Adagrad's cases also time, as
+parts of the step: hbkernels' update alone (``fused_step``, ``hbkernels-update``), its
+``embedding_bag_backward`` alone (``hbkernels-backward``), and TBE's forward alone
+(``fbgemm-tbe-forward``; TBE's update alone is its step less its forward, as the two are
+timed in the same rounds). Each provider steps its own
 copy of the table from the same start; the rows of the first 512 distinct ids after
 the first step are checked against TBE's before anything is timed. Without TBE the
 benchmark notes it and records nothing.
@@ -45,7 +49,12 @@ def optimizer(name):
     return getattr(hbk.optim, name)(lr=LR, eps=EPS)
 
 
-def hbk_provider(ctx, name, line_offset):
+PART_RULES = ("RowWiseAdagrad",)  # the rules whose cases time the step's parts too
+
+
+def hbk_provider(ctx, name, line_offset, part=None):
+    """hbkernels' step; ``part`` "update" (the fused step alone) or "backward"
+    (``embedding_bag_backward`` alone)."""
     opt = optimizer(name)
 
     def prepare(a):
@@ -58,10 +67,24 @@ def hbk_provider(ctx, name, line_offset):
         opt.fused_step(a["w"], a["state"], a["grad"], a["ids"], a["offsets"])
         return a["w"]
 
+    def update(a):
+        opt.fused_step(a["w"], a["state"], a["grad"], a["ids"], a["offsets"])
+        return a["w"]
+
+    def backward(a):
+        return hbk.embedding_bag_backward(a["grad"], a["ids"], a["offsets"],
+                                          num_rows=a["w"].shape[0])
+
+    if part == "backward":
+        return Provider(f"{HBK}-backward", backward)
+    if part == "update":
+        return Provider(f"{HBK}-update", update, prepare=prepare)
     return Provider(HBK, run, prepare=prepare)
 
 
-def tbe_provider(ctx, name):
+def tbe_provider(ctx, name, forward_only=False):
+    """TBE's step (forward, then backward with its fused optimizer), or its forward alone."""
+    torch = ctx.torch
 
     def prepare(a):
         return {"tbe": tbe_table(a["w"], rule=TBE_RULES[name], lr=LR, eps=EPS),
@@ -72,6 +95,12 @@ def tbe_provider(ctx, name):
         out.backward(a["grad"])
         return tbe_weights(a["tbe"])
 
+    def forward(a):
+        with torch.no_grad():
+            return a["tbe"](a["ids"], a["offsets"])
+
+    if forward_only:
+        return Provider("fbgemm-tbe-forward", forward, prepare=prepare)
     return Provider("fbgemm-tbe", run, prepare=prepare)
 
 
@@ -92,10 +121,14 @@ def run(ctx):
         nbytes = B * L * D * 4 * 2 + ids.nbytes + offsets.nbytes + 2 * B * D * 4
         for name in TBE_RULES:
             providers = [hbk_provider(ctx, name, cfg["line_offset"]), tbe_provider(ctx, name)]
+            parts = [] if name not in PART_RULES else [
+                hbk_provider(ctx, name, cfg["line_offset"], "update"),
+                hbk_provider(ctx, name, cfg["line_offset"], "backward"),
+                tbe_provider(ctx, name, forward_only=True)]
             ctx.compare(OP, name, size, "float32",
                         {"w": table, "ids": ids, "offsets": offsets, "grad": grad},
                         providers, nbytes=nbytes, canon=lambda w: (w[checked],),
-                        rtol=1e-5, atol=1e-6, bounds=[gather_scatter()])
+                        rtol=1e-5, atol=1e-6, bounds=[gather_scatter()], parts=parts)
         del table
         ctx.release()
 

@@ -497,7 +497,7 @@ class Context:
 
     # -- one case: verify, then time every provider -------------------------------
     def compare(self, op, mode, size, dtype, inputs, providers, *, nbytes,
-                canon=as_arrays, rtol=0.0, atol=0.0, reference=(), bounds=()):
+                canon=as_arrays, rtol=0.0, atol=0.0, reference=(), bounds=(), parts=()):
         """Verify every provider against a peer, then time and record each.
 
         ``providers[0]`` is hbkernels; ``None`` entries (peers not available)
@@ -508,7 +508,9 @@ class Context:
         the fastest of ``reference`` when given (e.g. hbkernels itself, for the
         overhead of a front end). ``bounds``: providers timed with the others
         and not verified (what the machine's memory allows the case, e.g.
-        :func:`.bounds.gather_scatter`), a row each.
+        :func:`.bounds.gather_scatter`), a row each. ``parts``: providers of a part of
+        the op (a forward alone, an update alone), timed with the others and not
+        verified, a row each.
         """
         providers = [p for p in providers if p is not None]
         if not providers or providers[0].name != HBK:
@@ -541,7 +543,7 @@ class Context:
             self.note(f"{op}: none of --providers {', '.join(sorted(self.only))} runs here "
                       f"(it has {', '.join(p.name for p in providers)}): nothing timed")
         moved = nbytes(hbk_result) if callable(nbytes) else nbytes
-        timed_bounds = [b for b in bounds if self.selected(b.name)]
+        timed_bounds = [b for b in (*bounds, *parts) if self.selected(b.name)]
         for b in timed_bounds:
             prepared[b.name] = [b.prepare(c) if b.prepare else c for c in copies]
         timings = self.measure_together([(p.run, prepared[p.name], p.block)

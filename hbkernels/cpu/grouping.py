@@ -154,7 +154,7 @@ def _distinct_partitions(bits, part_lo, s_ids, t_ids, local, num_distinct):
         while (1 << table_bits) < 2 * (hi - lo):
             table_bits += 1
         mask = (1 << table_bits) - 1
-        slots = np.full(1 << table_bits, -1, np.int64)
+        slots = np.full(1 << table_bits, -1, np.int32)  # (a partition holds < 2**31 ids)
         n = 0
         for i in range(lo, hi):
             key = s_ids[i]
@@ -187,7 +187,8 @@ def bag_chunks(offsets):
 
 class Partitions(NamedTuple):
     """A batch's kept occurrences scattered into hash partitions, each in input order:
-    partition ``p`` holds ``[lo[p], lo[p+1])`` of ``ids`` (the id), ``bag`` and
+    partition ``p`` holds ``[lo[p], lo[p+1])`` of ``ids`` (the id, in
+    :func:`kept_id_dtype`), ``bag`` and
     ``coef`` (``c_b·w_j``; empty when all are 1). ``bits``: log2 of their number.
     The arrays are this thread's scratch (see the module's note)."""
     bits: int
@@ -223,12 +224,20 @@ def partition_occurrences(values, offsets, per_sample_weights, combiner, num_row
     part_lo = np.zeros(hist.shape[1] + 1, np.int64)
     part_lo[1:] = ends.reshape(hist.shape[1], hist.shape[0])[:, -1]
     num_coefs = 0 if combiner == Combiner.SUM and not weighted else total
-    s_ids = scratch("s_ids", total, values.dtype)
+    s_ids = scratch("s_ids", total, kept_id_dtype(values, num_rows, skip_bad))
     s_bag = scratch("s_bag", total, bag_dtype(offsets))
     s_coef = scratch("s_coef", num_coefs, weights.dtype)
     _scatter(values, offsets, weights, weighted, combiner, num_rows, skip_bad, bits, chunks,
              base, s_ids, s_bag, s_coef)
     return Partitions(bits, part_lo, s_ids, s_bag, s_coef)
+
+
+def kept_id_dtype(values, num_rows, skip_bad):
+    """The dtype the partitions hold ids in: int32 where every kept id fits (all kept
+    ids are in ``[0, num_rows)`` when ``skip_bad``), else that of ``values``."""
+    if skip_bad and num_rows <= np.iinfo(np.int32).max + 1:
+        return np.dtype(np.int32)
+    return values.dtype
 
 
 def bag_dtype(offsets):
@@ -239,7 +248,8 @@ def bag_dtype(offsets):
 class Groups(NamedTuple):
     """A batch's occurrences grouped by distinct id inside each of its
     :class:`Partitions`: partition ``p``'s distinct ids are ``ids[lo[p]:lo[p]+n]``
-    (``n = first[p+1] - first[p]``), in first-occurrence order, and ``local[i]`` is
+    (``n = first[p+1] - first[p]``; the dtype of ``parts.ids``), in first-occurrence
+    order, and ``local[i]`` is
     occurrence ``i``'s index among them. Numbered over the whole batch, they are the
     ``first[p] + u``-th, ``first[-1]`` in all. Arrays are this thread's scratch."""
     parts: Partitions
@@ -258,7 +268,7 @@ def group_occurrences(values, offsets, per_sample_weights, combiner, num_rows, s
     ``coef_dtype``, bad ids (outside ``[0, num_rows)``) dropped when ``skip_bad``."""
     parts = partition_occurrences(values, offsets, per_sample_weights, combiner, num_rows,
                                   skip_bad, coef_dtype)
-    ids = scratch("t_ids", parts.total, values.dtype)
+    ids = scratch("t_ids", parts.total, parts.ids.dtype)
     local = scratch("local", parts.total, np.int32 if parts.total < 2**31 else np.int64)
     num_distinct = np.zeros(parts.count, np.int64)
     _distinct_partitions(parts.bits, parts.lo, parts.ids, ids, local, num_distinct)
