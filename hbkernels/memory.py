@@ -9,12 +9,26 @@ on an aligned copy of the same table, for hbkernels and torch alike (torch's
 own tensors are 64-byte aligned). Tables that hbkernels makes on the CPU
 (:class:`hbkernels.EmbeddingCollection`, optimizer state) use
 :func:`aligned_empty`; CuPy's allocations already start on 256 bytes.
+
+Large results that a training loop makes once a step and drops a step later (the CPU
+backward's gradient rows) come from :func:`recycled_empty`: glibc returns a freed block
+of more than 32 MiB to the system at once, so a new one of that size costs a page fault
+per 4 KiB on first touch, which took longer than filling it; a recycled buffer is
+touched already.
 """
 import math
+import threading
 
 import numpy as np
 
 CACHE_LINE_BYTES = 64
+#: smaller blocks glibc keeps for reuse itself (its mmap threshold rises to 32 MiB)
+RECYCLE_FROM_BYTES = 32 << 20
+#: the most bytes :func:`recycled_empty` keeps for reuse (buffers nobody holds)
+RECYCLE_KEEP_BYTES = 1 << 30
+_KEPT = {}  # size class -> buffers (uint8 arrays) nobody holds
+_KEPT_BYTES = [0]
+_LOCK = threading.Lock()
 
 
 def aligned_empty(shape, dtype=np.float32, *, alignment=CACHE_LINE_BYTES):
@@ -46,3 +60,53 @@ def aligned_full(shape, value, dtype=np.float32, *, alignment=CACHE_LINE_BYTES):
     out = aligned_empty(shape, dtype, alignment=alignment)
     out[...] = value
     return out
+
+
+def _size_class(nbytes):
+    """``nbytes`` rounded up to an eighth of its power of two: requests that differ by a
+    little (a batch's distinct ids) share buffers, at most 1/8 of one unused."""
+    step = 1 << max(0, nbytes.bit_length() - 4)
+    return -(-nbytes // step) * step
+
+
+class _Loan:
+    """An array's memory lent out of the kept buffers: arrays made from it (and their
+    views) hold it; when the last of them goes, its buffer is kept for the next
+    :func:`recycled_empty` (within :data:`RECYCLE_KEEP_BYTES`)."""
+
+    __slots__ = ("buffer", "size", "__array_interface__")
+
+    def __init__(self, buffer, size, shape, dtype):
+        self.buffer, self.size = buffer, size
+        start = -buffer.ctypes.data % CACHE_LINE_BYTES
+        self.__array_interface__ = {"shape": shape, "typestr": dtype.str, "version": 3,
+                                    "data": (buffer.ctypes.data + start, False)}
+
+    def __del__(self):
+        if _KEPT is None:  # (interpreter shutdown)
+            return
+        with _LOCK:
+            if _KEPT_BYTES[0] + self.size <= RECYCLE_KEEP_BYTES:
+                _KEPT.setdefault(self.size, []).append(self.buffer)
+                _KEPT_BYTES[0] += self.size
+
+
+def recycled_empty(shape, dtype):
+    """An uninitialised C-contiguous NumPy array starting on a cache line, as
+    :func:`aligned_empty`; from :data:`RECYCLE_FROM_BYTES` on, its memory is a buffer that
+    an earlier such array left (where one of its size class is kept), and goes back to be
+    kept when the array and every view of it are gone."""
+    dtype = np.dtype(dtype)
+    shape = (int(shape),) if np.ndim(shape) == 0 else tuple(int(n) for n in shape)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < RECYCLE_FROM_BYTES:
+        return aligned_empty(shape, dtype)
+    size = _size_class(nbytes + CACHE_LINE_BYTES)
+    with _LOCK:
+        kept = _KEPT.get(size)
+        buffer = kept.pop() if kept else None
+        if buffer is not None:
+            _KEPT_BYTES[0] -= size
+    if buffer is None:
+        buffer = np.empty(size, np.uint8)
+    return np.asarray(_Loan(buffer, size, shape, dtype))

@@ -53,3 +53,51 @@ def test_tables_hbkernels_makes_on_the_cpu_are_aligned():
         assert fused.state["exp_avg_sq"].ctypes.data % 64 == 0
     state = hbk.optim.Adagrad(lr=0.1).init_state(np.zeros((1000, 16), np.float32))
     assert state["sum"].ctypes.data % 64 == 0 and (state["sum"] == 0).all()
+
+
+@pytest.fixture
+def recycler(monkeypatch):
+    """The recycler from 4 KiB on, keeping at most 64 KiB, starting empty."""
+    from hbkernels import memory
+
+    monkeypatch.setattr(memory, "RECYCLE_FROM_BYTES", 4096)
+    monkeypatch.setattr(memory, "RECYCLE_KEEP_BYTES", 64 << 10)
+    monkeypatch.setattr(memory, "_KEPT", {})
+    monkeypatch.setattr(memory, "_KEPT_BYTES", [0])
+    return memory
+
+
+def test_recycled_empty_reuses_a_buffer_once_nothing_holds_it(recycler):
+    a = recycler.recycled_empty((100, 30), np.float32)  # 12000 bytes
+    assert a.shape == (100, 30) and a.dtype == np.float32 and a.ctypes.data % 64 == 0
+    assert a.flags.c_contiguous and a.flags.writeable
+    a[...] = 7
+    address, view = a.ctypes.data, a[5:9]
+    del a
+    b = recycler.recycled_empty((100, 30), np.float32)  # a view still holds the first
+    assert b.ctypes.data != address and (view == 7).all()
+    b[...] = 0
+    assert (view == 7).all(), "two live arrays never share memory"
+    del view
+    c = recycler.recycled_empty((95, 31), np.float32)  # the same size class
+    assert c.ctypes.data == address and c.shape == (95, 31)
+    d = recycler.recycled_empty((3, 4), np.float64)  # below the threshold: a plain array
+    assert type(d.base) is np.ndarray and d.ctypes.data % 64 == 0
+
+
+def test_recycled_empty_keeps_at_most_its_cap(recycler):
+    arrays = [recycler.recycled_empty(20000, np.uint8) for _ in range(6)]  # 6 x ~20 KiB
+    del arrays
+    assert 0 < recycler._KEPT_BYTES[0] <= 64 << 10
+    assert sum(len(v) * k for k, v in recycler._KEPT.items()) == recycler._KEPT_BYTES[0]
+
+
+def test_the_cpu_backward_rows_come_from_the_recycler(recycler):
+    grad = np.ones((4, 600), np.float32)  # rows of 2400 bytes, two ids: over 4 KiB
+    first = hbk.embedding_bag_backward(grad, np.array([1, 3, 1, 3]), np.arange(5), num_rows=4)
+    address = first.rows.ctypes.data
+    np.testing.assert_array_equal(first.rows, np.full((2, 600), 2, np.float32))
+    del first
+    again = hbk.embedding_bag_backward(grad, np.array([0, 2, 2, 0]), np.arange(5), num_rows=4)
+    assert again.rows.ctypes.data == address
+    np.testing.assert_array_equal(again.rows, np.full((2, 600), 2, np.float32))

@@ -16,6 +16,7 @@ import numpy as np
 from numba import njit, prange
 
 from .._modes import Bounds
+from ..memory import recycled_empty
 from ._common import (accumulator_dtype, add_row, cached_njit, first_bad_offset,
                       first_out_of_range, kernel_table, narrow, prefetch_row)
 from .grouping import coefficient, group_occurrences
@@ -98,7 +99,7 @@ def _sparse_grad(grad_out, values, offsets, num_rows, per_sample_weights, combin
     groups = group_occurrences(values, offsets, per_sample_weights, combiner, num_rows,
                                bounds != Bounds.UNCHECKED, acc_dtype)
     ids = np.empty(groups.count, values.dtype)
-    rows = np.empty((groups.count, dim), acc_dtype)
+    rows = recycled_empty((groups.count, dim), acc_dtype)  # (a step's rows, dropped the next)
     if groups.count:
         parts = groups.parts
         accumulate_kernel(dim)(kernel_table(np.ascontiguousarray(grad_out)), parts.lo, parts.bag,
