@@ -115,7 +115,8 @@ def test_the_anchors_are_peers(tmp_path):
     rows = check_rows(smoke("embedding_bag", tmp_path / "eb.csv"), "embedding_bag")
     assert "fbgemm-tbe" in {r["provider"] for r in rows}
     rows = check_rows(smoke("fused_step", tmp_path / "fs.csv"), "fused_step")
-    parts = {"hbkernels-update", "hbkernels-backward", "fbgemm-tbe-forward"}
+    parts = {"hbkernels-update", "hbkernels-backward", "hbkernels-checks", "hbkernels-grouping",
+             "fbgemm-tbe-forward"}
     for rule in anchors.TBE_RULES:  # row-wise Adagrad's step also timed in its parts
         assert {r["provider"] for r in rows if r["mode"] == rule} == (
             {"hbkernels", "fbgemm-tbe", bounds.BOUND} | (parts if rule == "RowWiseAdagrad"

@@ -12,9 +12,11 @@ frequency (hot rows packed at the table's start); uniform. Each case also times
 ``gather-scatter`` (:mod:`.bounds`): each distinct row its ids name read and written
 once, the least memory traffic of that layout. Row-wise Adagrad's cases also time, as
 parts of the step: hbkernels' update alone (``fused_step``, ``hbkernels-update``), its
-``embedding_bag_backward`` alone (``hbkernels-backward``), and TBE's forward alone
-(``fbgemm-tbe-forward``; TBE's update alone is its step less its forward, as the two are
-timed in the same rounds). Each provider steps its own
+``embedding_bag_backward`` alone (``hbkernels-backward``), the update's phases before its
+sums (``hbkernels-checks``: the ids, offsets and gradient checked; ``hbkernels-grouping``:
+the occurrences grouped by id, :func:`hbkernels.cpu.grouping.group_occurrences`), and TBE's
+forward alone (``fbgemm-tbe-forward``; TBE's update alone is its step less its forward, as
+the two are timed in the same rounds). Each provider steps its own
 copy of the table from the same start; the rows of the first 512 distinct ids after
 the first step are checked against TBE's before anything is timed. Without TBE the
 benchmark notes it and records nothing.
@@ -24,6 +26,9 @@ benchmark notes it and records nothing.
 import numpy as np
 
 import hbkernels as hbk
+from hbkernels._modes import Combiner
+from hbkernels.cpu.grouping import group_occurrences
+from hbkernels.cpu.sparse_update import first_nonfinite_row
 from .anchors import TBE_RULES, fbgemm_tbe, tbe_table, tbe_weights
 from .bounds import gather_scatter
 from .common import HBK, LAYOUTS, Provider, bags_size, cli_main, placed_empty
@@ -53,8 +58,9 @@ PART_RULES = ("RowWiseAdagrad",)  # the rules whose cases time the step's parts 
 
 
 def hbk_provider(ctx, name, line_offset, part=None):
-    """hbkernels' step; ``part`` "update" (the fused step alone) or "backward"
-    (``embedding_bag_backward`` alone)."""
+    """hbkernels' step; ``part`` "update" (the fused step alone), "backward"
+    (``embedding_bag_backward`` alone), "checks" or "grouping" (those phases of the
+    update alone)."""
     opt = optimizer(name)
 
     def prepare(a):
@@ -75,8 +81,17 @@ def hbk_provider(ctx, name, line_offset, part=None):
         return hbk.embedding_bag_backward(a["grad"], a["ids"], a["offsets"],
                                           num_rows=a["w"].shape[0])
 
-    if part == "backward":
-        return Provider(f"{HBK}-backward", backward)
+    def checks(a):
+        hbk.ops.check_ragged(a["ids"], a["offsets"], a["w"].shape[0])
+        return first_nonfinite_row(None, a["grad"])
+
+    def grouping(a):
+        return group_occurrences(a["ids"], a["offsets"], None, Combiner.SUM, a["w"].shape[0],
+                                 True, np.float32)
+
+    if part in ("backward", "checks", "grouping"):
+        return Provider(f"{HBK}-{part}", {"backward": backward, "checks": checks,
+                                          "grouping": grouping}[part])
     if part == "update":
         return Provider(f"{HBK}-update", update, prepare=prepare)
     return Provider(HBK, run, prepare=prepare)
@@ -124,6 +139,8 @@ def run(ctx):
             parts = [] if name not in PART_RULES else [
                 hbk_provider(ctx, name, cfg["line_offset"], "update"),
                 hbk_provider(ctx, name, cfg["line_offset"], "backward"),
+                hbk_provider(ctx, name, cfg["line_offset"], "checks"),
+                hbk_provider(ctx, name, cfg["line_offset"], "grouping"),
                 tbe_provider(ctx, name, forward_only=True)]
             ctx.compare(OP, name, size, "float32",
                         {"w": table, "ids": ids, "offsets": offsets, "grad": grad},
