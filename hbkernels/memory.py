@@ -17,6 +17,7 @@ per 4 KiB on first touch, which took longer than filling it; a recycled buffer i
 touched already.
 """
 import math
+import os
 import threading
 
 import numpy as np
@@ -85,10 +86,16 @@ class _Loan:
     def __del__(self):
         if _KEPT is None:  # (interpreter shutdown)
             return
-        with _LOCK:
+        # never waits: a collection run while this thread holds the lock (inside
+        # recycled_empty) frees the buffer instead of keeping it
+        if not _LOCK.acquire(blocking=False):
+            return
+        try:
             if _KEPT_BYTES[0] + self.size <= RECYCLE_KEEP_BYTES:
                 _KEPT.setdefault(self.size, []).append(self.buffer)
                 _KEPT_BYTES[0] += self.size
+        finally:
+            _LOCK.release()
 
 
 def recycled_empty(shape, dtype):
@@ -110,3 +117,22 @@ def recycled_empty(shape, dtype):
     if buffer is None:
         buffer = np.empty(size, np.uint8)
     return np.asarray(_Loan(buffer, size, shape, dtype))
+
+
+def release_recycled():
+    """Free the buffers :func:`recycled_empty` keeps for reuse (arrays in use keep theirs,
+    and leave them to be kept when they go). Returns the bytes freed."""
+    with _LOCK:
+        freed = _KEPT_BYTES[0]
+        _KEPT.clear()
+        _KEPT_BYTES[0] = 0
+    return freed
+
+
+def _new_lock():
+    global _LOCK
+    _LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):  # a child forked while another thread held the lock
+    os.register_at_fork(after_in_child=_new_lock)

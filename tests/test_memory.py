@@ -92,6 +92,21 @@ def test_recycled_empty_keeps_at_most_its_cap(recycler):
     assert sum(len(v) * k for k, v in recycler._KEPT.items()) == recycler._KEPT_BYTES[0]
 
 
+def test_release_recycled_frees_the_kept_buffers(recycler):
+    a = recycler.recycled_empty(10000, np.uint8)
+    del a
+    kept = recycler._KEPT_BYTES[0]
+    assert kept > 0 and recycler.release_recycled() == kept
+    assert recycler._KEPT_BYTES[0] == 0 and not recycler._KEPT
+
+
+def test_a_buffer_dropped_while_the_lock_is_held_is_freed_not_waited_for(recycler):
+    a = recycler.recycled_empty(10000, np.uint8)
+    with recycler._LOCK:  # as when a collection runs inside recycled_empty
+        del a
+    assert recycler._KEPT_BYTES[0] == 0
+
+
 def test_the_cpu_backward_rows_come_from_the_recycler(recycler):
     grad = np.ones((4, 600), np.float32)  # rows of 2400 bytes, two ids: over 4 KiB
     first = hbk.embedding_bag_backward(grad, np.array([1, 3, 1, 3]), np.arange(5), num_rows=4)

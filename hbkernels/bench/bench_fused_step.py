@@ -26,9 +26,10 @@ benchmark notes it and records nothing.
 import numpy as np
 
 import hbkernels as hbk
-from hbkernels._modes import Combiner
+from hbkernels._dispatch import NUMPY
+from hbkernels._modes import Bounds, Combiner
 from hbkernels.cpu.grouping import group_occurrences
-from hbkernels.cpu.sparse_update import first_nonfinite_row
+from hbkernels.cpu.sparse_update import fused_checks
 from .anchors import TBE_RULES, fbgemm_tbe, tbe_table, tbe_weights
 from .bounds import gather_scatter
 from .common import HBK, LAYOUTS, Provider, bags_size, cli_main, placed_empty
@@ -68,22 +69,21 @@ def hbk_provider(ctx, name, line_offset, part=None):
         w[...] = a["w"]
         return {**a, "w": w, "state": opt.init_state(w)}
 
-    def run(a):
-        hbk.embedding_bag(a["w"], a["ids"], a["offsets"])
-        opt.fused_step(a["w"], a["state"], a["grad"], a["ids"], a["offsets"])
-        return a["w"]
-
     def update(a):
         opt.fused_step(a["w"], a["state"], a["grad"], a["ids"], a["offsets"])
         return a["w"]
+
+    def run(a):
+        hbk.embedding_bag(a["w"], a["ids"], a["offsets"])
+        return update(a)
 
     def backward(a):
         return hbk.embedding_bag_backward(a["grad"], a["ids"], a["offsets"],
                                           num_rows=a["w"].shape[0])
 
     def checks(a):
-        hbk.ops.check_ragged(a["ids"], a["offsets"], a["w"].shape[0])
-        return first_nonfinite_row(None, a["grad"])
+        return fused_checks(NUMPY, a["grad"], None, a["ids"], a["offsets"], a["w"].shape[0],
+                            Bounds.RAISE, True)
 
     def grouping(a):
         return group_occurrences(a["ids"], a["offsets"], None, Combiner.SUM, a["w"].shape[0],

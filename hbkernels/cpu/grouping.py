@@ -154,7 +154,7 @@ def _distinct_partitions(bits, part_lo, s_ids, t_ids, local, num_distinct):
         while (1 << table_bits) < 2 * (hi - lo):
             table_bits += 1
         mask = (1 << table_bits) - 1
-        slots = np.full(1 << table_bits, -1, np.int32)  # (a partition holds < 2**31 ids)
+        slots = np.full(1 << table_bits, -1, np.int32)  # (< 2**31 distinct ids a partition)
         n = 0
         for i in range(lo, hi):
             key = s_ids[i]
