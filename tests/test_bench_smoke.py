@@ -191,6 +191,12 @@ def test_training_path_benchmarks_cover_the_id_layouts(name, tmp_path):
     assert all(any(r["provider"] == bounds.BOUND and r["size"] == size and r["mode"] == mode
                    for r in rows) for size, mode in {(r["size"], r["mode"]) for r in rows
                                                      if r["mode"] != "fwd+bwd+adagrad"}), sizes
+    if name == "embedding_bag_backward":  # every rule's fused step beside the bound
+        for size in {r["size"] for r in rows if r["mode"] == "bwd+adagrad"}:
+            timed = {r["provider"] for r in rows
+                     if r["size"] == size and r["mode"] == "bwd+adagrad"}
+            assert {f"hbkernels-fused-{rule}" for rule in
+                    ("SGD", "RowWiseAdagrad", "Adam", "Ftrl")} <= timed, (size, timed)
 
 
 def test_gather_scatter_reads_each_row_once_and_keeps_the_table():

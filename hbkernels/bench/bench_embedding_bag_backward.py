@@ -14,7 +14,9 @@ each id layout (``layout=`` in the size column, :func:`.common.zipf_ids`): Zipf(
 scattered over the table, Zipf(1.1) and Zipf(1.05) ranked by frequency (hot rows packed at
 the table's start), uniform; ``fwd+bwd+adagrad`` at D=64 with scattered ids. Each
 ``bwd+adagrad`` case also times ``gather-scatter`` (:mod:`.bounds`): each distinct row its
-ids name read and written once, the least memory traffic of the layout.
+ids name read and written once, the least memory traffic of the layout, and, beside it, the
+fused step of every other rule (``hbkernels-fused-SGD``, ``-RowWiseAdagrad``, ``-Adam``,
+``-Ftrl``; timed, not compared: each is checked against the reference in the tests).
 GPU: E=1e7, D=128, B=65536, L=32, Zipf(1.05), fp32.
 GB/s counts the bytes the backward + update must move: grad_out read, the
 touched rows read and written, their Adagrad state read and written, ids and
@@ -32,6 +34,7 @@ from .common import HBK, LAYOUTS, Provider, bags_size, cli_main
 
 OP = "embedding_bag_backward"
 LR = 0.05
+OTHER_RULES = ("SGD", "RowWiseAdagrad", "Adam", "Ftrl")  # fused steps timed beside Adagrad's
 
 
 def configs(ctx):
@@ -137,7 +140,10 @@ def run(ctx):
             hbk_provider(ctx, HBK + "-fused", fused=True, forward=False),
             array_provider(ctx, B, L),
         ], nbytes=nbytes, rtol=1e-4, atol=1e-5,
-            bounds=[gather_scatter()] if cfg["bound"] and not ctx.is_cuda else [])
+            bounds=[gather_scatter()] if cfg["bound"] and not ctx.is_cuda else [],
+            parts=[hbk_provider(ctx, f"{HBK}-fused-{name}", fused=True, forward=False,
+                                optimizer=getattr(hbk.optim, name)(lr=LR))
+                   for name in OTHER_RULES])
         del w, grad, ids, offsets
         ctx.release()
 
