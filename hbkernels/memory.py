@@ -86,8 +86,8 @@ class _Loan:
     def __del__(self):
         if _KEPT is None:  # (interpreter shutdown)
             return
-        # never waits: a collection run while this thread holds the lock (inside
-        # recycled_empty) frees the buffer instead of keeping it
+        # never waits: a buffer dropped while the lock is held (by another thread, or by
+        # this one inside recycled_empty when a collection runs there) is freed, not kept
         if not _LOCK.acquire(blocking=False):
             return
         try:
