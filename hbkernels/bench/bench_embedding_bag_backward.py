@@ -35,6 +35,8 @@ from .common import HBK, LAYOUTS, Provider, bags_size, cli_main
 OP = "embedding_bag_backward"
 LR = 0.05
 OTHER_RULES = ("SGD", "RowWiseAdagrad", "Adam", "Ftrl")  # fused steps timed beside Adagrad's
+#: every provider a case may time but the array library's and the bound
+PROVIDERS = (HBK, HBK + "-fused", "torch", *(f"{HBK}-fused-{name}" for name in OTHER_RULES))
 
 
 def configs(ctx):

@@ -56,6 +56,9 @@ def optimizer(name):
 
 
 PART_RULES = ("RowWiseAdagrad",)  # the rules whose cases time the step's parts too
+HBK_PARTS = ("update", "backward", "checks", "grouping")
+#: every provider a case may time
+PROVIDERS = (HBK, "fbgemm-tbe", *(f"{HBK}-{part}" for part in HBK_PARTS), "fbgemm-tbe-forward")
 
 
 def hbk_provider(ctx, name, line_offset, part=None):
@@ -137,10 +140,7 @@ def run(ctx):
         for name in TBE_RULES:
             providers = [hbk_provider(ctx, name, cfg["line_offset"]), tbe_provider(ctx, name)]
             parts = [] if name not in PART_RULES else [
-                hbk_provider(ctx, name, cfg["line_offset"], "update"),
-                hbk_provider(ctx, name, cfg["line_offset"], "backward"),
-                hbk_provider(ctx, name, cfg["line_offset"], "checks"),
-                hbk_provider(ctx, name, cfg["line_offset"], "grouping"),
+                *(hbk_provider(ctx, name, cfg["line_offset"], part) for part in HBK_PARTS),
                 tbe_provider(ctx, name, forward_only=True)]
             ctx.compare(OP, name, size, "float32",
                         {"w": table, "ids": ids, "offsets": offsets, "grad": grad},

@@ -57,8 +57,8 @@ ARRAYS = "<arrays>"
 #: and checkpoint time all theirs)
 PROVIDERS = {
     "embedding_bag": (HBK, HBK + "-unchecked", ARRAYS, "torch", "fbgemm-tbe", BOUND),
-    "embedding_bag_backward": (HBK, HBK + "-fused", ARRAYS, "torch", BOUND),
-    "fused_step": (HBK, "fbgemm-tbe", BOUND),
+    "embedding_bag_backward": (*bench_embedding_bag_backward.PROVIDERS, ARRAYS, BOUND),
+    "fused_step": (*bench_fused_step.PROVIDERS, BOUND),
     "lookup": (HBK, HBK + "-unchecked", ARRAYS, "torch"),
     "unique": (HBK, HBK + "-sorted", ARRAYS, "torch"),
     "segment_sum": (HBK, HBK + "-unchecked", ARRAYS, "torch", "jax"),
