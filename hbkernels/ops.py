@@ -152,7 +152,7 @@ def embedding_bag(
                                         bounds, output_dtype)
     _no_output_dtype(output_dtype)
     family = _plain_inputs(weights, values, offsets) if per_sample_weights is None else None
-    if family is not None and (values.ndim != 1 or offsets.ndim != 1 or offsets.shape[0] < 1):
+    if family is not None and not _plain_bags(values, offsets):
         family = None
     psw = None
     if family is None:
@@ -173,6 +173,12 @@ def embedding_bag(
     if bad_offset != _NO_ERROR or bad_id != _NO_ERROR:
         check.raise_ragged(family, values, offsets, bad_offset, bad_id, weights.shape[0])
     return out
+
+
+def _plain_bags(values, offsets):
+    """Whether CSR bags pass :func:`_check_bags`'s shape checks (1-D values, 1-D offsets of
+    at least one entry), for inputs :func:`_plain_inputs` took."""
+    return values.ndim == 1 and offsets.ndim == 1 and offsets.shape[0] >= 1
 
 
 def _check_bags(values, offsets, per_sample_weights):
@@ -428,8 +434,8 @@ def embedding_bag_backward(
     family, psw = None, None
     if per_sample_weights is None:  # CuPy inputs as they are, where resolve would take them
         family = _plain_inputs(grad_out, values, offsets)
-        if family is not None and (values.ndim != 1 or offsets.ndim != 1 or offsets.shape[0] < 1
-                                   or grad_out.shape[0] != offsets.shape[0] - 1):
+        if family is not None and not (_plain_bags(values, offsets)
+                                       and grad_out.shape[0] == offsets.shape[0] - 1):
             family = None
     general = family is None or family is NUMPY  # (NumPy's gradient rows made C-contiguous)
     if general:
