@@ -27,7 +27,7 @@ CACHE_LINE_BYTES = 64
 RECYCLE_FROM_BYTES = 32 << 20
 #: the most bytes :func:`recycled_empty` keeps for reuse (buffers nobody holds)
 RECYCLE_KEEP_BYTES = 1 << 30
-_KEPT = {}  # size class -> buffers (uint8 arrays) nobody holds
+_KEPT = {}  # size class -> buffers (uint8 arrays on a cache line) nobody holds
 _KEPT_BYTES = [0]
 _LOCK = threading.Lock()
 
@@ -79,9 +79,8 @@ class _Loan:
 
     def __init__(self, buffer, size, shape, dtype):
         self.buffer, self.size = buffer, size
-        start = -buffer.ctypes.data % CACHE_LINE_BYTES
         self.__array_interface__ = {"shape": shape, "typestr": dtype.str, "version": 3,
-                                    "data": (buffer.ctypes.data + start, False)}
+                                    "data": (buffer.ctypes.data, False)}
 
     def __del__(self):
         if _KEPT is None:  # (interpreter shutdown)
@@ -108,14 +107,14 @@ def recycled_empty(shape, dtype):
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < RECYCLE_FROM_BYTES:
         return aligned_empty(shape, dtype)
-    size = _size_class(nbytes + CACHE_LINE_BYTES)
+    size = _size_class(nbytes)
     with _LOCK:
         kept = _KEPT.get(size)
         buffer = kept.pop() if kept else None
         if buffer is not None:
             _KEPT_BYTES[0] -= size
     if buffer is None:
-        buffer = np.empty(size, np.uint8)
+        buffer = aligned_empty(size, np.uint8)
     return np.asarray(_Loan(buffer, size, shape, dtype))
 
 
