@@ -92,12 +92,10 @@ def hbk_provider(ctx, name, line_offset, part=None):
         return group_occurrences(a["ids"], a["offsets"], None, Combiner.SUM, a["w"].shape[0],
                                  True, np.float32)
 
-    if part in ("backward", "checks", "grouping"):
-        return Provider(f"{HBK}-{part}", {"backward": backward, "checks": checks,
-                                          "grouping": grouping}[part])
-    if part == "update":
-        return Provider(f"{HBK}-update", update, prepare=prepare)
-    return Provider(HBK, run, prepare=prepare)
+    if part is None:
+        return Provider(HBK, run, prepare=prepare)
+    call = {"update": update, "backward": backward, "checks": checks, "grouping": grouping}[part]
+    return Provider(f"{HBK}-{part}", call, prepare=prepare if part == "update" else None)
 
 
 def tbe_provider(ctx, name, forward_only=False):

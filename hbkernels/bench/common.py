@@ -543,12 +543,12 @@ class Context:
             self.note(f"{op}: none of --providers {', '.join(sorted(self.only))} runs here "
                       f"(it has {', '.join(p.name for p in providers)}): nothing timed")
         moved = nbytes(hbk_result) if callable(nbytes) else nbytes
-        timed_bounds = [b for b in (*bounds, *parts) if self.selected(b.name)]
-        for b in timed_bounds:
+        unverified = [b for b in (*bounds, *parts) if self.selected(b.name)]
+        for b in unverified:
             prepared[b.name] = [b.prepare(c) if b.prepare else c for c in copies]
         timings = self.measure_together([(p.run, prepared[p.name], p.block)
-                                         for p in timed + timed_bounds])
-        for p, timing in zip(timed + timed_bounds, timings):
+                                         for p in timed + unverified])
+        for p, timing in zip(timed + unverified, timings):
             self.record(op, p.name, mode, size, dtype, timing, moved,
                         reference=tuple(reference) or tuple(p.name for p in peers))
         del prepared, copies
