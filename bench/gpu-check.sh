@@ -3,17 +3,21 @@
 # python3 (torch, CuPy, numba-cuda, JAX, pytest, pytest-xdist; nothing is installed or fetched).
 # Run from the repository root:
 #
-#     bash bench/gpu-check.sh [--quick | --simulate] [--kernels TGZ] [OUT]
+#     bash bench/gpu-check.sh [--quick | --simulate] [--kernels TGZ] [--tests FILE]
+#                             [--roofline CASES] [--total SECONDS] [OUT]
 #
 #   (no option)  every stage, 420 s at most: env, preflight, tests (every test the cuda or gpu
 #                marker selects, the benchmarks' kernels compiled beside them), null, host,
-#                roofline, quantized, train, second, graph (the main job with --cuda-graph)
-#   --quick      preflight, null, host, roofline, train, second, graph: 180 s at most, for a rerun
-#                after a fix
+#                train, second, graph (the main job with --cuda-graph), roofline, quantized
+#   --quick      preflight, null, host, train, second, graph, roofline: 180 s at most, for a
+#                rerun after a fix
 #   --simulate   every stage in Numba's CUDA simulator at tiny sizes, the tests stage on a few
 #                files: a rehearsal on a machine without a GPU, in about 3 minutes
 #   --kernels TGZ   the kernel-cache.tgz of an earlier run, unpacked into the kernel cache first:
 #                the kernels it holds are not compiled again
+#   --tests FILE    the tests stage runs the test ids FILE lists, one per line (with --quick too)
+#   --roofline CASES  the roofline stage runs these of bench_roofline's cases (its --cases)
+#   --total SECONDS   the check's own limit instead of its mode's
 #
 # Stages write into a work folder outside OUT ($HBK_CHECK_WORK, else a new folder under /tmp).
 # After every stage, and on exit, OUT (default $OUT, else gpu-check-<date>) holds at most these
@@ -33,12 +37,18 @@
 set -u
 MODE=full
 KERNELS=
+TESTS=
+ROOFLINE=
+ARG_TOTAL=
 ARG_OUT=
 while [ $# -gt 0 ]; do
   case $1 in
     --quick) MODE=quick ;;
     --simulate) MODE=simulate ;;
     --kernels) KERNELS=${2:?--kernels needs a file}; shift ;;
+    --tests) TESTS=${2:?--tests needs a file}; shift ;;
+    --roofline) ROOFLINE=${2:?--roofline needs cases}; shift ;;
+    --total) ARG_TOTAL=${2:?--total needs seconds}; shift ;;
     -h|--help) sed -n '2,/^set -u/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     -*) echo "gpu-check: unknown option $1" >&2; exit 2 ;;
     *) ARG_OUT=$1 ;;
@@ -56,6 +66,7 @@ case $MODE in
   quick) TOTAL=180 ;;
   simulate) TOTAL=300 ;;
 esac
+TOTAL=${ARG_TOTAL:-$TOTAL}
 GRACE=5      # seconds between a stage's interrupt at its limit and its kill
 RESERVE=8    # seconds kept for the last packing of OUT
 DEADLINE=$((SECONDS + TOTAL))
@@ -183,7 +194,7 @@ trap 'exit 130' INT
 trap 'exit 143' TERM
 
 # -- env -------------------------------------------------------------------------------
-stage env 15 bash -c '
+stage env 30 bash -c '
   date -u; cat "$0" 2>/dev/null
   nvidia-smi -L; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   "$1" -c "import sys, numpy, numba; print(sys.version.split()[0], \"numpy\", numpy.__version__, \"numba\", numba.__version__)"
@@ -197,7 +208,7 @@ PREFLIGHT=$(tail -n 1 "$WORK/summary.txt")
 collect
 
 # -- tests, and the benchmarks' kernels compiled beside them --------------------------------
-if [ "$MODE" != quick ]; then
+if [ "$MODE" != quick ] || [ -n "$TESTS" ]; then
   if [[ $PREFLIGHT != "preflight rc=0 "* ]]; then
     skip tests "the preflight failed (failures.txt says why)"
   else
@@ -211,17 +222,24 @@ if [ "$MODE" != quick ]; then
       FILES=(tests)
       WARM=(warmup --device cuda)
     fi
+    if [ -n "$TESTS" ]; then
+      mapfile -t FILES < <(grep -v '^[[:space:]]*$' "$TESTS")
+      [ "$MODE" = quick ] && WARM=()
+    fi
     ARGS=(-m "cuda or gpu" -p no:cacheprovider -v -rA --continue-on-collection-errors
           --junitxml="$WORK/junit.xml")
     if [ "$WORKERS" -gt 1 ] && "$PY" -c "import xdist" 2>/dev/null; then ARGS+=(-n "$WORKERS"); fi
     if "$PY" -c "import pytest_timeout" 2>/dev/null; then ARGS+=(--timeout 60); fi
     THREADS=$("$PY" -c "import os; print(max(1, (os.cpu_count() or 1) // $WORKERS))")
-    TESTS_LIMIT=$(limit_of tests 170)
-    stage warmup "$TESTS_LIMIT" "$PY" -m hbkernels "${WARM[@]}" &  # bounded by the same limit
-    WARM_PID=$!
+    TESTS_LIMIT=$(limit_of tests 150)
+    WARM_PID=
+    if [ ${#WARM[@]} -gt 0 ]; then
+      stage warmup "$TESTS_LIMIT" "$PY" -m hbkernels "${WARM[@]}" &  # bounded by the same limit
+      WARM_PID=$!
+    fi
     HBK_TEST_REPORT_DIR="$WORK/tests" OMP_NUM_THREADS=$THREADS NUMBA_NUM_THREADS=$THREADS \
       stage tests "$TESTS_LIMIT" "$PY" -m pytest "${ARGS[@]}" "${FILES[@]}"
-    wait "$WARM_PID"
+    [ -n "$WARM_PID" ] && wait "$WARM_PID"
   fi
   collect
 fi
@@ -233,17 +251,9 @@ NUMBA_ENABLE_CUDASIM=0 stage null 30 "$PY" -m hbkernels.bench.bench_launch --dev
   "${SMOKE[@]}" --out "$WORK/null.csv"  # the host's cost of each call with no kernel run
 NULL=()
 [ -s "$WORK/null.csv" ] && NULL=(--null "$WORK/null.csv")
-stage host 15 "$PY" -m hbkernels.bench.bench_launch --device cuda "${SMOKE[@]}" \
+stage host 40 "$PY" -m hbkernels.bench.bench_launch --device cuda "${SMOKE[@]}" \
   --out "$WORK/host.csv" "${NULL[@]}"
 collect
-stage roofline 50 "$PY" -m hbkernels.bench.bench_roofline --device cuda "${SMOKE[@]}" \
-  --out "$WORK/roofline.csv"
-collect
-if [ "$MODE" != quick ]; then
-  stage quantized 15 "$PY" -m hbkernels.bench.bench_quantized_bag --device cuda "${SMOKE[@]}" \
-    --out "$WORK/quantized.csv"
-  collect
-fi
 if [ "$MODE" = simulate ]; then
   JOB=(--batch-size 8 --eval-samples 8 --table c0:100:1 --table c1:50:2 --dim 2 --bottom 4 --top 4)
   STEPS=(2 1)
@@ -261,3 +271,14 @@ stage second 20 "$PY" -m hbkernels train --device cuda --steps "${STEPS[1]}" "${
 collect
 stage graph 30 "$PY" -m hbkernels train --device cuda --cuda-graph --batch-threads 4 \
   --steps "${STEPS[0]}" "${JOB[@]}" --metrics "$WORK/train/graph-metrics.json"
+collect
+cd "$ROOT" || exit 1
+ROOF=()
+[ -n "$ROOFLINE" ] && ROOF=(--cases "$ROOFLINE")
+stage roofline 110 "$PY" -m hbkernels.bench.bench_roofline --device cuda "${SMOKE[@]}" "${ROOF[@]}" \
+  --out "$WORK/roofline.csv"
+collect
+if [ "$MODE" != quick ]; then
+  stage quantized 15 "$PY" -m hbkernels.bench.bench_quantized_bag --device cuda "${SMOKE[@]}" \
+    --out "$WORK/quantized.csv"
+fi

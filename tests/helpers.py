@@ -164,18 +164,18 @@ def same_collections(a, b):
     for name, spec in a.tables.items():
         wa, wb = a.full_weights(name), b.full_weights(name)
         for x, y in zip(wa, wb) if spec.dynamic else [(wa, wb)]:
-            np.testing.assert_array_equal(x, y, err_msg=name)
+            np.testing.assert_array_equal(on_host(x), on_host(y), err_msg=name)
         sa, sb = a.full_state(name), b.full_state(name)
         assert sa.keys() == sb.keys()
         for k in sa:
-            np.testing.assert_array_equal(sa[k], sb[k], err_msg=f"{name} {k}")
+            np.testing.assert_array_equal(on_host(sa[k]), on_host(sb[k]), err_msg=f"{name} {k}")
         if spec.dynamic:
             ka, kb = a.hash_tables[name].state(), b.hash_tables[name].state()
             for k in ("ids", "last", "count"):
-                np.testing.assert_array_equal(ka[k], kb[k], err_msg=f"{name} {k}")
+                np.testing.assert_array_equal(on_host(ka[k]), on_host(kb[k]), err_msg=f"{name} {k}")
             assert (ka["pending"] is None) == (kb["pending"] is None)
             for k in ("ids", "last", "count") if ka["pending"] is not None else ():
-                np.testing.assert_array_equal(ka["pending"][k], kb["pending"][k])
+                np.testing.assert_array_equal(on_host(ka["pending"][k]), on_host(kb["pending"][k]))
             assert a.hash_tables[name].step == b.hash_tables[name].step
 
 
@@ -235,6 +235,11 @@ def reserve_collection(optimizer, specs=RESERVE_SPECS, device="cuda"):
 
 def cuda_host(a):
     return np.asarray(device_family("cuda").to_numpy(a))
+
+
+def on_host(a):
+    """``a`` as a NumPy array, wherever it lives (a device array is copied)."""
+    return a if isinstance(a, np.ndarray) else cuda_host(a)
 
 
 def reserve_batches(rng):

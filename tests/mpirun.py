@@ -53,6 +53,10 @@ def _env(**extra):
     # a hang inside a script fails it before the test's timeout; a rank compiling its first
     # kernels on cores shared with the other test workers does not
     env["HBK_COMM_TIMEOUT"] = "90"
+    if os.geteuid() == 0:  # Open MPI's mpiexec refuses root without these
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    if not (shutil.which("ssh") or shutil.which("rsh")):  # Open MPI 4 fails without its remote
+        env.setdefault("OMPI_MCA_plm", "^rsh")  # launcher's program, even on one node
     env.update({k: str(v) for k, v in extra.items()})
     return env
 

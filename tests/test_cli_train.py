@@ -485,6 +485,7 @@ TINY = ["--steps", "2", "--batch-size", "16", "--eval-samples", "16", "--threads
 
 
 @pytest.mark.cuda
+@pytest.mark.timeout(300)  # three runs in the simulator, on cores shared with other workers
 def test_train_on_the_cuda_path_gives_the_cpu_results(tmp_path):
     """``hbkernels train --device cuda`` with the CUDA kernels in Numba's simulator (the
     tables on the simulator's CUDA arrays, torch on the CPU): the CPU's losses and eval;

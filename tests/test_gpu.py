@@ -152,8 +152,8 @@ def test_hash_table_on_the_gpu_matches_the_cpu(rng, evict):
     """Large batches with many blocks racing for index positions (CAS) and for the use
     counts (atomic max): the same live ids, scores, victims and admissions as the CPU."""
     needs_cupy()
-    gpu = hbk.HashTable(1 << 16, evict=evict, admit_count=2, device="cuda")
-    cpu = hbk.HashTable(1 << 16, evict=evict, admit_count=2)
+    gpu = hbk.HashTable(1 << 14, evict=evict, admit_count=2, device="cuda")  # ~23k ids admitted
+    cpu = hbk.HashTable(1 << 14, evict=evict, admit_count=2)
     pool = rng.integers(np.iinfo(np.int64).min, np.iinfo(np.int64).max, 200_000, dtype=np.int64)
     for call in range(12):
         ids = pool[np.minimum(rng.zipf(1.1, 100_000) - 1, len(pool) - 1)]

@@ -99,12 +99,24 @@ def _f64_to_f32_round_odd(x, xp):
     return bits.view(np.float32)
 
 
+def _f64_to_bf16_bits(x, xp):
+    """:func:`to_bf16_bits` of float64 data. Below float32's smallest normal (2**-126, where
+    a GPU's float64 -> float32 conversion may flush to zero) the bfloat16 value is a
+    multiple of 2**-133, rounded from float64 directly (exact scaling, ties to even)."""
+    normal = _bits.bfloat16_bits(_f64_to_f32_round_odd(x, xp).view(np.uint32))
+    magnitude = xp.abs(x)
+    tiny = magnitude < 2.0 ** -126
+    steps = xp.rint(xp.where(tiny, magnitude, 0.0) * 2.0 ** 133).astype(np.uint32)
+    sign = xp.signbit(x).astype(np.uint32) << np.uint32(15)
+    return xp.where(tiny, steps | sign, normal).astype(np.uint16)
+
+
 def to_bf16_bits(x, xp=np):
     """bfloat16 bit patterns (uint16) of float data, rounded to nearest even."""
     x = xp.asarray(x)
     if x.dtype == np.float64:
-        f = _f64_to_f32_round_odd(x, xp)
-    elif x.dtype == np.float32:
+        return _f64_to_bf16_bits(x, xp)
+    if x.dtype == np.float32:
         f = x
     else:
         f = x.astype(np.float32)  # float16 is exact in float32
