@@ -115,6 +115,32 @@ class StagedInputs:
         return [t[:a.shape[0]] for t, a in zip(self.tensors, arrays)]
 
 
+class Laps:
+    """Wall time of a step's phases: ``lap(name)`` charges the time since the last lap (or
+    :meth:`start`) to ``name``; :meth:`keep` adds the step's laps to the totals."""
+
+    def __init__(self):
+        self.total, self.steps = {}, 0
+        self.start()
+
+    def start(self):
+        self.mark, self.step = time.perf_counter(), {}
+
+    def lap(self, name):
+        now = time.perf_counter()
+        self.step[name] = self.step.get(name, 0.0) + now - self.mark
+        self.mark = now
+
+    def keep(self):
+        for name, seconds in self.step.items():
+            self.total[name] = self.total.get(name, 0.0) + seconds
+        self.steps += 1
+
+    def per_step_ms(self):
+        """``{phase: ms per kept step}``, in the order the phases first came."""
+        return {name: 1e3 * s / self.steps for name, s in self.total.items()} if self.steps else {}
+
+
 class Trainer:
     def __init__(self, args, comm, device):
         import torch
@@ -167,6 +193,7 @@ class Trainer:
         self.train_seconds = 0.0      # of every run that led to this step (resumes included)
         self.timed_seconds, self.timed_samples = 0.0, 0   # this run's, for samples/s
         self.first_step_seconds = None  # this run's first step: kernels compiled or loaded
+        self.laps = Laps()  # this run's timed steps by phase: data, inputs, step, wait
         if args.cuda_graph and (device != "cuda" or self.world > 1):
             raise CLIError("--cuda-graph captures the step of one rank on a GPU (--device cuda); "
                            f"this run has {self.world} rank(s) on {device}")
@@ -366,9 +393,23 @@ class Trainer:
 
     # -- steps --------------------------------------------------------------------------------
     def train_step(self, batch, global_count):
+        """The step's mean loss (a float), its phases lapped: ``inputs`` (the batch to
+        tensors on the device), ``step`` (the step queued), ``wait`` (its loss read back:
+        where the host waits for the device)."""
+        loss = self.queue_step(batch, global_count)
+        self.laps.lap("step")
+        loss = float(loss) / global_count
+        self.laps.lap("wait")
+        return loss
+
+    def queue_step(self, batch, global_count):
+        """The step queued; its loss summed over the global batch (a 0-d tensor)."""
         if not self.args.cuda_graph:
-            return self.step_on(*self.tensors(batch), global_count)
+            inputs = self.tensors(batch)
+            self.laps.lap("inputs")
+            return self.step_on(*inputs, global_count)
         inputs = self.static_tensors(batch)
+        self.laps.lap("inputs")
         if self.torch_device != "cuda" or len(batch) != self.args.batch_size:
             return self.step_on(*inputs, global_count)  # the simulator; a last, smaller batch
         torch = self.torch
@@ -389,7 +430,7 @@ class Trainer:
 
         with cuda_stream_of(loss_sum):
             step.replay(graph.replay)
-        return float(loss_sum) / global_count
+        return loss_sum
 
     def capture(self, dense, sparse, label, global_count):
         """Capture the step over the fixed inputs (``static_tensors``) into a CUDA graph:
@@ -408,7 +449,8 @@ class Trainer:
         self.graph = (graph, step, loss_sum.detach(), global_count)
 
     def step_on(self, dense, sparse, label, global_count):
-        """One step, uncaptured, over tensors on the dense part's device."""
+        """One step, uncaptured, over tensors on the dense part's device; its loss summed
+        over the global batch (a 0-d tensor)."""
         torch = self.torch
         self.model.train()
         self.optimizer.zero_grad(set_to_none=False)
@@ -417,7 +459,7 @@ class Trainer:
         (loss_sum / global_count).backward()   # the collection applies its sparse update here
         if self.world == 1:
             self.optimizer.step()
-            return float(loss_sum.detach()) / global_count
+            return loss_sum.detach()
         grads = [p.grad.reshape(-1) for p in self.dense_params]
         flat = self.allreduce(torch.cat(grads + [loss_sum.detach().reshape(1)]))
         offset = 0
@@ -425,7 +467,7 @@ class Trainer:
             p.grad.copy_(flat[offset:offset + g.numel()].view_as(p.grad))
             offset += g.numel()
         self.optimizer.step()
-        return float(flat[-1]) / global_count
+        return flat[-1]
 
     def allreduce(self, tensor):
         torch = self.torch
@@ -486,7 +528,9 @@ class Trainer:
         # the first step compiles (or loads) the kernels: the time left is estimated without it
         bar = Progress(self.steps, "train", initial=self.step, enabled=self.root, warm=1)
         mark = time.perf_counter()
+        self.laps.start()
         for i, (step, batch, count) in enumerate(self.train_batches()):
+            self.laps.lap("data")
             loss = self.train_step(batch, count)
             if self.governor is not None:
                 self.governor.tick()
@@ -495,6 +539,7 @@ class Trainer:
             if i:  # the first step compiles kernels: samples/s leaves it out
                 self.timed_seconds += now - mark
                 self.timed_samples += count
+                self.laps.keep()
             else:
                 self.first_step_seconds = now - mark
             self.step = step + 1
@@ -506,6 +551,7 @@ class Trainer:
                     and self.step < self.steps):
                 self.save_checkpoint()
             mark = time.perf_counter()
+            self.laps.start()
         bar.close()
         if not self.evals or self.evals[-1]["step"] != self.step:
             self.record_eval()
@@ -530,6 +576,7 @@ class Trainer:
             "steps": self.step, "batch_size": a.batch_size, "samples_per_s": rate,
             "cuda_graph": bool(a.cuda_graph and self.graph is not None),
             "train_seconds": self.train_seconds, "first_step_seconds": self.first_step_seconds,
+            "step_phases_ms": self.laps.per_step_ms(),
             "plan": self.collection.plan.to_json(),
             "threads": ({"mode": "auto", "last": self.governor.threads,
                          "changes": self.governor.changes} if self.governor
@@ -551,6 +598,10 @@ class Trainer:
         drawn = draw_curve(chart, self.history, self.evals, self.eval_split)
         first = ("" if self.first_step_seconds is None
                  else f" (first step {self.first_step_seconds:.2f} s)")
+        phases = self.laps.per_step_ms()
+        if phases:
+            print("per step, ms (the first step left out): "
+                  + ", ".join(f"{name} {ms:.3f}" for name, ms in phases.items()), flush=True)
         ran = self.step - self.first_step
         resumed = f" (steps {self.first_step + 1}-{self.step})" if self.first_step else ""
         print(f"{ran} steps{resumed} x {a.batch_size} samples on {self.world} rank(s): "

@@ -44,6 +44,11 @@ def test_one_process_metrics(straight):
     assert all(h["samples"] == 128 for h in straight["train"])
     assert np.isfinite(losses(straight)).all() and straight["samples_per_s"] > 0
     assert 0 < straight["first_step_seconds"] < straight["train_seconds"]
+    # the 19 timed steps' phases: nearly all of their wall time (the thread governor's tick
+    # is left out)
+    phases = straight["step_phases_ms"]
+    assert list(phases) == ["data", "inputs", "step", "wait"] and min(phases.values()) >= 0
+    assert sum(phases.values()) / 1e3 == pytest.approx(128 / straight["samples_per_s"], rel=0.05)
     final = straight["final"]
     assert final["eval_samples"] == 512 and 0.0 <= final["eval_auc"] <= 1.0
     assert final["eval_logloss"] > 0 and final["train_loss"] == straight["train"][-1]["loss"]
