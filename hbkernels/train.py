@@ -115,6 +115,41 @@ class StagedInputs:
         return [t[:a.shape[0]] for t, a in zip(self.tensors, arrays)]
 
 
+class LaggedLoss:
+    """Step losses read back one step late: a step's loss (a 0-d tensor) is copied to the
+    host as the step's last queued work (on a GPU into one of two pinned buffers, in turn,
+    with an event), and read once the next step is queued, so the host prepares a step
+    while the device runs the one before."""
+
+    def __init__(self, torch, device):
+        self.torch, self.cuda = torch, device == "cuda"
+        self.hosts = [None, None]
+        self.events = [torch.cuda.Event() if self.cuda else None for _ in range(2)]
+        self.turn, self.pending = 0, None
+
+    def put(self, loss, info):
+        """Queue the copy of ``loss`` on the current stream; ``info`` comes back with it
+        from :meth:`take`."""
+        k = self.turn
+        self.turn = 1 - k
+        if self.hosts[k] is None or self.hosts[k].dtype != loss.dtype:
+            self.hosts[k] = self.torch.zeros((), dtype=loss.dtype, pin_memory=self.cuda)
+        self.hosts[k].copy_(loss.detach(), non_blocking=self.cuda)
+        if self.cuda:
+            self.events[k].record()
+        self.pending = (k, info)
+
+    def take(self):
+        """``(loss as a float, info)`` of the step put last (a wait for its copy), or
+        None; cleared."""
+        if self.pending is None:
+            return None
+        (k, info), self.pending = self.pending, None
+        if self.cuda:
+            self.events[k].synchronize()
+        return float(self.hosts[k]), info
+
+
 class Laps:
     """Wall time of a step's phases: ``lap(name)`` charges the time since the last lap (or
     :meth:`start`) to ``name``; :meth:`keep` adds the step's laps to the totals."""
@@ -197,6 +232,8 @@ class Trainer:
         if args.cuda_graph and (device != "cuda" or self.world > 1):
             raise CLIError("--cuda-graph captures the step of one rank on a GPU (--device cuda); "
                            f"this run has {self.world} rank(s) on {device}")
+        # --cuda-graph: the losses read one step late
+        self.lagged = LaggedLoss(torch, self.torch_device) if args.cuda_graph else None
         self.static = None  # --cuda-graph: the step's fixed inputs (StagedInputs)
         self.graph = None  # (torch CUDAGraph, the collection's CapturedStep, loss, count)
         self.uncaptured = 0  # --cuda-graph on a GPU: steps run before the capture
@@ -392,15 +429,31 @@ class Trainer:
             yield self.raw_ids(self.train_data.batch(index, size, stream=EVAL).rows(*self.local_slice(size)))
 
     # -- steps --------------------------------------------------------------------------------
-    def train_step(self, batch, global_count):
-        """The step's mean loss (a float), its phases lapped: ``inputs`` (the batch to
-        tensors on the device), ``step`` (the step queued), ``wait`` (its loss read back:
-        where the host waits for the device)."""
+    def train_step(self, batch, number, global_count):
+        """Queue step ``number``; ``[(mean loss, number, global count)]`` of the steps
+        whose loss is read back
+        (with ``--cuda-graph`` the step before this one, :class:`LaggedLoss`; else this
+        one). Its phases are lapped: ``inputs`` (the batch to tensors on the device),
+        ``step`` (the step queued), ``wait`` (losses read back: where the host waits for
+        the device)."""
         loss = self.queue_step(batch, global_count)
         self.laps.lap("step")
-        loss = float(loss) / global_count
+        if self.lagged is None:
+            done = [(float(loss) / global_count, number, global_count)]
+        else:
+            done = self.take_lagged()
+            self.lagged.put(loss, (number, global_count))  # on torch's stream, as the step
         self.laps.lap("wait")
-        return loss
+        return done
+
+    def take_lagged(self):
+        """``[(mean loss, number, global count)]`` of the step whose loss is still to be
+        read, or ``[]``."""
+        taken = None if self.lagged is None else self.lagged.take()
+        if taken is None:
+            return []
+        loss_sum, (number, global_count) = taken
+        return [(loss_sum / global_count, number, global_count)]
 
     def queue_step(self, batch, global_count):
         """The step queued; its loss summed over the global batch (a 0-d tensor)."""
@@ -531,7 +584,14 @@ class Trainer:
         self.laps.start()
         for i, (step, batch, count) in enumerate(self.train_batches()):
             self.laps.lap("data")
-            loss = self.train_step(batch, count)
+            done = self.train_step(batch, step + 1, count)
+            self.step = step + 1
+            evaluate = a.eval_every and self.step % a.eval_every == 0 and self.step < self.steps
+            save = (a.checkpoint and a.checkpoint_every and self.step % a.checkpoint_every == 0
+                    and self.step < self.steps)
+            if evaluate or save or self.step == self.steps:  # this step's loss is wanted now
+                done += self.take_lagged()
+                self.laps.lap("wait")
             if self.governor is not None:
                 self.governor.tick()
             now = time.perf_counter()
@@ -542,16 +602,17 @@ class Trainer:
                 self.laps.keep()
             else:
                 self.first_step_seconds = now - mark
-            self.step = step + 1
-            self.history.append({"step": self.step, "loss": loss, "samples": count})
-            bar.update(loss=f"{loss:.4f}")
-            if a.eval_every and self.step % a.eval_every == 0 and self.step < self.steps:
+            for loss, number, samples in done:
+                self.history.append({"step": number, "loss": loss, "samples": samples})
+            bar.update(**({"loss": f"{self.history[-1]['loss']:.4f}"} if self.history else {}))
+            if evaluate:
                 self.record_eval()
-            if (a.checkpoint and a.checkpoint_every and self.step % a.checkpoint_every == 0
-                    and self.step < self.steps):
+            if save:
                 self.save_checkpoint()
             mark = time.perf_counter()
             self.laps.start()
+        for loss, number, samples in self.take_lagged():  # a run stopped early
+            self.history.append({"step": number, "loss": loss, "samples": samples})
         bar.close()
         if not self.evals or self.evals[-1]["step"] != self.step:
             self.record_eval()

@@ -516,6 +516,24 @@ def test_train_on_the_cuda_path_gives_the_cpu_results(tmp_path):
     assert metrics["graph"]["final"] == cuda
 
 
+def test_lagged_losses_come_back_one_step_late():
+    """``--cuda-graph``'s loss reads: each put's value (its dtype's, as ``float()`` reads
+    it) comes back, with its info, at the next take; a take with nothing put is None."""
+    torch = pytest.importorskip("torch")
+    from hbkernels.train import LaggedLoss
+
+    lagged = LaggedLoss(torch, "cpu")
+    assert lagged.take() is None
+    for i, value in enumerate((0.1, 2.5, -3.75)):
+        loss = torch.tensor(value, dtype=torch.float32)
+        lagged.put(loss, i)
+        loss.add_(100.0)  # the step's loss tensor changed after the put: the copy holds
+        assert lagged.take() == (float(np.float32(value)), i)
+        assert lagged.take() is None
+    lagged.put(torch.tensor(1.5, dtype=torch.float64), "x")  # another dtype: its own buffer
+    assert lagged.take() == (1.5, "x")
+
+
 @pytest.mark.parametrize("staged", [False, True])
 def test_staged_inputs_are_the_batches_arrays(rng, staged):
     """``--cuda-graph``'s fixed inputs: views of one buffer, refilled with one copy (through

@@ -107,7 +107,8 @@ def run(ctx):
         losses = {HBK: [], "torchrec": []}
 
         def hbk_step(batch):
-            losses[HBK].append(trainer.train_step(batch, batch_size))
+            (loss, _, _), = trainer.train_step(batch, 0, batch_size)  # (read back at once)
+            losses[HBK].append(loss)
             if trainer.governor is not None:
                 trainer.governor.tick()
 
@@ -130,7 +131,8 @@ def run(ctx):
         losses[DYNAMIC] = []
 
         def dynamic_step(batch):
-            losses[DYNAMIC].append(dynamic.train_step(raw[id(batch)], batch_size))
+            (loss, _, _), = dynamic.train_step(raw[id(batch)], 0, batch_size)
+            losses[DYNAMIC].append(loss)
             if dynamic.governor is not None:
                 dynamic.governor.tick()
 
