@@ -329,3 +329,30 @@ def test_the_backward_takes_cupy_inputs_as_they_are_only_where_resolve_would():
     rows, out = agreeing(BACKWARD, 8)
     assert {name for name, path, _ in rows if path == "fast"} == {
         "plain", "int32 values", "fp16 grad"}, out
+
+
+EVENT_CASES = textwrap.dedent("""
+    import sys
+    from hbkernels.bench import null_device as nd
+    nd.install()
+    from hbkernels.bench.bench_launch import event_cases
+    for name, call in event_cases(sys.modules["cupy"], 256, 16, 1000):
+        call()  # (the arrays made once, outside the counted call)
+        before = dict(nd.COUNTS)
+        call()
+        print(name, {k: nd.COUNTS[k] - before[k] for k in nd.EVENTS if nd.COUNTS[k] != before[k]})
+""")
+
+
+def test_each_event_case_makes_its_one_event():
+    """``bench_launch``'s event cases, timed alone on a GPU beside the profile: the
+    allocation makes one allocation; each library call one call and its result's
+    allocation; nothing else, on the null device."""
+    res = run_python("-c", EVENT_CASES, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = res.stdout.splitlines()
+    assert len(lines) == 6
+    for line in lines:
+        want = ("{'allocations': 1}" if line.startswith("allocation ")
+                else "{'library': 1, 'allocations': 1}")
+        assert line.endswith(want), line

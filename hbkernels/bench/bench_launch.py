@@ -1,6 +1,7 @@
 """Host cost per call: each op at a tiny size (B=256 one-id bags, D=16, E=1000), where the
 device work is a few microseconds and the call's time is what the host spends on it
-(validation, launches, allocations, waits), against torch's ``F.embedding_bag``.
+(validation, launches, allocations, waits), against torch's ``F.embedding_bag``; on a GPU, also each kind of event the null device
+charges a cost for (an allocation, CuPy's library calls), alone.
 
 Each provider runs ``calls`` times back to back, then waits once for the device; the
 row's median is the wall time per call over such loops. On a GPU every case of
@@ -89,6 +90,7 @@ def cases(ctx):
         out = [(f"{c.op} {c.mode}", HBK, c.call)
                for c in host_cases.op_cases(xp, lambda answers: contextlib.nullcontext(), b, d, e)]
         out += [(f"{c.op} {c.mode}", HBK, c.call) for c in host_cases.collection_cases(xp)]
+        out += [(f"event {name}", ctx.xp_name, call) for name, call in event_cases(xp, b, d, e)]
     else:
         table = ctx.random_table(e, d, "float32")
         ids = ctx.zipf_ids(b, e, 1.05)
@@ -112,6 +114,28 @@ def cases(ctx):
         out.append(("embedding_bag", "torch",
                     lambda: bag(t["ids"], t["w"], t["offsets"], mode="sum")))
     return out
+
+
+def event_cases(xp, b, d, e):
+    """``(name, call)`` of each kind of event the null device charges a cost for, alone on
+    CuPy at the cases' sizes: an allocation, and the library calls the ops make (a sort, a
+    join, a conversion, a scan, a copy to the device), each with its result's allocation.
+    What each costs the host on a GPU is what the null device's assumed costs stand for (a
+    launch's: ``check_ragged``, one launch and nothing else, less its Python time on the
+    null device)."""
+    import numpy as np
+
+    ids = xp.asarray(np.random.default_rng(0).integers(0, e, b))
+    pieces = [ids[k::8] for k in range(8)]
+    small = np.arange(2 * b, dtype=np.int64)
+    return [
+        ("allocation (empty)", lambda: xp.empty((b, d), xp.float32)),
+        ("library (argsort)", lambda: xp.argsort(ids)),
+        ("library (concatenate of 8)", lambda: xp.concatenate(pieces)),
+        ("library (astype)", lambda: ids.astype(xp.int32)),
+        ("library (cumsum)", lambda: xp.cumsum(ids)),
+        ("library (copy to the device)", lambda: xp.asarray(small)),
+    ]
 
 
 def run(ctx):
