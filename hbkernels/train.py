@@ -431,11 +431,10 @@ class Trainer:
     # -- steps --------------------------------------------------------------------------------
     def train_step(self, batch, number, global_count):
         """Queue step ``number``; ``[(mean loss, number, global count)]`` of the steps
-        whose loss is read back
-        (with ``--cuda-graph`` the step before this one, :class:`LaggedLoss`; else this
-        one). Its phases are lapped: ``inputs`` (the batch to tensors on the device),
-        ``step`` (the step queued), ``wait`` (losses read back: where the host waits for
-        the device)."""
+        whose loss is read back (with ``--cuda-graph`` the step before this one,
+        :class:`LaggedLoss`; else this one). Its phases are lapped: ``inputs`` (the batch
+        to tensors on the device), ``step`` (the step queued), ``wait`` (losses read back:
+        where the host waits for the device)."""
         loss = self.queue_step(batch, global_count)
         self.laps.lap("step")
         if self.lagged is None:

@@ -175,6 +175,7 @@ def test_a_torch_graph_replays_the_uncaptured_steps():
             np.testing.assert_array_equal(host(o), outs[k][f], err_msg=f)
     del first
     for t in ("a", "b", "c", "d"):
-        np.testing.assert_array_equal(host(graphed.full_weights(t)), host(plain.full_weights(t)), err_msg=t)
+        np.testing.assert_array_equal(host(graphed.full_weights(t)), host(plain.full_weights(t)),
+                                      err_msg=t)
         for name, value in plain.full_state(t).items():
             np.testing.assert_array_equal(host(graphed.full_state(t)[name]), host(value), err_msg=name)

@@ -1,7 +1,8 @@
 """Host cost per call: each op at a tiny size (B=256 one-id bags, D=16, E=1000), where the
 device work is a few microseconds and the call's time is what the host spends on it
-(validation, launches, allocations, waits), against torch's ``F.embedding_bag``; on a GPU, also each kind of event the null device
-charges a cost for (an allocation, CuPy's library calls), alone.
+(validation, launches, allocations, waits), against torch's ``F.embedding_bag``; on a GPU,
+also each kind of event the null device charges a cost for (an allocation, CuPy's library
+calls), alone.
 
 Each provider runs ``calls`` times back to back, then waits once for the device; the
 row's median is the wall time per call over such loops. On a GPU every case of

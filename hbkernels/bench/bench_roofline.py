@@ -234,6 +234,10 @@ def step_cases(ctx, s):
         ids = zipf if hot is None else hot_ids(ctx, zipf, hot)
         rows = np.unique(to_host(ids))  # the rows a step changes: the only ones compared
         touched = rows.shape[0]
+
+        def changed(result, rows=rows):
+            return (as_arrays(result)[0][rows],)
+
         update = grad.nbytes + 2 * touched * dim * 4 + 2 * touched * 4 + ids.nbytes + offsets.nbytes
         size = size_label(E=E, D=dim, B=B, L=length, zipf=s["alpha"], touched=touched,
                           **({} if hot is None else {"hot": hot}))
@@ -242,8 +246,7 @@ def step_cases(ctx, s):
             hbk_step(HBK, fused=True, forward=False),
             hbk_step(UNFUSED, fused=False, forward=False),
             array_step(ctx, B, length),
-        ], nbytes=update, rtol=1e-4, atol=1e-5, parts=[backward_alone(E)],
-            canon=lambda r, rows=rows: (as_arrays(r)[0][rows],))
+        ], nbytes=update, rtol=1e-4, atol=1e-5, parts=[backward_alone(E)], canon=changed)
         peer = torch_step(ctx)
         if peer is None:
             ctx.note("torch is not installed (or disabled): the fwd+bwd+rowwise_adagrad step is skipped")
@@ -252,8 +255,7 @@ def step_cases(ctx, s):
                 hbk_step(HBK, fused=True, forward=True),
                 hbk_step(UNFUSED, fused=False, forward=True),
                 peer,
-            ], nbytes=update + forward, rtol=1e-4, atol=1e-5,
-                canon=lambda r, rows=rows: (as_arrays(r)[0][rows],))
+            ], nbytes=update + forward, rtol=1e-4, atol=1e-5, canon=changed)
         del ids
     del w, grad, zipf, offsets
     ctx.release()
