@@ -211,6 +211,23 @@ def test_bounds_unchecked_on_valid_input(backend, rng):
     check_against_dense(ids, rows, dense, touched, np.float32, np.int32)
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_bounds_unchecked_positions_no_bag_covers_are_left_out(backend, padded):
+    """Unchecked offsets that start past 0 and end before the last value: the values they
+    miss are in no bag, so in no row (never garbage from unset memory)."""
+    values = np.array([7, 0, 1, 2, 3, 0, 9, 0], np.int64)
+    offsets = np.array([2, 4, 5], np.int64)
+    grad_out = np.array([[1.0, 2.0], [4.0, 8.0]], np.float32)
+    for _ in range(2):  # a second call, in memory the first left
+        ids, rows = run_backward(backend, grad_out, values, offsets, 10, bounds="unchecked",
+                                 padded=padded)
+        kept = ids >= 0
+        np.testing.assert_array_equal(np.sort(ids[kept]), [1, 2, 3])
+        by_id = dict(zip(ids[kept].tolist(), rows[kept].tolist()))
+        assert by_id == {1: [1.0, 2.0], 2: [1.0, 2.0], 3: [4.0, 8.0]}
+        assert not rows[~kept].any()
+
+
 @pytest.mark.parametrize("offsets, message", [
     ([1, 2, 3], r"offsets\[0\] = 1, expected 0"),
     ([0, 3, 2], r"offsets\[2\] = 2 < offsets\[1\] = 3"),

@@ -170,6 +170,15 @@ def prepare_kernel(acc_dtype, weights_dtype, scaled, grad_dtype=None):
     return prepare_kernel
 
 
+@cuda.jit(cache=False)
+def unset_kernel(keys, bag_of):
+    """``keys[j] = bag_of[j] = -1`` for every position (grid-stride): positions no bag
+    covers then hold an out-of-range key and bag."""
+    for j in range(cuda.grid(1), keys.shape[0], cuda.gridsize(1)):
+        keys[j] = -1
+        bag_of[j] = -1
+
+
 def key_dtype(num_rows):
     """Sort keys: int32 (half the radix passes) when every row id and -1 fit."""
     return np.dtype(np.int32) if num_rows < 2**31 else np.dtype(np.int64)
@@ -180,9 +189,9 @@ def prepare(family, values, offsets, weights, combiner, num_rows, acc_dtype, che
     """Launch the per-bag pass. Returns ``(keys, bag_of, coef, slots)`` (``xp`` arrays;
     ``coef`` is empty when every coefficient is 1: no weights, combiner sum; ``slots``
     holds (first bad offset, first bad id), or nothing when nothing is recorded; the
-    caller may pass the slots). Positions no bag covers get key and bag -1, unless
-    the offsets are checked: valid offsets cover every position, and with invalid ones
-    the caller returns before the keys are used. ``grad`` (a 2-D array; the caller
+    caller may pass the slots). Positions no bag covers get key and bag -1 (a launch of
+    their own before the pass), unless the offsets are checked: valid offsets cover every
+    position, and with invalid ones the caller returns before the keys are used. ``grad`` (a 2-D array; the caller
     passes ``slots``, three at least): its first row holding NaN or Inf goes to
     ``slots[2]``, in the same launch."""
     n = values.shape[0]
@@ -199,17 +208,15 @@ def prepare(family, values, offsets, weights, combiner, num_rows, acc_dtype, che
                            dtype_key(signature[5])),
             _device.scratch(0, acc_dtype), _device.scratch((0, 1), acc_dtype))
     keys_dtype, bags_dtype, kernel, no_coef, no_grad = plan
-    if check_offsets:
-        keys = _device.scratch(n, keys_dtype)
-        bag_of = _device.scratch(n, bags_dtype)
-    else:
-        keys = _device.full(n, -1, keys_dtype)
-        bag_of = _device.full(n, -1, bags_dtype)
+    keys = _device.scratch(n, keys_dtype)
+    bag_of = _device.scratch(n, bags_dtype)
+    tpb = threads_per_block()
+    if not check_offsets and n:  # every position first -1: unchecked offsets may miss some
+        launch(unset_kernel, blocks_for(n, tpb), tpb, keys, bag_of)
     coef = _device.scratch(n, acc_dtype) if scaled else no_coef
     if slots is None:
         slots = error_slots(2) if check_offsets or record_ids else no_error_slots()
     k_weights = values if weights is None else family.kernel_array(weights)
-    tpb = threads_per_block()
     blocks = blocks_for(num_bags, tpb)
     if grad is not None:
         blocks = max(blocks, scan_blocks(grad, tpb))
