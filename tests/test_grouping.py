@@ -104,6 +104,25 @@ def test_bag_scales_count_only_kept_ids(combiner):
     check(values, offsets, None, combiner, num_rows=1000)
 
 
+def test_the_first_bad_id_is_found_and_can_stop_the_grouping():
+    """``first_bad``: the first position in input order of an id outside the table, over
+    every chunk of bags; with ``stop_at_bad`` nothing is grouped then."""
+    rng = np.random.default_rng(3)
+    values, offsets = zipf_batch(rng, 4000, 30, 1000)
+    assert grouping.bag_chunks(offsets).shape[0] > 3  # several chunks
+    clean = group_occurrences(values, offsets, None, Combiner.SUM, 1000, True, np.float32,
+                              stop_at_bad=True)
+    assert clean.parts.first_bad == -1 and clean.count > 0
+    n = values.shape[0]
+    for position, bad in ((n - 2, 1000), (n // 3, -1), (2 * n // 3, 5000)):
+        values[position] = bad
+    kept = group_occurrences(values, offsets, None, Combiner.SUM, 1000, True, np.float32)
+    assert kept.parts.first_bad == n // 3 and kept.count > 0  # dropped, grouped without them
+    stopped = group_occurrences(values, offsets, None, Combiner.SUM, 1000, True, np.float32,
+                                stop_at_bad=True)
+    assert stopped.parts.first_bad == n // 3 and stopped.count == 0
+
+
 def test_without_skipping_bad_ids_they_are_grouped_too():
     values = np.array([5, -3, 5, 10**12], np.int64)
     g = check(values, np.array([0, 2, 4]), num_rows=6, skip_bad=False)

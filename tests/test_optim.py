@@ -444,6 +444,26 @@ def test_bad_ids_raise(backend):
     assert table.states()["step"][0] == 0
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_the_first_of_many_bad_ids_is_named(backend, rng, fused):
+    """Bad ids in several parts of a batch (the CPU groups a batch's bags in chunks, in
+    parallel): the first in input order is named and nothing changes."""
+    bags, length = (8, 2) if backend.small else (4096, 4)
+    n = bags * length
+    values = rng.integers(0, 5, n)
+    first = n // 40
+    for position, bad in ((n - 3, -2), (first, 9), (n // 2, 5)):
+        values[position] = bad
+    w0 = np.ones((5, 2), np.float32)
+    table = Table(backend, make_opt("Adagrad"), w0)
+    with raises(hbk.BoundsError, match=rf"values\[{first}\] = 9 is out of range \[0, 5\)"):
+        table.bag_step(np.ones((bags, 2), np.float32), values,
+                       np.arange(bags + 1, dtype=np.int64) * length, fused)
+        hbk.synchronize()
+    np.testing.assert_array_equal(table.weights(), w0)
+    assert table.states()["step"][0] == 0
+
+
 BAD_ID = (hbk.BoundsError, r"values\[1\] = 7 is out of range \[0, 5\)")
 DECREASING = (ValueError, r"offsets\[2\] = 2 < offsets\[1\] = 3")
 NOT_ZERO = (ValueError, r"offsets\[0\] = 1, expected 0")

@@ -13,8 +13,9 @@ frequency (hot rows packed at the table's start); uniform. Each case also times
 once, the least memory traffic of that layout. Row-wise Adagrad's cases also time, as
 parts of the step: hbkernels' update alone (``fused_step``, ``hbkernels-update``), its
 ``embedding_bag_backward`` alone (``hbkernels-backward``), the update's phases before its
-sums (``hbkernels-checks``: the ids, offsets and gradient checked; ``hbkernels-grouping``:
-the occurrences grouped by id, :func:`hbkernels.cpu.grouping.group_occurrences`), and TBE's
+sums (``hbkernels-checks``: the offsets and gradient checked; ``hbkernels-grouping``:
+the occurrences grouped by id, :func:`hbkernels.cpu.grouping.group_occurrences`, whose first
+pass also finds an id out of range), and TBE's
 forward alone (``fbgemm-tbe-forward``; TBE's update alone is its step less its forward, as
 the two are timed in the same rounds). Each provider steps its own
 copy of the table from the same start; the rows of the first 512 distinct ids after
@@ -29,7 +30,7 @@ import hbkernels as hbk
 from hbkernels._dispatch import NUMPY
 from hbkernels._modes import Bounds, Combiner
 from hbkernels.cpu.grouping import group_occurrences
-from hbkernels.cpu.sparse_update import fused_checks
+from hbkernels.cpu.sparse_update import checks_before_grouping, fused_checks
 from .anchors import TBE_RULES, fbgemm_tbe, tbe_table, tbe_weights
 from .bounds import gather_scatter
 from .common import HBK, LAYOUTS, Provider, bags_size, cli_main, placed_empty
@@ -86,11 +87,11 @@ def hbk_provider(ctx, name, line_offset, part=None):
 
     def checks(a):
         return fused_checks(NUMPY, a["grad"], None, a["ids"], a["offsets"], a["w"].shape[0],
-                            Bounds.RAISE, True)
+                            checks_before_grouping(Bounds.RAISE), True)
 
     def grouping(a):
         return group_occurrences(a["ids"], a["offsets"], None, Combiner.SUM, a["w"].shape[0],
-                                 True, np.float32)
+                                 True, np.float32, stop_at_bad=True)
 
     if part is None:
         return Provider(HBK, run, prepare=prepare)

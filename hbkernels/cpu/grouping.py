@@ -93,15 +93,22 @@ def _bad(v, num_rows, skip_bad):
 
 
 @cached_njit(parallel=True)
-def _histogram(values, offsets, num_rows, skip_bad, bits, chunk_bags):
-    """``[chunks, partitions]`` counts of the (kept) occurrences of each bag chunk."""
+def _histogram(values, offsets, num_rows, skip_bad, bits, chunk_bags, first_bad):
+    """``[chunks, partitions]`` counts of the (kept) occurrences of each bag chunk; the
+    first bad position of chunk ``c`` (dropped when ``skip_bad``) to ``first_bad[c]``, -1
+    where none."""
     num_chunks = chunk_bags.shape[0] - 1
     hist = np.zeros((num_chunks, 1 << bits), np.int64)
     for c in prange(num_chunks):
+        bad = -1
         for j in range(offsets[chunk_bags[c]], offsets[chunk_bags[c + 1]]):
             v = values[j]
-            if not _bad(v, num_rows, skip_bad):
+            if _bad(v, num_rows, skip_bad):
+                if bad == -1:
+                    bad = j
+            else:
                 hist[c, _partition(v, bits)] += 1
+        first_bad[c] = bad
     return hist
 
 
@@ -190,12 +197,15 @@ class Partitions(NamedTuple):
     partition ``p`` holds ``[lo[p], lo[p+1])`` of ``ids`` (the id, in
     :func:`kept_id_dtype`), ``bag`` and
     ``coef`` (``c_b·w_j``; empty when all are 1). ``bits``: log2 of their number.
+    ``first_bad``: the first position of an id outside the table (-1: none, or not
+    looked for); when the caller stops there the arrays are left empty.
     The arrays are this thread's scratch (see the module's note)."""
     bits: int
     lo: np.ndarray
     ids: np.ndarray
     bag: np.ndarray
     coef: np.ndarray
+    first_bad: int = -1
 
     @property
     def count(self):
@@ -207,16 +217,23 @@ class Partitions(NamedTuple):
 
 
 def partition_occurrences(values, offsets, per_sample_weights, combiner, num_rows, skip_bad,
-                          coef_dtype):
+                          coef_dtype, stop_at_bad=False):
     """Steps 1 and 2 above: the :class:`Partitions` of a batch (at least
     ``2**MIN_PARTITION_BITS`` of them); coefficients in ``coef_dtype``, bad ids (outside
-    ``[0, num_rows)``) dropped when ``skip_bad``."""
+    ``[0, num_rows)``) dropped when ``skip_bad``, their first position found; with
+    ``stop_at_bad`` (and ``skip_bad``) a batch with one stops after step 1."""
     weighted = per_sample_weights is not None
     weights = (per_sample_weights.astype(coef_dtype, copy=False) if weighted
                else np.ones(1, coef_dtype))
     bits = max(partition_bits(values.shape[0]), MIN_PARTITION_BITS)
     chunks = bag_chunks(offsets)
-    hist = _histogram(values, offsets, num_rows, skip_bad, bits, chunks)
+    bad = np.empty(chunks.shape[0] - 1, np.int64)
+    hist = _histogram(values, offsets, num_rows, skip_bad, bits, chunks, bad)
+    found = bad[bad >= 0]
+    first_bad = int(found[0]) if found.shape[0] else -1  # (chunks in input order)
+    if stop_at_bad and first_bad != -1:
+        empty = np.empty(0, values.dtype)
+        return Partitions(bits, np.zeros(1, np.int64), empty, empty, empty, first_bad)
     flat = hist.T.reshape(-1)      # partition-major: a partition's chunks in input order
     ends = np.cumsum(flat)
     base = np.ascontiguousarray((ends - flat).reshape(hist.shape[1], hist.shape[0]).T)
@@ -229,7 +246,7 @@ def partition_occurrences(values, offsets, per_sample_weights, combiner, num_row
     s_coef = scratch("s_coef", num_coefs, weights.dtype)
     _scatter(values, offsets, weights, weighted, combiner, num_rows, skip_bad, bits, chunks,
              base, s_ids, s_bag, s_coef)
-    return Partitions(bits, part_lo, s_ids, s_bag, s_coef)
+    return Partitions(bits, part_lo, s_ids, s_bag, s_coef, first_bad)
 
 
 def kept_id_dtype(values, num_rows, skip_bad):
@@ -263,11 +280,12 @@ class Groups(NamedTuple):
 
 
 def group_occurrences(values, offsets, per_sample_weights, combiner, num_rows, skip_bad,
-                      coef_dtype):
+                      coef_dtype, stop_at_bad=False):
     """The :class:`Groups` of a batch: steps 1 to 3 above; coefficients in
-    ``coef_dtype``, bad ids (outside ``[0, num_rows)``) dropped when ``skip_bad``."""
+    ``coef_dtype``, bad ids (outside ``[0, num_rows)``) dropped when ``skip_bad``; with
+    ``stop_at_bad`` a batch with one is not grouped (no groups; ``parts.first_bad``)."""
     parts = partition_occurrences(values, offsets, per_sample_weights, combiner, num_rows,
-                                  skip_bad, coef_dtype)
+                                  skip_bad, coef_dtype, stop_at_bad)
     ids = scratch("t_ids", parts.total, parts.ids.dtype)
     local = scratch("local", parts.total, np.int32 if parts.total < 2**31 else np.int64)
     num_distinct = np.zeros(parts.count, np.int64)

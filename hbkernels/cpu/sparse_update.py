@@ -399,31 +399,45 @@ def sparse_update(family, rule, weights, state1, state2, hp, ids, rows, skip_non
     target.finish(ids)
 
 
+def checks_before_grouping(bounds):
+    """The bounds :func:`fused_sparse_update` checks its input under before grouping its
+    occurrences: the offsets alone under ``"raise"`` (the grouping's first pass finds
+    the first id out of range), else ``bounds``."""
+    return Bounds.ZERO if bounds == Bounds.RAISE else bounds
+
+
 def fused_sparse_update(family, rule, weights, state1, state2, hp, grad_out, values, offsets,
                         psw, combiner, bounds, finite, skip_nonfinite, stochastic, key,
                         on_error=None):
     """The checks of :func:`fused_checks`, then, when all pass, the update. Returns the
     checks' first bad positions (all -1: the update ran); the caller raises, so
-    ``on_error`` (for checks read later, as on the GPU) is not used."""
-    bad = fused_checks(family, grad_out, psw, values, offsets, weights.shape[0], bounds, finite)
+    ``on_error`` (for checks read later, as on the GPU) is not used. Under ``"raise"``
+    the ids are checked by the grouping's first pass over them (nothing is written when
+    one is out of range), the offsets before it."""
+    bad = fused_checks(family, grad_out, psw, values, offsets, weights.shape[0],
+                       checks_before_grouping(bounds), finite)
     if any(b != -1 for b in bad):
         return bad
-    _fused_update(family, rule, weights, state1, state2, hp, grad_out, values, offsets, psw,
-                  combiner, bounds, skip_nonfinite, stochastic, key)
-    return bad
+    bad_id = _fused_update(family, rule, weights, state1, state2, hp, grad_out, values, offsets,
+                           psw, combiner, bounds, skip_nonfinite, stochastic, key)
+    return bad[:3] + (bad_id,)
 
 
 def _fused_update(family, rule, weights, state1, state2, hp, grad_out, values, offsets, psw,
                   combiner, bounds, skip_nonfinite, stochastic, key):
+    """The update (after the checks); under ``"raise"`` the first out-of-range id's
+    position, with nothing updated (-1: none)."""
     dim = weights.shape[1]
     if values.shape[0] == 0 or offsets.shape[0] < 2:
-        return
+        return -1
     acc = accumulator_dtype(weights.dtype)
     groups = group_occurrences(values, offsets, psw, combiner, weights.shape[0],
-                               bounds != Bounds.UNCHECKED, acc)
+                               bounds != Bounds.UNCHECKED, acc, stop_at_bad=bounds == Bounds.RAISE)
+    if groups.parts.first_bad != -1 and bounds == Bounds.RAISE:
+        return groups.parts.first_bad
     num_ids = groups.count
     if num_ids == 0:
-        return
+        return -1
     ids = np.empty(num_ids, values.dtype)
     target = _Target(weights, state1, state2, num_ids, stochastic)
     grad = np.ascontiguousarray(grad_out, dtype=acc)
@@ -434,3 +448,4 @@ def _fused_update(family, rule, weights, state1, state2, hp, grad_out, values, o
         bool(skip_nonfinite), target.rounding, np.uint64(key), target.updated, target.ahead,
     )
     target.finish(ids)
+    return -1
