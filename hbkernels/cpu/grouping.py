@@ -233,7 +233,8 @@ def partition_occurrences(values, offsets, per_sample_weights, combiner, num_row
     first_bad = int(found[0]) if found.shape[0] else -1  # (chunks in input order)
     if stop_at_bad and first_bad != -1:
         empty = np.empty(0, values.dtype)
-        return Partitions(bits, np.zeros(1, np.int64), empty, empty, empty, first_bad)
+        return Partitions(bits, np.zeros(1, np.int64), empty, np.empty(0, bag_dtype(offsets)),
+                          np.empty(0, coef_dtype), first_bad)
     flat = hist.T.reshape(-1)      # partition-major: a partition's chunks in input order
     ends = np.cumsum(flat)
     base = np.ascontiguousarray((ends - flat).reshape(hist.shape[1], hist.shape[0]).T)
@@ -286,6 +287,8 @@ def group_occurrences(values, offsets, per_sample_weights, combiner, num_rows, s
     ``stop_at_bad`` a batch with one is not grouped (no groups; ``parts.first_bad``)."""
     parts = partition_occurrences(values, offsets, per_sample_weights, combiner, num_rows,
                                   skip_bad, coef_dtype, stop_at_bad)
+    if stop_at_bad and parts.first_bad != -1:
+        return Groups(parts, parts.ids, np.empty(0, np.int32), np.zeros(1, np.int64))
     ids = scratch("t_ids", parts.total, parts.ids.dtype)
     local = scratch("local", parts.total, np.int32 if parts.total < 2**31 else np.int64)
     num_distinct = np.zeros(parts.count, np.int64)
