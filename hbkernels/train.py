@@ -454,6 +454,11 @@ class Trainer:
         loss_sum, (number, global_count) = taken
         return [(loss_sum / global_count, number, global_count)]
 
+    def record_losses(self, done):
+        """``done`` (as :meth:`train_step` returns it) into the history."""
+        for loss, number, samples in done:
+            self.history.append({"step": number, "loss": loss, "samples": samples})
+
     def queue_step(self, batch, global_count):
         """The step queued; its loss summed over the global batch (a 0-d tensor)."""
         if not self.args.cuda_graph:
@@ -601,8 +606,7 @@ class Trainer:
                 self.laps.keep()
             else:
                 self.first_step_seconds = now - mark
-            for loss, number, samples in done:
-                self.history.append({"step": number, "loss": loss, "samples": samples})
+            self.record_losses(done)
             bar.update(**({"loss": f"{self.history[-1]['loss']:.4f}"} if self.history else {}))
             if evaluate:
                 self.record_eval()
@@ -610,8 +614,7 @@ class Trainer:
                 self.save_checkpoint()
             mark = time.perf_counter()
             self.laps.start()
-        for loss, number, samples in self.take_lagged():  # a run stopped early
-            self.history.append({"step": number, "loss": loss, "samples": samples})
+        self.record_losses(self.take_lagged())  # a run stopped early
         bar.close()
         if not self.evals or self.evals[-1]["step"] != self.step:
             self.record_eval()

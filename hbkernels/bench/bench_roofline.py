@@ -247,10 +247,10 @@ def step_cases(ctx, s):
             hbk_step(UNFUSED, fused=False, forward=False),
             array_step(ctx, B, length),
         ], nbytes=update, rtol=1e-4, atol=1e-5, parts=[backward_alone(E)], canon=changed)
-        peer = torch_step(ctx)
-        if peer is None:
+        peer = torch_step(ctx) if hot is None else None  # (the Zipf stream's alone)
+        if hot is None and peer is None:
             ctx.note("torch is not installed (or disabled): the fwd+bwd+rowwise_adagrad step is skipped")
-        elif hot is None:
+        elif peer is not None:
             ctx.compare(STEP, "fwd+bwd+rowwise_adagrad", size, "float32", inputs, [
                 hbk_step(HBK, fused=True, forward=True),
                 hbk_step(UNFUSED, fused=False, forward=True),

@@ -431,9 +431,10 @@ def _fused_update(family, rule, weights, state1, state2, hp, grad_out, values, o
     if values.shape[0] == 0 or offsets.shape[0] < 2:
         return -1
     acc = accumulator_dtype(weights.dtype)
+    raising = bounds == Bounds.RAISE
     groups = group_occurrences(values, offsets, psw, combiner, weights.shape[0],
-                               bounds != Bounds.UNCHECKED, acc, stop_at_bad=bounds == Bounds.RAISE)
-    if groups.parts.first_bad != -1 and bounds == Bounds.RAISE:
+                               bounds != Bounds.UNCHECKED, acc, stop_at_bad=raising)
+    if raising and groups.parts.first_bad != -1:
         return groups.parts.first_bad
     num_ids = groups.count
     if num_ids == 0:
