@@ -279,9 +279,11 @@ CHILD = textwrap.dedent("""
         os.kill(os.getpid(), signal.SIGKILL)
 
     tier.Store.write = dying
-    step(3)
+    step(3)  # its evictions are written back in a background thread
     if mode == "save":
         coll.save(os.path.join(where, "ck"))
+    else:
+        step(4)  # its lookup waits for step 3's write-backs
     print("not killed")
 """)
 
