@@ -11,7 +11,7 @@ import pyarrow.parquet as pq  # noqa: E402
 
 from hbkernels.data import write_synthetic  # noqa: E402
 from hbkernels.data.synthetic import (  # noqa: E402
-    POSITIVE_RATE, SyntheticTable, ZipfIds, inverse_cdf)
+    POSITIVE_RATE, SyntheticTable, ZipfIds)
 
 ROOT = Path(__file__).resolve().parents[1]
 TABLES = [("user", 1000, 1), ("item", 5000, 3), ("history", 20000, 4, True),
@@ -139,15 +139,29 @@ def test_cli_synthetic(tmp_path):
 
 @pytest.mark.parametrize("num_rows, alpha", [(1, 1.05), (7, 0.0), (1000, 1.05), (5000, 0.0),
                                               (20000, 2.5), (100000, 1.05)])
-def test_inverse_cdf_is_numpy_searchsorted(num_rows, alpha):
-    """The guide-table sampler gives np.searchsorted's ranks, bit for bit: on random
-    uniforms, on every step j / N of the guide and on the floats just below them (where
-    u * N may round up to the next step), on the CDF's own values and below them."""
+def test_rows_are_the_permuted_searchsorted_ranks_and_their_effects(num_rows, alpha):
+    """The guide-table sampler gives np.searchsorted's ranks, bit for bit, sent through
+    the seed's permutation, and each row's effect: on random uniforms, on every step
+    j / N of the guide and on the floats just below them (where u * N may round up to
+    the next step), on the CDF's own values and below them. ``sample`` draws its
+    uniforms from ``rng``."""
     zipf = ZipfIds(num_rows, alpha, np.random.default_rng(num_rows))
+    row_of_rank = np.random.default_rng(num_rows).permutation(num_rows)
     steps = np.arange(num_rows + 1) / num_rows
     u = np.concatenate([
         np.random.default_rng(1).random(50_000), steps[:-1], np.nextafter(steps[1:], 0),
         zipf.cdf[:-1], np.nextafter(zipf.cdf, 0), [0.0, np.nextafter(1.0, 0)],
     ])
-    want = np.minimum(np.searchsorted(zipf.cdf, u, side="right"), num_rows - 1)
-    np.testing.assert_array_equal(inverse_cdf(zipf.cdf, zipf.guide, u), want)
+    want = row_of_rank[np.minimum(np.searchsorted(zipf.cdf, u, side="right"), num_rows - 1)]
+    ids, effects = zipf.rows(u)
+    np.testing.assert_array_equal(ids, want)
+    np.testing.assert_array_equal(effects, np.zeros(u.shape[0]))  # no effect set yet
+    effect = np.random.default_rng(2).standard_normal(num_rows).astype(np.float32)
+    zipf.set_effect(effect)
+    ids, effects = zipf.rows(u)
+    assert ids.dtype == np.int64 and effects.dtype == np.float64
+    np.testing.assert_array_equal(ids, want)
+    np.testing.assert_array_equal(effects, effect[want].astype(np.float64))
+    drawn = zipf.sample(500, np.random.default_rng(4))
+    np.testing.assert_array_equal(drawn, zipf.rows(np.random.default_rng(4).random(500))[0])
+    assert zipf.rows(np.empty(0))[0].shape == (0,)

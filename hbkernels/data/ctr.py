@@ -84,6 +84,8 @@ class SyntheticClicks:
         scale = math.sqrt(2.0 / len(self.tables))
         self.row_effect = [(scale * rng.standard_normal(t.num_rows)).astype(np.float32)
                            for t in self.tables]
+        for sampler, effect in zip(self.samplers, self.row_effect):
+            sampler.set_effect(effect)
         self.dense_effect = rng.standard_normal(self.num_dense) * math.sqrt(0.25 / max(self.num_dense, 1))
 
     @property
@@ -127,19 +129,19 @@ class SyntheticClicks:
         dense = rng.standard_normal((size, self.num_dense)).astype(np.float32)
         logit = dense.astype(np.float64) @ self.dense_effect - 1.0
         sparse = {}
-        for t, sampler, effect in zip(self.tables, self.samplers, self.row_effect):
+        for t, sampler in zip(self.tables, self.samplers):
             if t.hotness == 1 and not t.variable:
-                ids = sampler.sample(size, rng).astype(np.int64)
-                logit += effect[ids]
+                ids, effects = sampler.rows(rng.random(size))
+                logit += effects
                 sparse[t.name] = ids
                 continue
             lengths = (rng.integers(1, 2 * t.hotness, size) if t.variable
                        else np.full(size, t.hotness))
             offsets = np.zeros(size + 1, np.int64)
             np.cumsum(lengths, out=offsets[1:])
-            values = sampler.sample(int(offsets[-1]), rng).astype(np.int64)
+            values, effects = sampler.rows(rng.random(int(offsets[-1])))
             if size:
-                logit += np.add.reduceat(effect[values].astype(np.float64), offsets[:-1]) / lengths
+                logit += np.add.reduceat(effects, offsets[:-1]) / lengths
             sparse[t.name] = Ragged(values, offsets)
         label = (rng.random(size) < sigmoid(logit)).astype(np.float32)
         return ClickBatch(label, dense, sparse)

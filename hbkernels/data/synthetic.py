@@ -15,14 +15,16 @@ not variable: an int64 column) or a bag of ids (a ``list<int64>`` column) of
 ``label`` (int32, 1 with probability :data:`POSITIVE_RATE`) and ``dense``
 float32 features ``d0, d1, ...`` uniform in ``[0, 1)``.
 
-Memory: the CDF, the guide table and the permutation (24 bytes per table row), plus
+Memory: each rank's CDF, row and effect, and the guide table (28 bytes per table row), plus
 one row group.
 """
 from typing import NamedTuple
 
 import numpy as np
+from numba import njit
 
 from .._numba_cache import cached_njit
+from ..cpu._common import prefetch
 from ._io import ROW_GROUP_SIZE, RowGroupWriter, require_pyarrow
 
 POSITIVE_RATE = 0.25
@@ -40,40 +42,85 @@ class SyntheticTable(NamedTuple):
 
 
 class ZipfIds:
-    """Sampler of ids in ``[0, num_rows)``: bounded Zipf(alpha) ranks, permuted."""
+    """Sampler of ids in ``[0, num_rows)``: bounded Zipf(alpha) ranks, permuted.
+
+    ``ranks[r]`` holds rank ``r``'s CDF, its row and that row's effect (float64; 0
+    until :meth:`set_effect`), so the lookups that make one id share a cache line."""
 
     def __init__(self, num_rows, alpha, rng):
         weights = np.arange(1, num_rows + 1, dtype=np.float64) ** -alpha
-        self.cdf = np.cumsum(weights)
-        self.cdf /= self.cdf[-1]
-        self.row_of_rank = rng.permutation(num_rows)
-        # guide[j]: the first rank whose CDF exceeds j / num_rows
-        self.guide = np.searchsorted(self.cdf, np.arange(num_rows) / num_rows, side="right")
+        cdf = np.cumsum(weights)
+        cdf /= cdf[-1]
+        self.ranks = np.zeros((num_rows, 3), np.float64)
+        self.ranks[:, CDF] = cdf
+        self.ranks[:, ROW] = rng.permutation(num_rows)  # (exact: rows < 2**53)
+        # guide[j, 0]: the first rank whose CDF exceeds j / num_rows
+        index = np.int32 if num_rows <= np.iinfo(np.int32).max else np.int64
+        self.guide = np.searchsorted(cdf, np.arange(num_rows) / num_rows,
+                                     side="right").astype(index)[:, None]
+
+    @property
+    def cdf(self):
+        return self.ranks[:, CDF]
+
+    def set_effect(self, effect):
+        """Row ``i``'s effect becomes ``effect[i]``, as :meth:`rows` gives it."""
+        self.ranks[:, EFFECT] = effect[self.ranks[:, ROW].astype(np.int64)]
 
     def sample(self, size, rng):
-        return self.row_of_rank[inverse_cdf(self.cdf, self.guide, rng.random(size))]
+        """``size`` ids (int64) from ``rng.random(size)``."""
+        return self.rows(rng.random(size))[0]
+
+    def rows(self, u):
+        """``(ids, effects)``: the int64 ids of uniforms ``u`` and their rows' effects."""
+        ids = np.empty(u.shape[0], np.int64)
+        effects = np.empty(u.shape[0], np.float64)
+        zipf_rows(self.ranks, self.guide, u, ids, effects)
+        return ids, effects
 
 
-def _inverse_cdf(cdf, guide, u):
-    """For each ``u``: the first index whose ``cdf`` exceeds it, at most ``len(cdf) - 1``
-    (``np.minimum(np.searchsorted(cdf, u, side="right"), len(cdf) - 1)``, the same
-    bits). ``guide[j]`` is the first index whose ``cdf`` exceeds ``j / len(guide)``:
-    the scan for ``u`` starts one step below ``u``'s, so float rounding of
-    ``u * len(guide)`` cannot start it past the answer, and walks a few entries
-    (a mispredicted branch per level of a binary search costs more)."""
-    n, m = cdf.shape[0], guide.shape[0]
-    out = np.empty(u.shape[0], np.int64)
-    for k in range(u.shape[0]):
-        x = u[k]
-        j = min(int(x * m), m - 1)
-        i = guide[max(j - 1, 0)]
-        while i < n - 1 and cdf[i] <= x:
-            i += 1
-        out[k] = i
-    return out
+CDF, ROW, EFFECT = range(3)
 
 
-inverse_cdf = cached_njit(_inverse_cdf, nogil=True)  # batches may be made on several threads
+def _scan_start(x, m):
+    """Where the scan for ``x`` starts in a guide of ``m`` steps: one step below ``x``'s,
+    so float rounding of ``x * m`` cannot start it past the answer."""
+    return max(min(int(x * m), m - 1) - 1, 0)
+
+
+def _rank(ranks, guide, x):
+    """The first rank whose CDF (``ranks[:, 0]``) exceeds ``x``, at most ``len(ranks)
+    - 1`` (``np.minimum(np.searchsorted(cdf, x, side="right"), len(cdf) - 1)``, the
+    same bits). ``guide[j, 0]`` is the first rank whose CDF exceeds ``j / len(guide)``:
+    the scan starts there (:func:`_scan_start`) and walks a few entries (a
+    mispredicted branch per level of a binary search costs more)."""
+    i = np.int64(guide[_scan_start(x, guide.shape[0]), 0])
+    while i < ranks.shape[0] - 1 and ranks[i, 0] <= x:
+        i += 1
+    return i
+
+
+_scan_start = njit(inline="always")(_scan_start)
+_rank = njit(inline="always")(_rank)
+# uniforms ahead whose guide entry, and (half as far ahead) whose first rank, are prefetched:
+# a batch's tables are far larger than the cache and each id reads both at random
+GUIDE_AHEAD, RANK_AHEAD = 32, 16
+
+
+def _zipf_rows(ranks, guide, u, ids, effects):
+    """For each ``u[k]`` of rank ``r``: ``ids[k]`` its row, ``effects[k]`` that row's effect."""
+    m, count = guide.shape[0], u.shape[0]
+    for k in range(count):
+        if k + GUIDE_AHEAD < count:
+            prefetch(guide, _scan_start(u[k + GUIDE_AHEAD], m), 0)
+        if k + RANK_AHEAD < count:
+            prefetch(ranks, guide[_scan_start(u[k + RANK_AHEAD], m), 0], 0)
+        r = _rank(ranks, guide, u[k])
+        ids[k] = np.int64(ranks[r, 1])
+        effects[k] = ranks[r, 2]
+
+
+zipf_rows = cached_njit(_zipf_rows, nogil=True)  # batches may be made on several threads
 
 
 def write_synthetic(path, num_rows, tables, *, alpha=1.05, seed=0,
