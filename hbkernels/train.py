@@ -229,6 +229,7 @@ class Trainer:
         self.timed_seconds, self.timed_samples = 0.0, 0   # this run's, for samples/s
         self.first_step_seconds = None  # this run's first step: kernels compiled or loaded
         self.laps = Laps()  # this run's timed steps by phase: data, inputs, step, wait
+        self.sparse_seconds = {"forward": 0.0, "backward": 0.0}  # of the collection's calls, timed steps
         if args.cuda_graph and (device != "cuda" or self.world > 1):
             raise CLIError("--cuda-graph captures the step of one rank on a GPU (--device cuda); "
                            f"this run has {self.world} rank(s) on {device}")
@@ -588,6 +589,7 @@ class Trainer:
         self.laps.start()
         for i, (step, batch, count) in enumerate(self.train_batches()):
             self.laps.lap("data")
+            calls = dict(self.collection.call_seconds)
             done = self.train_step(batch, step + 1, count)
             self.step = step + 1
             evaluate = a.eval_every and self.step % a.eval_every == 0 and self.step < self.steps
@@ -604,6 +606,8 @@ class Trainer:
                 self.timed_seconds += now - mark
                 self.timed_samples += count
                 self.laps.keep()
+                for call, seconds in self.collection.call_seconds.items():
+                    self.sparse_seconds[call] += seconds - calls[call]
             else:
                 self.first_step_seconds = now - mark
             self.record_losses(done)
@@ -640,6 +644,7 @@ class Trainer:
             "cuda_graph": bool(a.cuda_graph and self.graph is not None),
             "train_seconds": self.train_seconds, "first_step_seconds": self.first_step_seconds,
             "step_phases_ms": self.laps.per_step_ms(),
+            "sparse_step_ms": self.sparse_step_ms(),
             "plan": self.collection.plan.to_json(),
             "threads": ({"mode": "auto", "last": self.governor.threads,
                          "changes": self.governor.changes} if self.governor
@@ -665,6 +670,7 @@ class Trainer:
         if phases:
             print("per step, ms (the first step left out): "
                   + ", ".join(f"{name} {ms:.3f}" for name, ms in phases.items()), flush=True)
+            print(self.sparse_line(metrics["sparse_step_ms"]), flush=True)
         ran = self.step - self.first_step
         resumed = f" (steps {self.first_step + 1}-{self.step})" if self.first_step else ""
         print(f"{ran} steps{resumed} x {a.batch_size} samples on {self.world} rank(s): "
@@ -672,6 +678,27 @@ class Trainer:
               f"AUC {last['auc']:.5f}; metrics -> {a.metrics}"
               + (f", curve -> {chart}" if drawn is None else f" ({drawn})")
               + (f"; checkpoint -> {self.saved}" if self.saved is not None else ""), flush=True)
+
+    def sparse_step_ms(self):
+        """``{forward, backward, measured, estimated}``: ms per timed step of this rank's
+        collection calls and their sum, beside the plan's estimate of the sparse step."""
+        steps = max(self.laps.steps, 1)
+        ms = {call: 1e3 * seconds / steps for call, seconds in self.sparse_seconds.items()}
+        ms["measured"] = ms["forward"] + ms["backward"]
+        ms["estimated"] = 1e3 * self.collection.plan.step_seconds
+        return ms
+
+    def sparse_line(self, ms):
+        """The summary's line on the sparse step: measured (the collection's calls) beside
+        the plan's estimate."""
+        if self.graph is not None:
+            return (f"sparse step, ms: {ms['estimated']:.4f} estimated by the plan; not measured "
+                    f"(the steps were replayed from a CUDA graph)")
+        queued = " (host time: on a GPU a call returns once its work is queued)" if (
+            self.torch_device == "cuda") else ""
+        return (f"sparse step, ms: {ms['measured']:.3f} measured on this rank (forward "
+                f"{ms['forward']:.3f}, backward {ms['backward']:.3f}){queued}, {ms['estimated']:.4f} "
+                f"estimated by the plan")
 
     # -- checkpoints ----------------------------------------------------------------------------
     def save_checkpoint(self):

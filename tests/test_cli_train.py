@@ -20,6 +20,7 @@ pytest.importorskip("torch")
 pytest.importorskip("pyarrow")
 
 from hbkernels.cli import main  # noqa: E402
+from hbkernels.sharding.plan import Plan  # noqa: E402
 
 
 def train(tmp_path, name, *args):
@@ -49,6 +50,13 @@ def test_one_process_metrics(straight):
     phases = straight["step_phases_ms"]
     assert list(phases) == ["data", "inputs", "step", "wait"] and min(phases.values()) >= 0
     assert sum(phases.values()) / 1e3 == pytest.approx(128 / straight["samples_per_s"], rel=0.05)
+    # the sparse step: the collection's calls, inside the step phase, beside the plan's estimate
+    sparse = straight["sparse_step_ms"]
+    assert 0 < sparse["forward"] and 0 < sparse["backward"]
+    assert sparse["measured"] == pytest.approx(sparse["forward"] + sparse["backward"])
+    assert sparse["measured"] < phases["step"]
+    assert sparse["estimated"] == pytest.approx(
+        1e3 * Plan.from_json(straight["plan"]).step_seconds)
     final = straight["final"]
     assert final["eval_samples"] == 512 and 0.0 <= final["eval_auc"] <= 1.0
     assert final["eval_logloss"] > 0 and final["train_loss"] == straight["train"][-1]["loss"]

@@ -326,6 +326,24 @@ def test_forward_returns_the_table_dtype_and_accepts_int32_ids():
         cr.assert_close(out[f], e, t.dtype, f)
 
 
+def test_call_seconds_add_up_each_forward_and_backward():
+    """``call_seconds``: the host seconds of every forward and backward call, failed
+    ones included (each adds to its own entry only)."""
+    coll = make("row_wise")
+    assert coll.call_seconds == {"forward": 0.0, "backward": 0.0}
+    feats, psw, _ = cr.global_batch(TABLES, "int64", 0, 10).local(0, 10)
+    out = coll.forward(feats, per_sample_weights=psw)
+    after_forward = dict(coll.call_seconds)
+    assert after_forward["forward"] > 0 and after_forward["backward"] == 0
+    coll.backward({f: np.ones(o.shape, np.float32) for f, o in out.items()})
+    assert coll.call_seconds["forward"] == after_forward["forward"]
+    assert coll.call_seconds["backward"] > 0
+    before = coll.call_seconds["backward"]
+    with raises(RuntimeError, match="needs a forward first"):
+        coll.backward({f: np.ones(o.shape, np.float32) for f, o in out.items()})
+    assert coll.call_seconds["backward"] > before
+
+
 def test_forward_and_backward_errors():
     coll = make("row_wise")
     w_before = {t.name: coll.full_weights(t.name).copy() for t in TABLES}

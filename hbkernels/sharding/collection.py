@@ -494,6 +494,9 @@ class EmbeddingCollection:
         self._reserved = None  # a _Reservation: the memory of a step, sized once (reserve)
         self._capturing = None  # while a step is captured (capture): its CapturedStep
         self.stats = {}
+        #: host seconds of all :meth:`forward` and :meth:`backward` calls (on a GPU a call
+        #: returns once its work is queued)
+        self.call_seconds = {"forward": 0.0, "backward": 0.0}
         self.timings = defaultdict(float)
         self._timing = False
         #: the flat array pooling every table in one launch where :meth:`_forward_flat`
@@ -1018,6 +1021,13 @@ class EmbeddingCollection:
         (evaluation): dynamic tables only look their ids up, an id they do not hold
         reads as a zero row, and nothing is admitted or counted as a use.
         """
+        start = time.perf_counter()
+        try:
+            return self._forward(features, per_sample_weights, insert)
+        finally:
+            self.call_seconds["forward"] += time.perf_counter() - start
+
+    def _forward(self, features, per_sample_weights, insert):
         self._insert = bool(insert)
         self.stats = {"ids_bytes": 0, "rows_bytes": 0, "grads_bytes": 0, "replica_grads_bytes": 0}
         if (self._flat_key is not None and per_sample_weights is None and type(features) is dict
@@ -1618,6 +1628,13 @@ class EmbeddingCollection:
         backwards whose global batch held at least one of its ids (as torch counts the
         steps of a parameter with a gradient); otherwise every fused array counts every
         backward."""
+        start = time.perf_counter()
+        try:
+            self._backward(grads)
+        finally:
+            self.call_seconds["backward"] += time.perf_counter() - start
+
+    def _backward(self, grads):
         if self.quantize:
             raise TypeError(f"tables {sorted(self.quantize)} are quantized: this collection is "
                             f"for inference (forward only), it takes no backward")
