@@ -9,9 +9,10 @@
     hbkernels warmup [--device cuda]                 # compile the kernels once, into the cache
     hbkernels quantize CKPT --bits 4 --out DIR       # a checkpoint's tables quantized for serving
     hbkernels compact CKPT --out DIR                 # a chain of incremental saves as one full save
+    hbkernels plan --calibrate --out profile.json    # the constants of the planner's model, measured
 
 Each subcommand lives in its own module (``info.py``, ``check.py``, ``bench.py``,
-``train.py``, ``warmup.py``, ``quantize.py``, ``compact.py``) with ``add_command(subparsers)``, which sets ``run(args) -> int``
+``train.py``, ``warmup.py``, ``quantize.py``, ``compact.py``, ``plan.py``) with ``add_command(subparsers)``, which sets ``run(args) -> int``
 as the parser's default. Errors a user can cause (a missing file, a bad column,
 an unknown plan, no GPU for ``--device cuda``, a missing optional dependency)
 (a malformed option included) print one line ``hbkernels <command>: error: <why>``
@@ -27,7 +28,7 @@ from ._errors import USER_ERRORS, ArgumentParser, CLIError, error_line  # noqa: 
 
 
 def build_parser():
-    from . import bench, check, compact, info, quantize, train, warmup
+    from . import bench, check, compact, info, plan, quantize, train, warmup
     from ..data.__main__ import add_commands as add_data_commands
 
     from .._version import __version__
@@ -44,6 +45,7 @@ def build_parser():
     warmup.add_command(commands)
     quantize.add_command(commands)
     compact.add_command(commands)
+    plan.add_command(commands)
     data = commands.add_parser("data", help="convert CTR datasets to Parquet, write synthetic data")
     add_data_commands(data.add_subparsers(dest="data_command", required=True, metavar="command"))
     return parser

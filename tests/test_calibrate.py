@@ -1,0 +1,119 @@
+"""Machine profiles (hbkernels.sharding.profile) and their calibration
+(hbkernels.bench.calibrate, ``hbkernels plan --calibrate``)."""
+import json
+
+import numpy as np
+import pytest
+from helpers import raises
+from mpirun import mpirun, needs_mpi
+
+import hbkernels as hbk
+from hbkernels.bench.calibrate import calibrate
+from hbkernels.bench.common import LAYOUTS
+from hbkernels.cli import main
+from hbkernels.sharding.plan import DEFAULT_COST
+from hbkernels.sharding.profile import ASSUMED, MEASURED, MachineProfile, Spread, assumed_profile
+
+TINY = dict(rows=1000, bags=16, hotness=3, reps=2)
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 12])
+def test_spread_is_numpys_median_and_20th_80th_percentiles(rng, n):
+    values = rng.standard_normal(n)
+    s = Spread.of(list(values))
+    assert (s.median, s.low, s.high) == pytest.approx(tuple(np.percentile(values, [50, 20, 80])))
+    assert Spread.from_json(s.to_json()) == s
+    with raises(ValueError, match="at least one"):
+        Spread.of([])
+
+
+def test_assumed_profile_is_the_planners_default_cost():
+    p = assumed_profile([16, 3])
+    assert p.source == ASSUMED and not p.measured_collectives
+    assert set(p.lookup_ns_per_id) == {(d, lay) for d in (16, 3) for lay in LAYOUTS}
+    assert p.lookup_ns_per_id[16, "ranked"].median == pytest.approx(1e9 * 64 / DEFAULT_COST["memory_bytes_per_s"])
+    assert p.update_ns_per_id[3, "uniform"].median == pytest.approx(2e9 * 12 / DEFAULT_COST["memory_bytes_per_s"])
+    assert p.collective_latency_us.median == pytest.approx(1e6 * DEFAULT_COST["collective_latency_s"])
+    assert p.network_bytes_per_s.median == DEFAULT_COST["network_bytes_per_s"]
+    assert MachineProfile.from_json(json.loads(json.dumps(p.to_json()))) == p
+
+
+def test_calibrate_measures_every_width_and_layout(tmp_path):
+    p = calibrate(hbk.dist.init("local"), (1, 5), ("ranked", "uniform"), **TINY)
+    assert p.source == MEASURED and not p.measured_collectives  # one rank: collectives assumed
+    keys = {(d, lay) for d in (1, 5) for lay in ("ranked", "uniform")}
+    assert set(p.lookup_ns_per_id) == set(p.update_ns_per_id) == keys
+    for s in [*p.lookup_ns_per_id.values(), *p.update_ns_per_id.values(), *p.call_us.values()]:
+        assert 0 <= s.low <= s.median <= s.high and np.isfinite(s.high)
+    assert set(p.call_us) == {"lookup", "update", "collection", "collection_table"}
+    assert p.call_us["update"].median > 0 and p.call_us["lookup"].median > 0
+    assert p.call_us["collection"].median > 0
+    assert p.collective_latency_us == assumed_profile([1]).collective_latency_us
+    assert p.machine["world_size"] == 1 and p.machine["optimizer"] == "Adagrad"
+    p.save(tmp_path / "p.json")
+    assert MachineProfile.load(tmp_path / "p.json") == p
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(optimizer="Lion"), "optimizer must be one of"),
+    (dict(widths=()), "widths must be"),
+    (dict(widths=(0,)), "widths must be"),
+    (dict(layouts=("hashed",)), "layouts must be some of"),
+    (dict(reps=0), "reps must be an integer >= 1"),
+    (dict(rows=2.5), "rows must be an integer >= 1"),
+])
+def test_calibrate_refuses_bad_arguments(kwargs, match):
+    args = dict(TINY, widths=(2,))
+    args.update(kwargs)
+    with raises(ValueError, match=match):
+        calibrate(hbk.dist.init("local"), **args)
+
+
+def test_a_bad_profile_names_its_file_and_field(tmp_path):
+    good = assumed_profile([4]).to_json()
+    cases = [({**good, "version": 9}, "'version'"), ({**good, "source": "guessed"}, "'source'"),
+             ({k: v for k, v in good.items() if k != "call_us"}, "'call_us'"),
+             ({**good, "lookup_ns_per_id": {"4/hashed": [1, 1, 1]}}, "'lookup_ns_per_id'"),
+             ({**good, "network_bytes_per_s": [1, 2]}, "'network_bytes_per_s'")]
+    for d, field in cases:
+        path = tmp_path / "bad.json"
+        path.write_text(json.dumps(d))
+        with raises(ValueError, match=f"bad.json: field {field}"):
+            MachineProfile.load(path)
+    path.write_text("{")
+    with raises(ValueError, match="not a profile"):
+        MachineProfile.load(path)
+
+
+def test_cli_writes_the_profile_and_prints_its_constants(tmp_path, capsys):
+    out = tmp_path / "profile.json"
+    assert main(["plan", "--calibrate", "--out", str(out), "--widths", "2,3", "--layouts", "scattered",
+                 "--rows", "500", "--bags", "8", "--hotness", "2", "--reps", "2"]) == 0
+    printed = capsys.readouterr().out
+    p = MachineProfile.load(out)
+    assert set(p.lookup_ns_per_id) == {(2, "scattered"), (3, "scattered")}
+    assert "lookup ns/id" in printed and "not measured at one rank" in printed
+    assert f"profile -> {out}" in printed
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--widths", "0"], "--widths takes widths >= 1"),
+    (["--layouts", "scattered,hashed"], "--layouts takes some of"),
+    (["--out", "/nonexistent-dir/p.json"], "no directory"),
+])
+def test_cli_refuses_bad_options(tmp_path, capsys, argv, match):
+    assert main(["plan", "--calibrate", "--rows", "100", *argv]) == 1
+    assert match in capsys.readouterr().err
+
+
+@needs_mpi
+def test_two_ranks_measure_the_collectives(tmp_path):
+    out = tmp_path / "profile.json"
+    rc, text, _ = mpirun(2, "-m hbkernels", "plan", "--calibrate", "--out", out, "--widths", "2",
+                         "--layouts", "uniform", "--rows", "500", "--bags", "8", "--reps", "2",
+                         timeout=240, cwd=tmp_path)
+    assert rc == 0, text[-4000:]
+    p = MachineProfile.load(out)
+    assert p.measured_collectives and p.machine["world_size"] == 2
+    assert p.collective_latency_us.median > 0 and p.network_bytes_per_s.median > 0
+    assert "allreduce latency" in text and text.count("profile ->") == 1  # rank 0 alone writes
