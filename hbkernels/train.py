@@ -681,17 +681,19 @@ class Trainer:
 
     def sparse_step_ms(self):
         """``{forward, backward, measured, estimated}``: ms per timed step of this rank's
-        collection calls and their sum, beside the plan's estimate of the sparse step."""
+        collection calls and their sum (None where the steps were replayed from a CUDA
+        graph, which calls nothing), beside the plan's estimate of the sparse step."""
         steps = max(self.laps.steps, 1)
-        ms = {call: 1e3 * seconds / steps for call, seconds in self.sparse_seconds.items()}
-        ms["measured"] = ms["forward"] + ms["backward"]
+        ms = {call: None if self.graph is not None else 1e3 * seconds / steps
+              for call, seconds in self.sparse_seconds.items()}
+        ms["measured"] = None if self.graph is not None else ms["forward"] + ms["backward"]
         ms["estimated"] = 1e3 * self.collection.plan.step_seconds
         return ms
 
     def sparse_line(self, ms):
         """The summary's line on the sparse step: measured (the collection's calls) beside
         the plan's estimate."""
-        if self.graph is not None:
+        if ms["measured"] is None:
             return (f"sparse step, ms: {ms['estimated']:.4f} estimated by the plan; not measured "
                     f"(the steps were replayed from a CUDA graph)")
         queued = " (host time: on a GPU a call returns once its work is queued)" if (
