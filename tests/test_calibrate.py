@@ -12,7 +12,8 @@ from hbkernels.bench.calibrate import calibrate
 from hbkernels.bench.common import LAYOUTS
 from hbkernels.cli import main
 from hbkernels.sharding.plan import DEFAULT_COST
-from hbkernels.sharding.profile import ASSUMED, MEASURED, MachineProfile, Spread, assumed_profile
+from hbkernels.sharding.profile import (ASSUMED, CALLS, MEASURED, MachineProfile, Spread,
+                                        assumed_profile)
 
 TINY = dict(rows=1000, bags=16, hotness=3, reps=2)
 
@@ -35,6 +36,7 @@ def test_assumed_profile_is_the_planners_default_cost():
     assert p.update_ns_per_id[3, "uniform"].median == pytest.approx(2e9 * 12 / DEFAULT_COST["memory_bytes_per_s"])
     assert p.collective_latency_us.median == pytest.approx(1e6 * DEFAULT_COST["collective_latency_s"])
     assert p.network_bytes_per_s.median == DEFAULT_COST["network_bytes_per_s"]
+    assert set(p.call_us) == set(CALLS) and all(s.median == 0 for s in p.call_us.values())
     assert MachineProfile.from_json(json.loads(json.dumps(p.to_json()))) == p
 
 
@@ -45,7 +47,7 @@ def test_calibrate_measures_every_width_and_layout(tmp_path):
     assert set(p.lookup_ns_per_id) == set(p.update_ns_per_id) == keys
     for s in [*p.lookup_ns_per_id.values(), *p.update_ns_per_id.values(), *p.call_us.values()]:
         assert 0 <= s.low <= s.median <= s.high and np.isfinite(s.high)
-    assert set(p.call_us) == {"lookup", "update", "collection", "collection_table"}
+    assert tuple(sorted(p.call_us)) == tuple(sorted(CALLS))
     assert p.call_us["update"].median > 0 and p.call_us["lookup"].median > 0
     assert p.call_us["collection"].median > 0
     assert p.collective_latency_us == assumed_profile([1]).collective_latency_us

@@ -10,7 +10,8 @@ percentiles.
   less the fixed cost of a call;
 * ``update_ns_per_id[(dim, layout)]``: the optimizer's ``fused_step``, the same way;
 * ``call_us["lookup"]``, ``call_us["update"]``: that fixed cost, the time of a call on a
-  bag of one id;
+  bag of one id; ``call_us["collection"]``, ``call_us["collection_table"]``: a one-rank
+  collection's step (forward and backward) of one id in one table, and each table more;
 * ``collective_latency_us``: an ``allreduce`` of one float64;
 * ``network_bytes_per_s``: an ``alltoallv``'s bytes sent to the other ranks per second.
 
@@ -28,6 +29,8 @@ from ..bench.common import LAYOUTS
 from .plan import DEFAULT_COST
 
 PROFILE_VERSION = 1
+#: the fixed costs of ``call_us``
+CALLS = ("lookup", "update", "collection", "collection_table")
 MEASURED, ASSUMED = "measured", "assumed"
 
 
@@ -144,12 +147,12 @@ def _key(text):
 def assumed_profile(widths, itemsize=4):
     """The planner's :data:`~hbkernels.sharding.plan.DEFAULT_COST` as a profile for tables
     of ``widths``: a lookup reads a row and an update reads and writes one (its optimizer
-    state left out) at the assumed memory bandwidth, calls cost nothing; ``source``
+    state left out) at the assumed memory bandwidth, a call costs nothing; ``source``
     ``"assumed"``."""
     bandwidth = DEFAULT_COST["memory_bytes_per_s"]
     lookup = {(d, lay): Spread.exactly(1e9 * d * itemsize / bandwidth) for d in widths for lay in LAYOUTS}
     update = {(d, lay): Spread.exactly(2e9 * d * itemsize / bandwidth) for d in widths for lay in LAYOUTS}
     return MachineProfile(ASSUMED, {}, lookup, update,
-                          {"lookup": Spread.exactly(0.0), "update": Spread.exactly(0.0)},
+                          dict.fromkeys(CALLS, Spread.exactly(0.0)),
                           Spread.exactly(1e6 * DEFAULT_COST["collective_latency_s"]),
                           Spread.exactly(DEFAULT_COST["network_bytes_per_s"]), False)
