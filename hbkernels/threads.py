@@ -166,6 +166,12 @@ def pool_limit():
     return max(1, limit)
 
 
+def rank_share(world_size):
+    """The pool size of one of ``world_size`` ranks that share this node's cores: its
+    share of the usable cores, at most :func:`pool_limit`, at least 1."""
+    return max(1, min(pool_limit(), usable_cores() // max(1, int(world_size))))
+
+
 class Governor:
     """Keeps both pools at the free cores, at most ``limit`` (default:
     :func:`pool_limit`), re-measured when :meth:`tick` finds ``interval`` seconds

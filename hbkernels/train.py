@@ -16,7 +16,7 @@ import numpy as np
 from .cli._errors import CLIError, error_line
 from ._machine import simulator_enabled
 from .cli.progress import Progress
-from .threads import Governor, pool_limit, set_num_threads, usable_cores
+from .threads import Governor, rank_share, set_num_threads
 
 CONFIG_KEYS = ("data", "tables", "dense_features", "alpha", "label", "dense_columns",
                "sparse_columns", "num_rows", "dim", "bottom", "top", "batch_size", "seed",
@@ -192,7 +192,7 @@ class Trainer:
 
             torch.cuda.set_device(cupy.cuda.Device().id)
         # the ranks of a node share its cores; within its share, one thread per free core
-        share = max(1, min(pool_limit(), usable_cores() // self.world))
+        share = rank_share(self.world)
         if args.threads == "auto":
             self.governor = Governor(share)
         else:
@@ -229,7 +229,7 @@ class Trainer:
         self.timed_seconds, self.timed_samples = 0.0, 0   # this run's, for samples/s
         self.first_step_seconds = None  # this run's first step: kernels compiled or loaded
         self.laps = Laps()  # this run's timed steps by phase: data, inputs, step, wait
-        self.sparse_seconds = {"forward": 0.0, "backward": 0.0}  # of the collection's calls, timed steps
+        self.sparse_steps = []  # (forward, backward) seconds of the collection's calls, each timed step
         if args.cuda_graph and (device != "cuda" or self.world > 1):
             raise CLIError("--cuda-graph captures the step of one rank on a GPU (--device cuda); "
                            f"this run has {self.world} rank(s) on {device}")
@@ -306,10 +306,11 @@ class Trainer:
         if state is None:
             coll = EmbeddingCollection(self.table_specs(), self.comm, optim.Adagrad(lr=a.sparse_lr),
                                        plan=a.plan, batch_size_hint=hint, seed=a.seed,
-                                       device=self.device)
+                                       device=self.device, plan_profile=a.plan_profile)
         else:
             coll = EmbeddingCollection.load(state["dir"] / "embeddings", self.comm, plan=a.plan,
-                                            batch_size_hint=hint, device=self.device)
+                                            batch_size_hint=hint, device=self.device,
+                                            plan_profile=a.plan_profile)
         torch.manual_seed(a.seed)
         self.model = DLRM(EmbeddingCollectionModule(coll), self.features, self.num_dense, a.dim,
                           bottom=a.bottom, top=a.top).to(self.torch_device)
@@ -606,8 +607,8 @@ class Trainer:
                 self.timed_seconds += now - mark
                 self.timed_samples += count
                 self.laps.keep()
-                for call, seconds in self.collection.call_seconds.items():
-                    self.sparse_seconds[call] += seconds - calls[call]
+                self.sparse_steps.append(tuple(self.collection.call_seconds[call] - calls[call]
+                                               for call in ("forward", "backward")))
             else:
                 self.first_step_seconds = now - mark
             self.record_losses(done)
@@ -680,27 +681,36 @@ class Trainer:
               + (f"; checkpoint -> {self.saved}" if self.saved is not None else ""), flush=True)
 
     def sparse_step_ms(self):
-        """``{forward, backward, measured, estimated}``: ms per timed step of this rank's
-        collection calls and their sum (None where the steps were replayed from a CUDA
-        graph, which calls nothing), beside the plan's estimate of the sparse step."""
-        steps = max(self.laps.steps, 1)
-        ms = {call: None if self.graph is not None else 1e3 * seconds / steps
-              for call, seconds in self.sparse_seconds.items()}
-        ms["measured"] = None if self.graph is not None else ms["forward"] + ms["backward"]
-        ms["estimated"] = 1e3 * self.collection.plan.step_seconds
+        """The sparse step in ms: ``forward``, ``backward`` and ``measured`` (their sum),
+        medians over the timed steps of this rank's collection calls, ``mean`` of the sum,
+        ``steps`` timed (the measured ones None where the steps were replayed from a CUDA
+        graph, which calls nothing); beside the planner's ``predicted`` step (the busiest
+        rank's), its ``predicted_parts`` on this rank and what it was ``predicted_by``."""
+        measured = self.graph is None and bool(self.sparse_steps)
+        steps = np.asarray(self.sparse_steps if measured else [(0.0, 0.0)]) * 1e3
+        ms = {"forward": float(np.median(steps[:, 0])), "backward": float(np.median(steps[:, 1])),
+              "measured": float(np.median(steps.sum(axis=1))), "mean": float(steps.sum(axis=1).mean())}
+        ms = {k: v if measured else None for k, v in ms.items()}
+        ms["steps"] = len(self.sparse_steps) if measured else 0
+        estimate = self.collection.estimate()
+        ms["predicted"] = 1e3 * estimate.seconds
+        ms["predicted_parts"] = estimate.parts_ms(self.comm.rank)
+        ms["predicted_by"] = estimate.label()
         return ms
 
     def sparse_line(self, ms):
-        """The summary's line on the sparse step: measured (the collection's calls) beside
-        the plan's estimate."""
+        """The summary's lines on the sparse step: measured (the collection's calls) beside
+        the planner's prediction."""
+        parts = ", ".join(f"{k} {v:.3f}" for k, v in ms["predicted_parts"].items())
+        predicted = f"{ms['predicted']:.3f} predicted ({parts} on this rank; {ms['predicted_by']})"
         if ms["measured"] is None:
-            return (f"sparse step, ms: {ms['estimated']:.4f} estimated by the plan; not measured "
-                    f"(the steps were replayed from a CUDA graph)")
+            return (f"sparse step, ms: {predicted}; not measured (the steps were replayed from "
+                    f"a CUDA graph)")
         queued = " (host time: on a GPU a call returns once its work is queued)" if (
             self.torch_device == "cuda") else ""
-        return (f"sparse step, ms: {ms['measured']:.3f} measured on this rank (forward "
-                f"{ms['forward']:.3f}, backward {ms['backward']:.3f}){queued}, {ms['estimated']:.4f} "
-                f"estimated by the plan")
+        return (f"sparse step, ms: {ms['measured']:.3f} measured on this rank, the median of "
+                f"{ms['steps']} steps (forward {ms['forward']:.3f}, backward {ms['backward']:.3f})"
+                f"{queued}\n                 {predicted}")
 
     # -- checkpoints ----------------------------------------------------------------------------
     def save_checkpoint(self):

@@ -11,8 +11,9 @@ import hbkernels as hbk
 from hbkernels.bench.calibrate import calibrate
 from hbkernels.bench.common import LAYOUTS
 from hbkernels.cli import main
-from hbkernels.sharding.plan import DEFAULT_COST
-from hbkernels.sharding.profile import (ASSUMED, CALLS, MEASURED, MachineProfile, Spread,
+from hbkernels.types import PLACEMENTS
+from hbkernels.sharding.profile import DEFAULT_COST
+from hbkernels.sharding.profile import (ASSUMED, CALLS, MEASURED, PER_KEY, PER_KIND, MachineProfile, Spread,
                                         assumed_profile)
 
 TINY = dict(rows=1000, bags=16, hotness=3, reps=2)
@@ -37,6 +38,7 @@ def test_assumed_profile_is_the_planners_default_cost():
     assert p.collective_latency_us.median == pytest.approx(1e6 * DEFAULT_COST["collective_latency_s"])
     assert p.network_bytes_per_s.median == DEFAULT_COST["network_bytes_per_s"]
     assert set(p.call_us) == set(CALLS) and all(s.median == 0 for s in p.call_us.values())
+    assert all(s.median == 0 for field in PER_KIND for s in getattr(p, field).values())
     assert MachineProfile.from_json(json.loads(json.dumps(p.to_json()))) == p
 
 
@@ -44,12 +46,17 @@ def test_calibrate_measures_every_width_and_layout(tmp_path):
     p = calibrate(hbk.dist.init("local"), (1, 5), ("ranked", "uniform"), **TINY)
     assert p.source == MEASURED and not p.measured_collectives  # one rank: collectives assumed
     keys = {(d, lay) for d in (1, 5) for lay in ("ranked", "uniform")}
-    assert set(p.lookup_ns_per_id) == set(p.update_ns_per_id) == keys
-    for s in [*p.lookup_ns_per_id.values(), *p.update_ns_per_id.values(), *p.call_us.values()]:
+    assert all(set(getattr(p, field)) == keys for field in PER_KEY)
+    assert set(p.unique_ns_per_id) == {"ranked", "uniform"}
+    for s in [*(v for field in PER_KEY for v in getattr(p, field).values()),
+              *p.unique_ns_per_id.values(), *p.call_us.values()]:
         assert 0 <= s.low <= s.median <= s.high and np.isfinite(s.high)
     assert tuple(sorted(p.call_us)) == tuple(sorted(CALLS))
     assert p.call_us["update"].median > 0 and p.call_us["lookup"].median > 0
-    assert p.call_us["collection"].median > 0
+    for field in PER_KIND:  # each placement: a collection's step, a table more, per id and per bag
+        assert set(getattr(p, field)) == set(PLACEMENTS)
+        assert all(0 <= s.low <= s.median <= s.high for s in getattr(p, field).values())
+    assert all(s.median > 0 for s in p.step_us.values())
     assert p.collective_latency_us == assumed_profile([1]).collective_latency_us
     assert p.machine["world_size"] == 1 and p.machine["optimizer"] == "Adagrad"
     p.save(tmp_path / "p.json")
@@ -63,6 +70,8 @@ def test_calibrate_measures_every_width_and_layout(tmp_path):
     (dict(layouts=("hashed",)), "layouts must be some of"),
     (dict(reps=0), "reps must be an integer >= 1"),
     (dict(rows=2.5), "rows must be an integer >= 1"),
+    (dict(bags=3), "bags must be an integer >= 4"),
+    (dict(hotness=1), "hotness must be an integer >= 2"),
 ])
 def test_calibrate_refuses_bad_arguments(kwargs, match):
     args = dict(TINY, widths=(2,))
@@ -76,6 +85,9 @@ def test_a_bad_profile_names_its_file_and_field(tmp_path):
     cases = [({**good, "version": 9}, "'version'"), ({**good, "source": "guessed"}, "'source'"),
              ({k: v for k, v in good.items() if k != "call_us"}, "'call_us'"),
              ({**good, "lookup_ns_per_id": {"4/hashed": [1, 1, 1]}}, "'lookup_ns_per_id'"),
+             ({**good, "update_ns_per_bag": {"5/uniform": [1, 1, 1]}}, "'update_ns_per_bag'"),
+             ({**good, "unique_ns_per_id": {"uniform": [1, 1, 1]}}, "'unique_ns_per_id'"),
+             ({**good, "table_us": {"row_wise": [1, 1, 1]}}, "'table_us'"),
              ({**good, "network_bytes_per_s": [1, 2]}, "'network_bytes_per_s'")]
     for d, field in cases:
         path = tmp_path / "bad.json"
@@ -94,7 +106,7 @@ def test_cli_writes_the_profile_and_prints_its_constants(tmp_path, capsys):
     printed = capsys.readouterr().out
     p = MachineProfile.load(out)
     assert set(p.lookup_ns_per_id) == {(2, "scattered"), (3, "scattered")}
-    assert "lookup ns/id" in printed and "not measured at one rank" in printed
+    assert "lookup ns/id" in printed and "ns/bag" in printed and "unique, ns/id: scattered" in printed and "not measured at one rank" in printed
     assert f"profile -> {out}" in printed
 
 
@@ -118,4 +130,4 @@ def test_two_ranks_measure_the_collectives(tmp_path):
     p = MachineProfile.load(out)
     assert p.measured_collectives and p.machine["world_size"] == 2
     assert p.collective_latency_us.median > 0 and p.network_bytes_per_s.median > 0
-    assert "allreduce latency" in text and text.count("profile ->") == 1  # rank 0 alone writes
+    assert "alltoallv latency" in text and text.count("profile ->") == 1  # rank 0 alone writes

@@ -5,6 +5,7 @@ Single-process runs go through ``hbkernels.cli.main`` in this process (the
 kernels are compiled once); the two-rank runs and the error-format checks
 start ``python -m hbkernels`` (under ``mpiexec -n 2`` for the former).
 """
+import dataclasses
 import json
 import os
 import subprocess
@@ -50,13 +51,16 @@ def test_one_process_metrics(straight):
     phases = straight["step_phases_ms"]
     assert list(phases) == ["data", "inputs", "step", "wait"] and min(phases.values()) >= 0
     assert sum(phases.values()) / 1e3 == pytest.approx(128 / straight["samples_per_s"], rel=0.05)
-    # the sparse step: the collection's calls, inside the step phase, beside the plan's estimate
+    # the sparse step: the collection's calls (medians of the 19 timed steps), inside the
+    # step phase, beside the planner's prediction by its built-in constants
     sparse = straight["sparse_step_ms"]
-    assert 0 < sparse["forward"] and 0 < sparse["backward"]
-    assert sparse["measured"] == pytest.approx(sparse["forward"] + sparse["backward"])
-    assert sparse["measured"] < phases["step"]
-    assert sparse["estimated"] == pytest.approx(
-        1e3 * Plan.from_json(straight["plan"]).step_seconds)
+    assert 0 < sparse["forward"] and 0 < sparse["backward"] and sparse["steps"] == 19
+    assert sparse["measured"] >= 0.5 * (sparse["forward"] + sparse["backward"])
+    assert sparse["mean"] < phases["step"]
+    predicted = Plan.from_json(straight["plan"]).predict()
+    assert sparse["predicted"] == pytest.approx(1e3 * predicted.seconds)
+    assert sparse["predicted_parts"] == pytest.approx(predicted.parts_ms(0))
+    assert "built-in defaults, not measured" in sparse["predicted_by"]
     final = straight["final"]
     assert final["eval_samples"] == 512 and 0.0 <= final["eval_auc"] <= 1.0
     assert final["eval_logloss"] > 0 and final["train_loss"] == straight["train"][-1]["loss"]
@@ -238,6 +242,25 @@ def cuda_gpu_present():
         return False
 
 
+def test_a_plan_profile_ranks_the_placements_and_predicts_the_step(tmp_path, capsys):
+    from hbkernels.sharding.profile import MEASURED, Spread, assumed_profile
+
+    assumed = assumed_profile([16])
+    profile = dataclasses.replace(  # a machine where a collection's step costs 1 ms more
+        assumed, source=MEASURED, machine={"cpu": "the test's CPU", "world_size": 1},
+        step_us=dict.fromkeys(assumed.step_us, Spread.exactly(1000.0)))
+    profile.save(tmp_path / "profile.json")
+    metrics = train(tmp_path, "profiled", "--steps", 3, "--plan-profile", tmp_path / "profile.json")
+    plan = Plan.from_json(metrics["plan"])
+    assert plan.profile == profile
+    sparse = metrics["sparse_step_ms"]
+    assert sparse["predicted"] == pytest.approx(1e3 * plan.predict().seconds)
+    assert sparse["predicted_parts"]["host"] == pytest.approx(1.0)
+    assert "profile measured on the test's CPU at 1 rank(s)" in sparse["predicted_by"]
+    out = capsys.readouterr().out
+    assert "predicted sparse step:" in out and f"{sparse['predicted']:.3f} predicted (host 1.000" in out
+
+
 @pytest.fixture(scope="module")
 def criteo_parquet(tmp_path_factory):
     from hbkernels.data import convert_criteo
@@ -249,7 +272,7 @@ def criteo_parquet(tmp_path_factory):
 
 @pytest.mark.parametrize("case", ["missing file", "bad column", "bad label", "unknown plan",
                                   "no gpu", "checkpoint held", "epochs on synthetic",
-                                  "batch threads on Parquet"])
+                                  "batch threads on Parquet", "bad profile"])
 def test_user_errors_are_one_line(tmp_path, criteo_parquet, case):
     if case == "no gpu" and cuda_gpu_present():
         pytest.skip("a CUDA GPU is present")
@@ -264,6 +287,8 @@ def test_user_errors_are_one_line(tmp_path, criteo_parquet, case):
         "epochs on synthetic": (["--epochs", "2"], "need Parquet --data"),
         "batch threads on Parquet": (["--data", criteo_parquet, "--batch-threads", "2"],
                                      "--batch-threads makes synthetic batches"),
+        "bad profile": (["--plan-profile", tmp_path / "ck" / "latest"],
+                        "--plan-profile: ")
     }[case]
     (tmp_path / "ck").mkdir()
     (tmp_path / "ck" / "latest").write_text("step-00000007")

@@ -125,6 +125,10 @@ def add_command(subparsers):
     model.add_argument("--bottom", type=int_list, default="64", help="bottom MLP hidden sizes")
     model.add_argument("--top", type=int_list, default="64,32", help="top MLP hidden sizes")
     model.add_argument("--plan", default="auto", help=f"table placement: {', '.join(PLANS)}")
+    model.add_argument("--plan-profile", default=None, metavar="FILE",
+                       help="a machine profile of 'hbkernels plan --calibrate': the planner ranks "
+                            "placements and predicts the sparse step with its constants "
+                            "(default: built-in ones)")
     model.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                        help="auto: the GPU where CUDA and CuPy work, else the CPU")
     model.add_argument("--cuda-graph", action="store_true",
@@ -160,6 +164,13 @@ def add_command(subparsers):
 def check_args(args):
     if args.plan not in PLANS:
         raise CLIError(f"unknown plan {args.plan!r}; choose from {', '.join(PLANS)}")
+    if args.plan_profile is not None:  # read now: a bad profile is found before any step
+        from ..sharding.profile import MachineProfile
+
+        try:
+            args.plan_profile = MachineProfile.load(args.plan_profile)
+        except ValueError as error:
+            raise CLIError(f"--plan-profile: {error}") from None
     if any(size < 1 for size in args.bottom + args.top):
         raise CLIError(f"--bottom and --top sizes must be >= 1, got {args.bottom} and {args.top}")
     # before any step: a bad path is found now, not at the end

@@ -399,7 +399,12 @@ class EmbeddingCollection:
     row-wise quantized (8, 4 or 2 bits; static tables only) for a forward-only
     collection (:meth:`quantized`); their ``initializer`` gives
     :class:`~hbkernels.quantize.QuantizedRows`. Every rank constructs the collection
-    with the same arguments.
+    with the same arguments. ``plan_profile``: a machine profile of ``hbkernels plan
+    --calibrate`` (:class:`~hbkernels.sharding.profile.MachineProfile`, the path of its
+    JSON file or its dict) the planner ranks placements and predicts the sparse step by, for
+    ids laid out as ``id_layout`` (``"scattered"``, ``"ranked"`` or ``"uniform"``);
+    ``None``: its built-in constants (:meth:`estimate` labels them). Not saved: pass it
+    to :meth:`load` again.
 
     Who holds what is :attr:`layout` (:class:`~hbkernels.sharding.layout.Layout`);
     this rank's arrays are :attr:`arrays` (fused group -> :class:`FusedArrays`). A
@@ -413,7 +418,8 @@ class EmbeddingCollection:
 
     def __init__(self, tables, comm=None, optimizer=None, plan="auto", batch_size_hint=None,
                  wire_dtype=None, seed=0, *, device="auto", dedup=True, memory_per_rank="auto",
-                 profile=False, initializer=None, quantize=None):
+                 profile=False, initializer=None, quantize=None, plan_profile=None,
+                 id_layout="scattered"):
         self.comm = _dist.init() if comm is None else comm
         if not isinstance(self.comm, _dist.Communicator):
             raise TypeError(f"comm must be a hbk.dist communicator, got {type(self.comm).__name__}")
@@ -457,6 +463,7 @@ class EmbeddingCollection:
             state_floats_per_row=per_row,
             wire_itemsize=self._wire_itemsize(np.float32),
             element_bytes={name: bits / 8 for name, bits in self.quantize.items()},
+            profile=plan_profile, id_layout=id_layout,
         )
         self._agree_across_ranks()
         for name, place in self.plan.items():
@@ -601,6 +608,12 @@ class EmbeddingCollection:
             sizes[key] += max(step, -(-rows * group.width // step) * step)
             keys[key] += rows + 1
         return blocks, dict(sizes), dict(keys)
+
+    def estimate(self):
+        """The planner's predicted sparse step (``forward`` and ``backward``) per rank, with
+        its parts: a :class:`~hbkernels.sharding.cost.StepEstimate` (``.seconds``, the
+        busiest rank's; ``.parts_ms()``; ``.label()``, where its constants come from)."""
+        return self.plan.predict()
 
     def _agree_across_ranks(self):
         """:class:`~hbkernels.dist.CommError` on every rank, naming what differs, unless

@@ -47,14 +47,15 @@ True
 """
 import collections.abc
 import dataclasses
-import math
 
 import numpy as np
 
+from ..bench.common import LAYOUTS
 from ..types import PLACEMENTS, TableSpec, table_spec
+from .cost import ProfileCost, collectives, expected_distinct
+from .profile import DEFAULT_COST, MachineProfile, as_profile, assumed_profile
 
 DEFAULT_BATCH_SIZE = 1024
-DEFAULT_COST = {"network_bytes_per_s": 10e9, "memory_bytes_per_s": 50e9, "collective_latency_s": 50e-6}
 _SHARDED = PLACEMENTS[1:]  # the sharded placements, in the tie order of "auto"
 _ID_BYTES = 8
 
@@ -98,8 +99,12 @@ def _spec_json(spec):
 class Plan(collections.abc.Mapping):
     """Table name -> :class:`Placement`, with the estimates it was chosen by."""
 
-    def __init__(self, placements, *, tables, world_size, request, estimates, batch_size_hint, assumptions):
+    def __init__(self, placements, *, tables, world_size, request, estimates, batch_size_hint, assumptions,
+                 profile=None, id_layout="scattered"):
         self._placements = dict(placements)
+        #: the :class:`~hbkernels.sharding.profile.MachineProfile` the plan was costed with (None: the byte model)
+        self.profile = profile
+        self.id_layout = id_layout
         self.tables = dict(tables)
         self.world_size = world_size
         self.request = request
@@ -128,8 +133,21 @@ class Plan(collections.abc.Mapping):
 
     @property
     def step_seconds(self):
-        """The estimated step cost (see the module docstring)."""
+        """The step cost the plan was chosen by: with a profile, its predicted sparse step
+        (:meth:`predict`); without, the byte model's estimate (module docstring)."""
+        if self.profile is not None:
+            return self.predict().seconds
         return _step_seconds(self.tables, self._placements, self.estimates, self.world_size, self.assumptions)
+
+    def predict(self):
+        """The :class:`~hbkernels.sharding.cost.StepEstimate` of a sparse step per rank by
+        the plan's profile, or by :func:`~hbkernels.sharding.profile.assumed_profile` (the
+        built-in defaults, labelled as such) where it has none."""
+        profile = self.profile or assumed_profile(sorted({s.dim for s in self.tables.values()}
+                                                         | {int(c) for p in self.values()
+                                                            for c in np.diff(p.columns)}))
+        return ProfileCost(profile, self.id_layout, self.assumptions["batch_size"]).step(
+            self.tables, self._placements, self.estimates, self.world_size)
 
     def __str__(self):
         def ranks(p):
@@ -150,8 +168,13 @@ class Plan(collections.abc.Mapping):
 
         batch = f"{a['batch_size']}" + ("" if self.batch_size_hint else " (default, no batch_size_hint)")
         limit = "unlimited" if a["memory_per_rank"] is None else f"{a['memory_per_rank'] / 1e6:.3f} MB"
+        if self.profile is None:
+            cost = (f"estimated step cost: {self.step_seconds * 1e3:.4f} ms (bytes at built-in rates, "
+                    f"not measured: hbkernels plan --calibrate)")
+        else:
+            cost = f"predicted sparse step: {self.predict()}, ids {self.id_layout}"
         lines += [f"per rank ({self.world_size}): wire MB/step {mb('wire_bytes')}; memory MB {mb('memory_bytes')}",
-                  f"estimated step cost: {self.step_seconds * 1e3:.4f} ms",
+                  cost,
                   f"assumptions: batch {batch} per rank, network {a['network_bytes_per_s'] / 1e9:g} GB/s, "
                   f"memory {a['memory_bytes_per_s'] / 1e9:g} GB/s, latency {a['collective_latency_s'] * 1e6:g} us"
                   f"/collective, wire itemsize {a['wire_itemsize']}, optimizer state floats "
@@ -166,7 +189,9 @@ class Plan(collections.abc.Mapping):
                 "tables": [_spec_json(spec) for spec in self.tables.values()],
                 "placements": {name: p.to_json() for name, p in self.items()},
                 "estimates": {name: {field: list(values) for field, values in dataclasses.asdict(e).items()}
-                              for name, e in self.estimates.items()}}
+                              for name, e in self.estimates.items()},
+                "profile": None if self.profile is None else self.profile.to_json(),
+                "id_layout": self.id_layout}
 
     @classmethod
     def from_json(cls, d):
@@ -175,12 +200,9 @@ class Plan(collections.abc.Mapping):
                    tables={t.name: t for t in tables}, world_size=d["world_size"], request=d["request"],
                    estimates={name: TableEstimate(**{field: tuple(values) for field, values in e.items()})
                               for name, e in d["estimates"].items()},
-                   batch_size_hint=d["batch_size_hint"], assumptions=d["assumptions"])
-
-
-def _distinct(rows, draws):
-    """Expected distinct values among ``draws`` uniform draws of ``rows``: R·(1 - (1 - 1/R)^n)."""
-    return rows * -math.expm1(draws * math.log1p(-1 / rows)) if rows > 1 else 1.0
+                   batch_size_hint=d["batch_size_hint"], assumptions=d["assumptions"],
+                   profile=None if d.get("profile") is None else MachineProfile.from_json(d["profile"]),
+                   id_layout=d.get("id_layout", "scattered"))
 
 
 def _element_bytes(spec, assumptions):
@@ -193,7 +215,7 @@ def estimate(spec, placement, world_size, assumptions):
     n, a = world_size, assumptions
     s = _element_bytes(spec, a)
     draws = a["batch_size"] * spec.hotness * len(spec.features)
-    u, u_all = _distinct(spec.rows, draws), _distinct(spec.rows, n * draws)
+    u, u_all = expected_distinct(spec.rows, draws), expected_distinct(spec.rows, n * draws)
 
     def row_bytes(cols):
         return cols * (s + 4 * a["state_floats_per_element"]) + 4 * a["state_floats_per_row"]
@@ -226,9 +248,8 @@ def _step_seconds(tables, placements, estimates, world_size, assumptions):
     per_rank = [sum(ts) for ts in zip(*(e.seconds(assumptions) for e in estimates.values()))]
     if world_size == 1:
         return max(per_rank)
-    dims = {kind: {tables[name].dim for name, p in placements.items() if (p.kind == "data_parallel") == kind}
-            for kind in (True, False)}
-    return max(per_rank) + assumptions["collective_latency_s"] * (3 * len(dims[False]) + len(dims[True]))
+    k = collectives(tables, placements)
+    return max(per_rank) + assumptions["collective_latency_s"] * k
 
 
 def _place(kind, spec, world_size, order):
@@ -315,7 +336,7 @@ def _assumptions(world_size, batch_size_hint, memory_per_rank, state_floats_per_
 
 def make_plan(tables, world_size, request="auto", *, batch_size_hint=None, memory_per_rank=None,
               state_floats_per_element=0, state_floats_per_row=0, wire_itemsize=4, cost=None,
-              element_bytes=None):
+              element_bytes=None, profile=None, id_layout="scattered"):
     """A :class:`Plan` of ``tables`` over ``world_size`` ranks (algorithm in the module docstring).
 
     ``request``: ``"auto"``, one of PLACEMENTS for every table, a dict of
@@ -325,7 +346,12 @@ def make_plan(tables, world_size, request="auto", *, batch_size_hint=None, memor
     (a quantized table's ``bits / 8``).
     ``memory_per_rank`` (bytes) bounds what each rank holds; ``cost``
     overrides some of :data:`DEFAULT_COST` (network 10 GB/s, memory 50 GB/s,
-    50 us per collective).
+    50 us per collective). ``profile``: a
+    :class:`~hbkernels.sharding.profile.MachineProfile` (or the path of its JSON file, or
+    its dict) of ``hbkernels plan --calibrate``: placements are then ranked by the time
+    model of :mod:`hbkernels.sharding.cost` with its constants, for ids laid out as
+    ``id_layout`` (one of the profile's layouts: ``"scattered"``, ``"ranked"``,
+    ``"uniform"``), and ``cost`` is not taken.
     """
     specs = _checked_tables(tables)
     if isinstance(request, Plan):  # a plan made before, kept as it is
@@ -333,7 +359,24 @@ def make_plan(tables, world_size, request="auto", *, batch_size_hint=None, memor
         return request
     a = _assumptions(world_size, batch_size_hint, memory_per_rank, state_floats_per_element,
                      state_floats_per_row, wire_itemsize, cost, element_bytes)
+    profile = as_profile(profile, "profile")
+    if id_layout not in LAYOUTS:
+        raise ValueError(f"id_layout must be one of {LAYOUTS}, got {id_layout!r}")
+    if profile is not None and cost:
+        raise ValueError("give make_plan a profile or cost constants, not both")
+    timing = None if profile is None else ProfileCost(profile, id_layout, a["batch_size"])
     n, limit = int(world_size), memory_per_rank
+
+    def seconds(spec, placement, est):
+        """Per rank: the table's seconds by the profile, else by the byte model."""
+        if timing is None:
+            return est.seconds(a)
+        return timing.table_seconds(spec, placement, n, est.wire_bytes)
+
+    def step(placed, placed_estimates):
+        if timing is None:
+            return _step_seconds(specs, placed, placed_estimates, n, a)
+        return timing.step(specs, placed, placed_estimates, n).seconds
     kinds = _requested_kinds(request, list(specs))
     for name, kind in kinds.items():  # a dynamic table is cut by a hash of its ids
         if specs[name].dynamic:
@@ -355,8 +398,8 @@ def make_plan(tables, world_size, request="auto", *, batch_size_hint=None, memor
         return max((h - (replacing.memory_bytes[r] if replacing else 0) + m, r)
                    for r, (h, m) in enumerate(zip(held, est.memory_bytes)))
 
-    def count(est, sign):
-        for r, (t, m) in enumerate(zip(est.seconds(a), est.memory_bytes)):
+    def count(name, placement, est, sign):
+        for r, (t, m) in enumerate(zip(seconds(specs[name], placement, est), est.memory_bytes)):
             load[r] += sign * t
             held[r] += sign * m
 
@@ -370,7 +413,7 @@ def make_plan(tables, world_size, request="auto", *, batch_size_hint=None, memor
         for kind in (auto if kinds[name] == "auto" else (kinds[name],)):
             placement = _place(kind, spec, n, order)
             est = estimate(spec, placement, n, a)
-            score = max(lt + t for lt, t in zip(load, est.seconds(a)))
+            score = max(lt + t for lt, t in zip(load, seconds(spec, placement, est)))
             options.append((score, placement, est))
         fitting = [o for o in options if limit is None or peak_memory(o[2])[0] <= limit]
         if not fitting:
@@ -378,7 +421,7 @@ def make_plan(tables, world_size, request="auto", *, batch_size_hint=None, memor
             raise ValueError(f"table {name!r} does not fit memory_per_rank={limit} bytes: as {kind} rank {rank} "
                              f"would hold {need:.0f} bytes, {held[rank]:.0f} of them for other tables")
         _, placements[name], estimates[name] = min(fitting, key=lambda o: o[0])
-        count(estimates[name], +1)
+        count(name, placements[name], estimates[name], +1)
 
     for name in sorted(names, key=lambda x: (footprint(x), names.index(x))):
         if n == 1 or kinds[name] != "auto":
@@ -388,15 +431,15 @@ def make_plan(tables, world_size, request="auto", *, batch_size_hint=None, memor
         replica_est = estimate(specs[name], replica, n, a)
         if limit is not None and peak_memory(replica_est, replacing=sharded[1])[0] > limit:
             continue
-        before = _step_seconds(specs, placements, estimates, n, a)
+        before = step(placements, estimates)
         placements[name], estimates[name] = replica, replica_est
-        if _step_seconds(specs, placements, estimates, n, a) > before:
+        if step(placements, estimates) > before:
             placements[name], estimates[name] = sharded
         else:
-            count(sharded[1], -1)
-            count(replica_est, +1)
+            count(name, sharded[0], sharded[1], -1)
+            count(name, replica, replica_est, +1)
 
     return Plan({name: placements[name] for name in names}, tables=specs, world_size=n,
                 request=dict(request) if isinstance(request, collections.abc.Mapping) else request,
                 estimates={name: estimates[name] for name in names}, batch_size_hint=batch_size_hint,
-                assumptions=a)
+                assumptions=a, profile=profile, id_layout=id_layout)

@@ -1,18 +1,29 @@
 """Machine profiles: the constants of a model of the sparse step, measured on the machine
 and ranks a job runs on (``hbkernels plan --calibrate``,
-:func:`hbkernels.bench.calibrate.calibrate`), or assumed (:func:`assumed_profile`, the
-planner's :data:`~hbkernels.sharding.plan.DEFAULT_COST`), and labelled as such.
+:func:`hbkernels.bench.calibrate.calibrate`), or assumed (:func:`assumed_profile`, from
+:data:`DEFAULT_COST`), and labelled as such.
 
 Each constant is a :class:`Spread`: the median of its repeats and their 20th and 80th
 percentiles.
 
-* ``lookup_ns_per_id[(dim, layout)]``: ``embedding_bag``'s time per id of a large batch,
-  less the fixed cost of a call;
-* ``update_ns_per_id[(dim, layout)]``: the optimizer's ``fused_step``, the same way;
-* ``call_us["lookup"]``, ``call_us["update"]``: that fixed cost, the time of a call on a
-  bag of one id; ``call_us["collection"]``, ``call_us["collection_table"]``: a one-rank
-  collection's step (forward and backward) of one id in one table, and each table more;
-* ``collective_latency_us``: an ``allreduce`` of one float64;
+* ``lookup_ns_per_id[(dim, layout)]``, ``lookup_ns_per_bag[(dim, layout)]``:
+  ``embedding_bag``'s time per id and per bag of a large batch (a call on B bags of L ids
+  costs about a fixed cost + B·per bag + B·L·per id);
+* ``update_ns_per_id[(dim, layout)]``, ``update_ns_per_bag[(dim, layout)]``: the
+  optimizer's ``fused_step``, the same way;
+* ``unique_ns_per_id[layout]``: ``hbkernels.unique`` (with the inverse) per id of the
+  batch of ids in bags;
+* ``call_us["lookup"]``, ``call_us["update"]``: the fixed cost, the time of a call on a
+  bag of one id;
+* ``step_us[kind]``, ``table_us[kind]``: a collection's step (forward and backward) on
+  the profile's ranks of one id in one table placed as ``kind`` (each of
+  :data:`~hbkernels.types.PLACEMENTS`), and each table more: its own work around the
+  kernels, its collectives' latency included;
+* ``host_ns_per_id[kind]``, ``host_ns_per_bag[kind]``: a collection's own cost per id and
+  per bag of a rank's batch beyond what the other constants predict of its step (its
+  routing of ids, the order of its rows, its calls' costs that grow with a batch), its
+  tables placed as ``kind``;
+* ``collective_latency_us``: an ``alltoallv`` of one float32 to each rank;
 * ``network_bytes_per_s``: an ``alltoallv``'s bytes sent to the other ranks per second.
 
 ``layout`` is one of :data:`hbkernels.bench.common.LAYOUTS`: Zipf ranks scattered over
@@ -23,15 +34,23 @@ collective of its own to measure: its two collective constants are the assumed o
 import dataclasses
 import json
 import math
+import os
 
 from .._files import write_json_atomic
 from ..bench.common import LAYOUTS
-from .plan import DEFAULT_COST
+from ..types import PLACEMENTS
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
+#: the constants assumed where no profile is given: network and memory bandwidth, the
+#: latency of a collective
+DEFAULT_COST = {"network_bytes_per_s": 10e9, "memory_bytes_per_s": 50e9, "collective_latency_s": 50e-6}
 #: the fixed costs of ``call_us``
-CALLS = ("lookup", "update", "collection", "collection_table")
+CALLS = ("lookup", "update")
 MEASURED, ASSUMED = "measured", "assumed"
+#: the fields of a profile kept per ``(width, layout)``
+PER_KEY = ("lookup_ns_per_id", "update_ns_per_id", "lookup_ns_per_bag", "update_ns_per_bag")
+#: the fields of a profile kept per placement (:data:`~hbkernels.types.PLACEMENTS`)
+PER_KIND = ("step_us", "table_us", "host_ns_per_id", "host_ns_per_bag")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +96,14 @@ class MachineProfile:
     machine: dict
     lookup_ns_per_id: dict
     update_ns_per_id: dict
+    lookup_ns_per_bag: dict
+    update_ns_per_bag: dict
+    unique_ns_per_id: dict
     call_us: dict
+    step_us: dict
+    table_us: dict
+    host_ns_per_id: dict
+    host_ns_per_bag: dict
     collective_latency_us: Spread
     network_bytes_per_s: Spread
     measured_collectives: bool
@@ -87,9 +113,10 @@ class MachineProfile:
             return {f"{dim}/{layout}": s.to_json() for (dim, layout), s in sorted(d.items())}
 
         return {"version": PROFILE_VERSION, "source": self.source, "machine": dict(self.machine),
-                "lookup_ns_per_id": per_key(self.lookup_ns_per_id),
-                "update_ns_per_id": per_key(self.update_ns_per_id),
-                "call_us": {k: s.to_json() for k, s in sorted(self.call_us.items())},
+                **{field: per_key(getattr(self, field)) for field in PER_KEY},
+                "unique_ns_per_id": {lay: s.to_json() for lay, s in sorted(self.unique_ns_per_id.items())},
+                **{field: {k: s.to_json() for k, s in sorted(getattr(self, field).items())}
+                   for field in ("call_us",) + PER_KIND},
                 "collective_latency_us": self.collective_latency_us.to_json(),
                 "network_bytes_per_s": self.network_bytes_per_s.to_json(),
                 "measured_collectives": self.measured_collectives}
@@ -106,10 +133,21 @@ class MachineProfile:
             if d["source"] not in (MEASURED, ASSUMED):
                 raise ValueError(f"{d['source']!r} is neither {MEASURED!r} nor {ASSUMED!r}")
             per_key = {}
-            for field in ("lookup_ns_per_id", "update_ns_per_id"):
+            for field in PER_KEY:
                 per_key[field] = {_key(k): Spread.from_json(v) for k, v in d[field].items()}
+                if set(per_key[field]) != set(per_key[PER_KEY[0]]):
+                    raise ValueError(f"its widths and layouts are not those of {PER_KEY[0]!r}")
+            field = "unique_ns_per_id"
+            unique = {lay: Spread.from_json(v) for lay, v in d[field].items()}
+            if set(unique) != {lay for _, lay in per_key[PER_KEY[0]]}:
+                raise ValueError(f"its layouts are not those of {PER_KEY[0]!r}")
             field = "call_us"
             call_us = {k: Spread.from_json(v) for k, v in d["call_us"].items()}
+            per_kind = {}
+            for field in PER_KIND:
+                per_kind[field] = {k: Spread.from_json(v) for k, v in d[field].items()}
+                if set(per_kind[field]) != set(PLACEMENTS):
+                    raise ValueError(f"it holds {sorted(per_kind[field])}, not each of {PLACEMENTS}")
             field = "collective_latency_us"
             latency = Spread.from_json(d[field])
             field = "network_bytes_per_s"
@@ -120,8 +158,9 @@ class MachineProfile:
             measured = bool(d[field])
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(f"{where}: field {field!r}: {error}") from None
-        return cls(d["source"], machine, per_key["lookup_ns_per_id"], per_key["update_ns_per_id"],
-                   call_us, latency, bandwidth, measured)
+        return cls(d["source"], machine, **per_key, unique_ns_per_id=unique, call_us=call_us, **per_kind,
+                   collective_latency_us=latency,
+                   network_bytes_per_s=bandwidth, measured_collectives=measured)
 
     def save(self, path):
         """Write the profile to ``path`` as JSON, atomically."""
@@ -144,15 +183,34 @@ def _key(text):
     return int(dim), layout
 
 
+def as_profile(value, where="plan_profile"):
+    """``value`` as a :class:`MachineProfile`: one already, the path of its JSON file or
+    its JSON dict; ``None`` stays ``None``. A ``ValueError`` naming ``where`` otherwise."""
+    if value is None or isinstance(value, MachineProfile):
+        return value
+    if isinstance(value, dict):
+        return MachineProfile.from_json(value, where=where)
+    if isinstance(value, (str, os.PathLike)):
+        try:
+            return MachineProfile.load(value)
+        except OSError as error:
+            raise ValueError(f"{where}: cannot read {value}: {error.strerror or error}") from None
+    raise ValueError(f"{where} must be a MachineProfile, the path of its JSON file or its dict, "
+                     f"got {type(value).__name__}")
+
+
 def assumed_profile(widths, itemsize=4):
-    """The planner's :data:`~hbkernels.sharding.plan.DEFAULT_COST` as a profile for tables
+    """:data:`DEFAULT_COST` as a profile for tables
     of ``widths``: a lookup reads a row and an update reads and writes one (its optimizer
-    state left out) at the assumed memory bandwidth, a call costs nothing; ``source``
-    ``"assumed"``."""
+    state left out) at the assumed memory bandwidth, a bag, a dedup, a call and a collection's step cost nothing;
+    ``source`` ``"assumed"``."""
     bandwidth = DEFAULT_COST["memory_bytes_per_s"]
     lookup = {(d, lay): Spread.exactly(1e9 * d * itemsize / bandwidth) for d in widths for lay in LAYOUTS}
     update = {(d, lay): Spread.exactly(2e9 * d * itemsize / bandwidth) for d in widths for lay in LAYOUTS}
-    return MachineProfile(ASSUMED, {}, lookup, update,
+    free = {key: Spread.exactly(0.0) for key in lookup}
+    return MachineProfile(ASSUMED, {}, lookup, update, free, dict(free),
+                          {lay: Spread.exactly(0.0) for lay in LAYOUTS},
                           dict.fromkeys(CALLS, Spread.exactly(0.0)),
+                          *({kind: Spread.exactly(0.0) for kind in PLACEMENTS} for _ in PER_KIND),
                           Spread.exactly(1e6 * DEFAULT_COST["collective_latency_s"]),
                           Spread.exactly(DEFAULT_COST["network_bytes_per_s"]), False)
