@@ -21,12 +21,29 @@ def add_command(subparsers):
     from ..bench.common import LAYOUTS
 
     p = subparsers.add_parser(
-        "plan", help="measure the constants of the planner's model (--calibrate)",
+        "plan", help="measure the constants of the planner's model (--calibrate), or predict "
+                     "a cluster's placements with them (--simulate)",
         description=plain(__doc__.split("\n\n")[0]), formatter_class=HelpFormatter)
-    p.add_argument("--calibrate", action="store_true", required=True,
-                   help="measure this machine and these ranks")
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--calibrate", action="store_true", help="measure this machine and these ranks")
+    mode.add_argument("--simulate", action="store_true",
+                      help="print each placement of --table tables on --world-size ranks: its "
+                           "predicted step, memory per rank and bytes within and across nodes")
     p.add_argument("--out", default="hbkernels-profile.json", metavar="FILE",
-                   help="where rank 0 writes the profile")
+                   help="--calibrate: where rank 0 writes the profile")
+    sim = p.add_argument_group("--simulate")
+    sim.add_argument("--world-size", type=at_least(1), default=8, help="ranks")
+    sim.add_argument("--ranks-per-node", type=at_least(1), default=None, help="ranks of a node (default: all)")
+    sim.add_argument("--profile", default=None, metavar="FILE",
+                     help="a profile of --calibrate (default: the built-in rates)")
+    sim.add_argument("--tables", dest="tables", nargs="+", action="extend", type=spec_of, default=None,
+                     metavar="NAME:ROWS:DIM[:HOTNESS]", help="the tables (default: hbkernels train's)")
+    sim.add_argument("--table", dest="tables", action="append", type=spec_of,
+                     metavar="NAME:ROWS:DIM[:HOTNESS]", help="a table more (repeat)")
+    sim.add_argument("--batch-size", type=at_least(1), default=1024, help="global batch")
+    sim.add_argument("--id-layout", choices=LAYOUTS, default="scattered", help="how the ids are numbered")
+    sim.add_argument("--memory-per-rank", type=at_least(0.0, float, strictly=True), default=None,
+                     metavar="BYTES", help="what a rank may hold")
     p.add_argument("--widths", type=int_list, default="16,64,128", metavar="D,...",
                    help="table widths; a collection's own costs are measured at the first")
     p.add_argument("--layouts", default=",".join(LAYOUTS), metavar="L,...",
@@ -40,7 +57,29 @@ def add_command(subparsers):
     p.set_defaults(run=run)
 
 
+def spec_of(text):
+    """``NAME:ROWS:DIM[:HOTNESS]`` -> :class:`hbkernels.TableSpec`."""
+    import argparse
+
+    from ..types import TableSpec
+
+    parts = text.split(":")
+    try:
+        if len(parts) not in (3, 4) or not parts[0]:
+            raise ValueError
+        rows, dim = int(parts[1]), int(parts[2])
+        hotness = float(parts[3]) if len(parts) == 4 else 1.0
+        if min(rows, dim) < 1 or not hotness > 0:
+            raise ValueError
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected NAME:ROWS:DIM[:HOTNESS] with ROWS, DIM >= 1 and HOTNESS > 0, got {text!r}") from None
+    return TableSpec(parts[0], num_rows=rows, dim=dim, hotness=hotness)
+
+
 def run(args):
+    if args.simulate:
+        return run_simulate(args)
     import hbkernels as hbk
     from ..bench.calibrate import calibrate
     from ..bench.common import LAYOUTS
@@ -98,3 +137,39 @@ def report(profile):
                      f"{profile.collective_latency_us.median:g} µs, "
                      f"{profile.network_bytes_per_s.median / 1e9:g} GB/s")
     return "\n".join(lines)
+
+
+def run_simulate(args):
+    from .. import optim
+    from ..sharding.profile import as_profile
+    from ..sharding.simulate import simulate, table
+    from ..types import TableSpec
+    from .train import DEFAULT_TABLES
+
+    try:
+        profile = as_profile(args.profile, "--profile")
+    except ValueError as error:
+        raise CLIError(str(error)) from None
+    tables = args.tables or [TableSpec(name, num_rows=int(rows), dim=16, hotness=float(hot))
+                             for name, rows, hot, *_ in (t.split(":") for t in DEFAULT_TABLES)]
+    n = args.world_size
+    per_rank = max(1, args.batch_size // n)
+    slots = optim.Adagrad(lr=0.05).slots
+    per_row = sum(1 for _, row in slots if row)
+    try:
+        runs = simulate(tables, n, ranks_per_node=args.ranks_per_node, profile=profile,
+                        batch_size_hint=per_rank, id_layout=args.id_layout,
+                        state_floats_per_element=len(slots) - per_row, state_floats_per_row=per_row,
+                        memory_per_rank=args.memory_per_rank)
+    except ValueError as error:
+        raise CLIError(str(error)) from None
+    g = args.ranks_per_node or n
+    nodes = -(-n // g)
+    made = next((s for s in runs if not s.refused), None)
+    label = made.step.label() if made else "no plan could be made"
+    if profile is not None and profile.machine.get("world_size") not in (None, n):
+        label += f"; predicting {n} ranks"
+    print(f"{n} ranks ({nodes} node(s) of {g}), {len(tables)} tables, global batch {args.batch_size} "
+          f"({per_rank} per rank), ids {args.id_layout}, Adagrad; {label}")
+    print("\n".join(table(runs)), flush=True)
+    return 0

@@ -80,11 +80,14 @@ class Placement:
 @dataclasses.dataclass(frozen=True)
 class TableEstimate:
     """Per step, per rank: wire bytes (max of sent and received), bytes of
-    table rows read and written, bytes of weights and optimizer state held."""
+    table rows read and written, bytes of weights and optimizer state held, and of the
+    wire bytes those to and from ranks of other nodes."""
 
     wire_bytes: tuple
     lookup_bytes: tuple
     memory_bytes: tuple
+    #: of ``wire_bytes``, what crosses between nodes (max of sent and received)
+    across_bytes: tuple = ()
 
     def seconds(self, assumptions):
         """Per rank: ``wire / net_bw + lookup / mem_bw``."""
@@ -220,28 +223,43 @@ def estimate(spec, placement, world_size, assumptions):
     def row_bytes(cols):
         return cols * (s + 4 * a["state_floats_per_element"]) + 4 * a["state_floats_per_row"]
 
+    per_node = a.get("ranks_per_node") or n
+
+    def node(r):
+        return r // per_node
+
     if placement.kind == "data_parallel":
-        return TableEstimate(((n - 1) * u * (_ID_BYTES + 4 * spec.dim),) * n,
+        gradients = u * (_ID_BYTES + 4 * spec.dim)
+        remote = [sum(node(q) != node(r) for q in range(n)) for r in range(n)]
+        return TableEstimate(((n - 1) * gradients,) * n,
                              (u * spec.dim * s + 2 * u_all * row_bytes(spec.dim),) * n,
-                             (spec.resident_rows * row_bytes(spec.dim),) * n)
+                             (spec.resident_rows * row_bytes(spec.dim),) * n,
+                             tuple(k * gradients for k in remote))
     if placement.kind == "row_wise":
         shards = [(r, spec.dim, 1 / n, -(-spec.rows // n)) for r in range(n)]
     else:
         cols = np.diff(placement.columns)
         shards = [(r, int(c), 1.0, spec.rows) for r, c in zip(placement.ranks, cols)]
-    sent, received, lookup, memory = ([0.0] * n for _ in range(4))
+    sent, received, lookup, memory, far_sent, far_received = ([0.0] * n for _ in range(6))
     w = a["wire_itemsize"]
     for owner, cols, fraction, rows in shards:
         ids = fraction * u
+        asks, answers = ids * (_ID_BYTES + cols * w), ids * cols * w  # one rank's, each way
         for r in range(n):
             if r != owner:
-                sent[r] += ids * (_ID_BYTES + cols * w)
-                received[r] += ids * cols * w
-        sent[owner] += (n - 1) * ids * cols * w
-        received[owner] += (n - 1) * ids * (_ID_BYTES + cols * w)
+                sent[r] += asks
+                received[r] += answers
+                sent[owner] += answers
+                received[owner] += asks
+                if node(r) != node(owner):
+                    far_sent[r] += asks
+                    far_received[r] += answers
+                    far_sent[owner] += answers
+                    far_received[owner] += asks
         lookup[owner] += n * ids * cols * s + 2 * fraction * u_all * row_bytes(cols)
         memory[owner] += rows * spec.resident_rows / spec.rows * row_bytes(cols)
-    return TableEstimate(tuple(map(max, sent, received)), tuple(lookup), tuple(memory))
+    return TableEstimate(tuple(map(max, sent, received)), tuple(lookup), tuple(memory),
+                         tuple(map(max, far_sent, far_received)))
 
 
 def _step_seconds(tables, placements, estimates, world_size, assumptions):
@@ -336,7 +354,7 @@ def _assumptions(world_size, batch_size_hint, memory_per_rank, state_floats_per_
 
 def make_plan(tables, world_size, request="auto", *, batch_size_hint=None, memory_per_rank=None,
               state_floats_per_element=0, state_floats_per_row=0, wire_itemsize=4, cost=None,
-              element_bytes=None, profile=None, id_layout="scattered"):
+              element_bytes=None, profile=None, id_layout="scattered", ranks_per_node=None):
     """A :class:`Plan` of ``tables`` over ``world_size`` ranks (algorithm in the module docstring).
 
     ``request``: ``"auto"``, one of PLACEMENTS for every table, a dict of
@@ -351,7 +369,8 @@ def make_plan(tables, world_size, request="auto", *, batch_size_hint=None, memor
     its dict) of ``hbkernels plan --calibrate``: placements are then ranked by the time
     model of :mod:`hbkernels.sharding.cost` with its constants, for ids laid out as
     ``id_layout`` (one of the profile's layouts: ``"scattered"``, ``"ranked"``,
-    ``"uniform"``), and ``cost`` is not taken.
+    ``"uniform"``), and ``cost`` is not taken. ``ranks_per_node``: ranks
+    ``[k·G, (k+1)·G)`` share node k (default: one node), for the estimates' bytes across nodes.
     """
     specs = _checked_tables(tables)
     if isinstance(request, Plan):  # a plan made before, kept as it is
@@ -360,6 +379,10 @@ def make_plan(tables, world_size, request="auto", *, batch_size_hint=None, memor
     a = _assumptions(world_size, batch_size_hint, memory_per_rank, state_floats_per_element,
                      state_floats_per_row, wire_itemsize, cost, element_bytes)
     profile = as_profile(profile, "profile")
+    if ranks_per_node is not None:
+        if isinstance(ranks_per_node, bool) or int(ranks_per_node) != ranks_per_node or ranks_per_node < 1:
+            raise ValueError(f"ranks_per_node must be None or an integer >= 1, got {ranks_per_node!r}")
+        a["ranks_per_node"] = int(ranks_per_node)
     if id_layout not in LAYOUTS:
         raise ValueError(f"id_layout must be one of {LAYOUTS}, got {id_layout!r}")
     if profile is not None and cost:

@@ -1,0 +1,69 @@
+"""A cluster you do not have: each placement of some tables on N ranks (G to a node), with
+the step a profile predicts for it, the memory a rank holds and the bytes it sends, of them
+those that cross between nodes (``hbkernels plan --simulate``)."""
+import dataclasses
+
+from ..types import PLACEMENTS
+from .plan import make_plan
+
+#: the plans a simulation compares: every table placed one way, then ``"auto"``
+PLANS = PLACEMENTS + ("auto",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Simulated:
+    """One plan of a simulation: its :class:`~hbkernels.sharding.plan.Plan`, its predicted
+    :class:`~hbkernels.sharding.cost.StepEstimate`, and per rank at most: bytes held, wire
+    bytes of a step, of them across nodes; or why the plan cannot be made (``refused``)."""
+
+    request: str
+    plan: object = None
+    step: object = None
+    memory_bytes: float = 0.0
+    wire_bytes: float = 0.0
+    across_bytes: float = 0.0
+    refused: str = ""
+
+
+def simulate(tables, world_size, *, ranks_per_node=None, profile=None, batch_size_hint=None,
+             id_layout="scattered", state_floats_per_element=0, state_floats_per_row=0,
+             memory_per_rank=None):
+    """A :class:`Simulated` for each of :data:`PLANS` (arguments as
+    :func:`~hbkernels.sharding.plan.make_plan`'s; ``batch_size_hint``: per rank)."""
+    out = []
+    for request in PLANS:
+        try:
+            plan = make_plan(tables, world_size, request, batch_size_hint=batch_size_hint,
+                             memory_per_rank=memory_per_rank, profile=profile, id_layout=id_layout,
+                             state_floats_per_element=state_floats_per_element,
+                             state_floats_per_row=state_floats_per_row, ranks_per_node=ranks_per_node)
+        except ValueError as error:
+            out.append(Simulated(request, refused=str(error)))
+            continue
+
+        def most(field):
+            return max(sum(x) for x in zip(*(getattr(e, field) for e in plan.estimates.values())))
+
+        out.append(Simulated(request, plan, plan.predict(), most("memory_bytes"), most("wire_bytes"),
+                             most("across_bytes")))
+    return out
+
+
+def table(simulated):
+    """The simulation as aligned text lines, one per plan."""
+    head = ("plan", "predicted ms", "host", "lookups", "updates", "exchange", "memory MB/rank",
+            "wire MB/rank", "across nodes MB/rank", "placements")
+    rows = [head]
+    for s in simulated:
+        if s.refused:
+            rows.append((s.request, "-", "", "", "", "", "", "", "", f"refused: {s.refused}"))
+            continue
+        parts = s.step.parts_ms()
+        kinds = {}
+        for p in s.plan.values():
+            kinds[p.kind] = kinds.get(p.kind, 0) + 1
+        rows.append((s.request, f"{1e3 * s.step.seconds:.3f}", *(f"{parts[k]:.3f}" for k in parts),
+                     f"{s.memory_bytes / 1e6:.1f}", f"{s.wire_bytes / 1e6:.3f}", f"{s.across_bytes / 1e6:.3f}",
+                     ", ".join(f"{k} x{c}" for k, c in kinds.items())))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
