@@ -28,6 +28,12 @@ k collectives: 3 (ids, rows, gradients) per distinct width of the sharded
 tables (tables of one width are coalesced) and 1 (gradient allgatherv) per
 distinct width of the replicated ones; no collective at N = 1.
 
+With a machine profile (``make_plan(..., profile=P)``), a table's seconds per rank are
+those of the time model of :mod:`hbkernels.sharding.cost` instead, and a plan's step cost its
+predicted step (:meth:`Plan.predict`); ``ranks_per_node`` G puts ranks ``[k·G, (k+1)·G)``
+on node k, and a table's estimate counts the wire bytes to and from other nodes
+(``across_bytes``).
+
 ``"auto"``: at N = 1 every table is ``table_wise`` on rank 0. Otherwise the
 tables, largest first, each take the sharded placement with the least
 ``max_r (load_r + time_r)`` given the load of the tables placed before (ties:
@@ -178,9 +184,11 @@ class Plan(collections.abc.Mapping):
             cost = f"predicted sparse step: {self.predict()}, ids {self.id_layout}"
         lines += [f"per rank ({self.world_size}): wire MB/step {mb('wire_bytes')}; memory MB {mb('memory_bytes')}",
                   cost,
-                  f"assumptions: batch {batch} per rank, network {a['network_bytes_per_s'] / 1e9:g} GB/s, "
-                  f"memory {a['memory_bytes_per_s'] / 1e9:g} GB/s, latency {a['collective_latency_s'] * 1e6:g} us"
-                  f"/collective, wire itemsize {a['wire_itemsize']}, optimizer state floats "
+                  f"assumptions: batch {batch} per rank, "
+                  + ("" if self.profile is not None else
+                     f"network {a['network_bytes_per_s'] / 1e9:g} GB/s, memory {a['memory_bytes_per_s'] / 1e9:g} "
+                     f"GB/s, latency {a['collective_latency_s'] * 1e6:g} us/collective, ")
+                  + f"wire itemsize {a['wire_itemsize']}, optimizer state floats "
                   f"{a['state_floats_per_element']}/element {a['state_floats_per_row']}/row, "
                   f"memory limit {limit}"]
         return "\n".join(lines)
