@@ -1,6 +1,7 @@
 """``python -m hbkernels.bench.prediction``: calibrates, trains under each plan and writes
 one CSV row per run, measured beside predicted (tiny sizes)."""
 import csv
+import json
 
 import pytest
 from mpirun import needs_mpi
@@ -9,14 +10,17 @@ from hbkernels.bench.prediction import COLUMNS, main
 
 pytest.importorskip("torch")
 
-TINY = ["--steps", "6", "--calibrate-args", "--widths 4,16 --layouts scattered --rows 500 --bags 8 --reps 2",
+TINY = ["--steps", "6", "--calibrate-args",
+        "--widths 4,16 --layouts scattered --rows 500 --bags 8 --reps 2 --batch-size 32 --tables a:500:16 b:90:4",
         "--train-args", "--batch-size 64 --eval-samples 128"]
 
 
 def run(tmp_path, capsys, ranks, plans):
     out = tmp_path / "prediction.csv"
     assert main(["--ranks", ranks, "--plans", plans, "--out", str(out), "--profiles", str(tmp_path), *TINY]) == 0
-    assert (tmp_path / f"profile-{ranks}-ranks.json").exists()
+    machine = json.loads((tmp_path / f"profile-{ranks}-ranks.json").read_text())["machine"]
+    assert machine["collection_tables"] == [["a", 500, 16], ["b", 90, 4]]
+    assert machine["collection_batch"] == 32 // int(ranks)
     rows = list(csv.DictReader(out.open()))
     assert list(rows[0]) == list(COLUMNS)
     printed = capsys.readouterr().out

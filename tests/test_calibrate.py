@@ -63,6 +63,18 @@ def test_calibrate_measures_every_width_and_layout(tmp_path):
     assert MachineProfile.load(tmp_path / "p.json") == p
 
 
+def test_a_collections_own_costs_are_measured_on_the_given_tables():
+    tables = [hbk.TableSpec("a", num_rows=300, dim=3), hbk.TableSpec("b", num_rows=50, dim=5)]
+    p = calibrate(hbk.dist.init("local"), (3,), ("uniform",), **TINY, tables=tables, batch=6)
+    assert p.machine["collection_tables"] == [["a", 300, 3], ["b", 50, 5]]
+    assert p.machine["collection_batch"] == 6 and set(p.host_ns_per_bag) == set(PLACEMENTS)
+    default = calibrate(hbk.dist.init("local"), (3,), ("uniform",), **TINY)
+    assert default.machine["collection_tables"] == [[f"t{k}", 125, 3] for k in range(8)]
+    assert default.machine["collection_batch"] == TINY["bags"] // 4
+    with raises(ValueError, match="one or more static TableSpecs"):
+        calibrate(hbk.dist.init("local"), (3,), ("uniform",), **TINY, tables=[])
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(optimizer="Lion"), "optimizer must be one of"),
     (dict(widths=()), "widths must be"),

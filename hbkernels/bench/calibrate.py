@@ -10,9 +10,9 @@ width). A repeat's cost per id is ``(t_h - t_1) / (bags·(hotness - 1))`` and pe
 bag ``(t_h - t_q) / (bags - bags/4) - hotness·per id`` (each at least 0). A
 collection's step (forward and backward) on these ranks of one id in each of 1 and of 8
 tables, placed each way, gives its own cost around the kernels (its collectives' latency
-included): a step's and each table's more; the same collection of larger tables on a
-batch of ``bags // 4`` bags per table, of ``hotness`` ids and of one, its cost per id and
-per bag beyond what the other constants predict (:func:`per_id_constants`). Then, at more than
+included): a step's and each table's more; a collection of the given tables (or 8 of
+``rows // 8`` rows) on a batch of bags per table of ``hotness`` ids and of one, its cost
+per id and per bag beyond what the other constants predict (:func:`per_id_constants`). Then, at more than
 one rank, ``reps`` ``alltoallv`` calls of one float32 to each rank (the latency) and ``alltoallv``
 calls sending ``exchange_bytes`` to each other rank (the bandwidth: bytes a rank sends to
 the others per second). Every rank measures, the ranks in step (a barrier before each
@@ -156,40 +156,39 @@ def collection_constants(comm, dim, kinds=PLACEMENTS, *, tables=8, reps=15, sync
     return fixed, extra
 
 
-def per_id_constants(comm, profile, dim, layout, kinds=PLACEMENTS, *, rows=1_000_000, bags=4096,
-                     hotness=8, alpha=1.05, tables=8, reps=15, sync=lambda: None):
+def per_id_constants(comm, profile, specs, layout, kinds=PLACEMENTS, *, batch=1024, hotness=8,
+                     alpha=1.05, reps=15, sync=lambda: None):
     """``({kind: ns per id}, {kind: ns per bag})``: a collection's own cost per id and per
     bag of a rank's batch, beyond what ``profile`` (this calibration's other constants)
-    predicts of its step: ``tables`` tables of ``rows // tables`` rows (at least 64) and
-    width ``dim``, each placed as ``kind``, a batch per rank of ``bags // 4`` bags per table
-    of ``hotness`` ids (r_h: measured - predicted) and of one id (r_1), Zipf in
-    ``layout``; per repeat ``(r_h - r_1) / (bags·(hotness - 1))`` per id and ``r_1 / bags -
-    per id`` per bag (each at least 0, over the rank's bags of every table); ``sync()`` as
-    in :func:`kernel_constants`. Collective."""
+    predicts of its step: the tables ``specs`` (their rows and widths), all placed as
+    ``kind``, a batch per rank of ``batch`` bags per table of ``hotness`` ids (r_h: measured
+    - predicted) and of one id (r_1), Zipf in ``layout``; per repeat ``(r_h - r_1) /
+    (bags·(hotness - 1))`` per id and ``r_1 / bags - per id`` per bag (each at least 0, over
+    the rank's bags of every table); ``sync()`` as in :func:`kernel_constants`. Collective."""
     from hbkernels.sharding.cost import ProfileCost
 
-    size, count = max(64, rows // tables), max(1, bags // 4)
+    count = int(batch)
 
     def case(kind, length):
         """``(step, predicted seconds on this rank)`` of bags of ``length`` ids."""
         offsets = np.arange(count + 1, dtype=np.int64) * length
-        batch = {f"t{k}": hbk.Ragged(zipf_ids(count * length, size, alpha, seed=1000 * comm.rank + k,
-                                              layout=layout), offsets) for k in range(tables)}
-        grads = {f: np.ones((count, dim), np.float32) for f in batch}
-        specs = [hbk.TableSpec(f"t{k}", num_rows=size, dim=dim, hotness=length) for k in range(tables)]
-        coll = hbk.EmbeddingCollection(specs, comm=comm, device="cpu", plan=kind, batch_size_hint=count)
+        shaped = [hbk.TableSpec(s.name, num_rows=s.num_rows, dim=s.dim, hotness=length) for s in specs]
+        inputs = {s.name: hbk.Ragged(zipf_ids(count * length, s.num_rows, alpha, seed=1000 * comm.rank + k,
+                                              layout=layout), offsets) for k, s in enumerate(shaped)}
+        grads = {s.name: np.ones((count, s.dim), np.float32) for s in shaped}
+        coll = hbk.EmbeddingCollection(shaped, comm=comm, device="cpu", plan=kind, batch_size_hint=count)
         est = ProfileCost(profile, layout, count).step(coll.plan.tables, dict(coll.plan),
                                                       coll.plan.estimates, comm.world_size)
 
         def step():
-            coll.forward(batch)
+            coll.forward(inputs)
             coll.backward(grads)
 
         for _ in range(WARMUP):
             step()
         return step, est.per_rank[comm.rank]
 
-    all_bags = tables * count
+    all_bags = len(specs) * count
     per_id, per_bag = {}, {}
     for kind in kinds:
         (long, long_predicted), (short, short_predicted) = case(kind, hotness), case(kind, 1)
@@ -228,12 +227,15 @@ def collective_constants(comm, *, exchange_bytes=4 << 20, reps=20):
 
 def calibrate(comm=None, widths=(16, 64, 128), layouts=LAYOUTS, *, rows=1_000_000, bags=4096,
               hotness=8, alpha=1.05, optimizer="Adagrad", reps=15, exchange_bytes=4 << 20,
-              threads=None):
+              threads=None, tables=None, batch=None):
     """The :class:`~hbkernels.sharding.profile.MachineProfile` of this machine and the
     ranks of ``comm`` (default :func:`hbkernels.dist.init`); collective. At one rank the
     collective constants are the assumed ones (``measured_collectives`` False). The
     kernels run on ``threads`` threads (default: a rank's share of the cores, as
-    ``hbkernels train`` gives it, :func:`hbkernels.threads.rank_share`)."""
+    ``hbkernels train`` gives it, :func:`hbkernels.threads.rank_share`). A collection's
+    own cost per id and per bag is measured on ``tables`` (:class:`hbkernels.TableSpec`
+    list; default: 8 tables of ``rows // 8`` rows at the first width) with ``batch`` bags
+    per rank and table (default ``bags // 4``): calibrate on the tables you will train."""
     comm = comm if comm is not None else hbk.dist.init()
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
@@ -247,6 +249,14 @@ def calibrate(comm=None, widths=(16, 64, 128), layouts=LAYOUTS, *, rows=1_000_00
     bad = [lay for lay in layouts if lay not in LAYOUTS]
     if bad or not layouts:
         raise ValueError(f"layouts must be some of {LAYOUTS}, got {list(layouts)}")
+    if tables is None:
+        tables = [hbk.TableSpec(f"t{k}", num_rows=max(64, int(rows) // 8), dim=widths[0]) for k in range(8)]
+    specs = [hbk.TableSpec(t.name, num_rows=t.num_rows, dim=t.dim) for t in tables]
+    if not specs or any(s.num_rows is None for s in specs):
+        raise ValueError("tables must be one or more static TableSpecs")
+    batch = max(1, int(bags) // 4) if batch is None else int(batch)
+    if batch < 1:
+        raise ValueError(f"batch must be an integer >= 1, got {batch!r}")
     threads = set_num_threads(rank_share(comm.world_size) if threads is None else int(threads))
     sync = comm.barrier if comm.world_size > 1 else (lambda: None)
     fields, calls = kernel_constants(widths, tuple(layouts), rows=int(rows), bags=int(bags),
@@ -264,13 +274,13 @@ def calibrate(comm=None, widths=(16, 64, 128), layouts=LAYOUTS, *, rows=1_000_00
                "device": "cpu", "world_size": comm.world_size, "backend": comm.backend,
                "date": datetime.date.today().isoformat(), "hbkernels": __version__,
                "rows": int(rows), "bags": int(bags), "hotness": int(hotness), "alpha": alpha,
-               "optimizer": optimizer, "reps": int(reps), "threads": threads}
+               "optimizer": optimizer, "reps": int(reps), "threads": threads,
+               "collection_tables": [[s.name, s.num_rows, s.dim] for s in specs], "collection_batch": batch}
     provisional = MachineProfile(MEASURED, machine, **fields, call_us=calls, step_us=step_us,
                                  table_us=table_us, host_ns_per_id=dict.fromkeys(PLACEMENTS, Spread.exactly(0.0)),
                                  host_ns_per_bag=dict.fromkeys(PLACEMENTS, Spread.exactly(0.0)),
                                  collective_latency_us=latency, network_bytes_per_s=bandwidth,
                                  measured_collectives=measured)
-    per_id, per_bag = per_id_constants(comm, provisional, widths[0], layouts[0], rows=int(rows),
-                                       bags=int(bags), hotness=int(hotness), alpha=alpha,
-                                       reps=int(reps), sync=sync)
+    per_id, per_bag = per_id_constants(comm, provisional, specs, layouts[0], batch=batch,
+                                       hotness=int(hotness), alpha=alpha, reps=int(reps), sync=sync)
     return dataclasses.replace(provisional, host_ns_per_id=per_id, host_ns_per_bag=per_bag)

@@ -1,7 +1,8 @@
 """The planner's predicted sparse step against the measured one, per placement and world size.
 
 For each world size N of ``--ranks`` (``mpiexec -n N`` beyond 1): ``hbkernels plan
---calibrate`` measures a profile of this machine at N ranks, then ``hbkernels train``
+--calibrate`` measures a profile of this machine at N ranks (by default on the tables and
+batch of ``hbkernels train``), then ``hbkernels train``
 (its default tables and batch unless ``--train-args`` says otherwise) runs ``--steps``
 steps under each placement of ``--plans`` with ``--plan-profile`` that profile. Each run's
 ``sparse_step_ms`` gives the measured step (the median over the timed steps of rank 0's
@@ -28,6 +29,13 @@ COLUMNS = ("ranks", "plan", "placements", "steps", "measured_ms", "forward_ms", 
            "predicted_ms", "host_ms", "lookup_ms", "update_ms", "exchange_ms", "ratio",
            "samples_per_s", "profile")
 PLANS = ("auto",) + PLACEMENTS
+
+
+def train_tables(dim=16):
+    """``hbkernels train``'s default tables as ``NAME:ROWS:DIM``."""
+    from ..cli.train import DEFAULT_TABLES
+
+    return [f"{name}:{rows}:{dim}" for name, rows, *_ in (t.split(":") for t in DEFAULT_TABLES)]
 
 
 def launcher(world):
@@ -85,8 +93,10 @@ def main(argv=None):
     p.add_argument("--ranks", default="1,2", help="world sizes, comma-separated")
     p.add_argument("--plans", default=",".join(PLANS), help="placements, comma-separated")
     p.add_argument("--steps", type=int, default=150, help="training steps per run")
-    p.add_argument("--calibrate-args", default="--widths 16,4,8,64 --layouts scattered",
-                   help="more arguments of hbkernels plan --calibrate")
+    p.add_argument("--calibrate-args", default=f"--widths 16,4,8,64 --layouts scattered --batch-size 1024 "
+                                                f"--tables {' '.join(train_tables())}",
+                   help="more arguments of hbkernels plan --calibrate (default: on hbkernels train's "
+                        "default tables and batch)")
     p.add_argument("--train-args", default="", help="more arguments of hbkernels train")
     p.add_argument("--out", default="prediction.csv", help="CSV the rows are appended to")
     p.add_argument("--profiles", default=None, metavar="DIR",

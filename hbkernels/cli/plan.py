@@ -36,11 +36,8 @@ def add_command(subparsers):
     sim.add_argument("--ranks-per-node", type=at_least(1), default=None, help="ranks of a node (default: all)")
     sim.add_argument("--profile", default=None, metavar="FILE",
                      help="a profile of --calibrate (default: the built-in rates)")
-    sim.add_argument("--tables", dest="tables", nargs="+", action="extend", type=spec_of, default=None,
-                     metavar="NAME:ROWS:DIM[:HOTNESS]", help="the tables (default: hbkernels train's)")
     sim.add_argument("--table", dest="tables", action="append", type=spec_of,
                      metavar="NAME:ROWS:DIM[:HOTNESS]", help="a table more (repeat)")
-    sim.add_argument("--batch-size", type=at_least(1), default=1024, help="global batch")
     sim.add_argument("--id-layout", choices=LAYOUTS, default="scattered", help="how the ids are numbered")
     sim.add_argument("--memory-per-rank", type=at_least(0.0, float, strictly=True), default=None,
                      metavar="BYTES", help="what a rank may hold")
@@ -54,6 +51,12 @@ def add_command(subparsers):
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="Adagrad",
                    help="the optimizer whose fused_step is timed")
     p.add_argument("--reps", type=at_least(1), default=15, help="repeats of each measurement")
+    p.add_argument("--tables", dest="tables", nargs="+", action="extend", type=spec_of, default=None,
+                   metavar="NAME:ROWS:DIM[:HOTNESS]",
+                   help="--calibrate: the tables a collection's own costs are measured on (default: "
+                        "8 of ROWS/8 rows); --simulate: the tables (default: hbkernels train's)")
+    p.add_argument("--batch-size", type=at_least(1), default=None,
+                   help="global batch (default: --simulate 1024; --calibrate BAGS/4 per rank)")
     p.set_defaults(run=run)
 
 
@@ -93,8 +96,9 @@ def run(args):
     comm = hbk.dist.init()
     if comm.rank == 0:
         writable_file(args.out)
+    batch = None if args.batch_size is None else max(1, args.batch_size // comm.world_size)
     profile = calibrate(comm, args.widths, layouts, rows=args.rows, bags=args.bags, hotness=args.hotness,
-                        optimizer=args.optimizer, reps=args.reps)
+                        optimizer=args.optimizer, reps=args.reps, tables=args.tables, batch=batch)
     if comm.rank == 0:
         print(report(profile), flush=True)
         profile.save(args.out)
@@ -152,8 +156,8 @@ def run_simulate(args):
         raise CLIError(str(error)) from None
     tables = args.tables or [TableSpec(name, num_rows=int(rows), dim=16, hotness=float(hot))
                              for name, rows, hot, *_ in (t.split(":") for t in DEFAULT_TABLES)]
-    n = args.world_size
-    per_rank = max(1, args.batch_size // n)
+    n, batch_size = args.world_size, args.batch_size or 1024
+    per_rank = max(1, batch_size // n)
     slots = optim.Adagrad(lr=0.05).slots
     per_row = sum(1 for _, row in slots if row)
     try:
@@ -169,7 +173,7 @@ def run_simulate(args):
     label = made.step.label() if made else "no plan could be made"
     if profile is not None and profile.machine.get("world_size") not in (None, n):
         label += f"; predicting {n} ranks"
-    print(f"{n} ranks ({nodes} node(s) of {g}), {len(tables)} tables, global batch {args.batch_size} "
+    print(f"{n} ranks ({nodes} node(s) of {g}), {len(tables)} tables, global batch {batch_size} "
           f"({per_rank} per rank), ids {args.id_layout}, Adagrad; {label}")
     print("\n".join(table(runs)), flush=True)
     return 0
