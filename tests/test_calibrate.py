@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 from helpers import raises
-from mpirun import mpirun, needs_mpi
+from mpirun import HAVE_MPI4PY, MPIEXEC, mpirun, torchrun
 
 import hbkernels as hbk
 from hbkernels.bench.calibrate import calibrate
@@ -132,14 +132,19 @@ def test_cli_refuses_bad_options(tmp_path, capsys, argv, match):
     assert match in capsys.readouterr().err
 
 
-@needs_mpi
-def test_two_ranks_measure_the_collectives(tmp_path):
+@pytest.mark.parametrize("launch", ["mpiexec", "torchrun"])
+def test_two_ranks_measure_the_collectives(tmp_path, launch):
+    if launch == "mpiexec" and not (MPIEXEC and HAVE_MPI4PY):
+        pytest.skip("needs mpiexec and mpi4py (pip install 'hbkernels[mpi]')")
+    if launch == "torchrun":
+        pytest.importorskip("torch")
     out = tmp_path / "profile.json"
-    rc, text, _ = mpirun(2, "-m hbkernels", "plan", "--calibrate", "--out", out, "--widths", "2",
-                         "--layouts", "uniform", "--rows", "500", "--bags", "8", "--reps", "2",
-                         timeout=240, cwd=tmp_path)
+    rc, text, _ = (mpirun if launch == "mpiexec" else torchrun)(
+        2, "-m hbkernels", "plan", "--calibrate", "--out", out, "--widths", "2", "--layouts",
+        "uniform", "--rows", "500", "--bags", "8", "--reps", "2", timeout=240, cwd=tmp_path)
     assert rc == 0, text[-4000:]
     p = MachineProfile.load(out)
     assert p.measured_collectives and p.machine["world_size"] == 2
+    assert p.machine["backend"] == ("mpi" if launch == "mpiexec" else "torch")
     assert p.collective_latency_us.median > 0 and p.network_bytes_per_s.median > 0
     assert "alltoallv latency" in text and text.count("profile ->") == 1  # rank 0 alone writes
