@@ -162,8 +162,7 @@ class ProfileCost:
 
     def __init__(self, profile, layout, batch_size):
         self.profile, self.layout, self.batch_size = profile, layout, int(batch_size)
-        alpha = float(profile.machine.get("alpha", 1.05)) if layout in ZIPF_LAYOUTS else 0.0
-        self.alpha = alpha
+        self.alpha = float(profile.machine.get("alpha", 1.05)) if layout in ZIPF_LAYOUTS else 0.0
 
         def of(table):
             at = {d: s.median for (d, lay), s in table.items() if lay == layout}
