@@ -145,7 +145,7 @@ class StepEstimate:
     def label(self):
         """Where the constants come from, in words."""
         if self.source == ASSUMED:
-            return "built-in defaults, not measured (hbkernels plan --calibrate measures them)"
+            return "built-in defaults, not measured: hbkernels plan --calibrate measures them"
         m = self.machine
         return (f"profile measured on {m.get('cpu', '?')} at {m.get('world_size', '?')} rank(s), "
                 f"{m.get('date', '?')}")
