@@ -34,8 +34,9 @@ PLANS = ("auto",) + PLACEMENTS
 def train_tables(dim=16):
     """``hbkernels train``'s default tables as ``NAME:ROWS:DIM``."""
     from ..cli.train import DEFAULT_TABLES
+    from ..data.__main__ import parse_table
 
-    return [f"{name}:{rows}:{dim}" for name, rows, *_ in (t.split(":") for t in DEFAULT_TABLES)]
+    return [f"{t.name}:{t.num_rows}:{dim}" for t in map(parse_table, DEFAULT_TABLES)]
 
 
 def launcher(world):

@@ -148,14 +148,15 @@ def run_simulate(args):
     from ..sharding.profile import as_profile
     from ..sharding.simulate import simulate, table
     from ..types import TableSpec
+    from ..data.__main__ import parse_table
     from .train import DEFAULT_TABLES
 
     try:
         profile = as_profile(args.profile, "--profile")
     except ValueError as error:
         raise CLIError(str(error)) from None
-    tables = args.tables or [TableSpec(name, num_rows=int(rows), dim=16, hotness=float(hot))
-                             for name, rows, hot, *_ in (t.split(":") for t in DEFAULT_TABLES)]
+    tables = args.tables or [TableSpec(t.name, num_rows=t.num_rows, dim=16, hotness=t.hotness)
+                             for t in map(parse_table, DEFAULT_TABLES)]
     n, batch_size = args.world_size, args.batch_size or 1024
     per_rank = max(1, batch_size // n)
     slots = optim.Adagrad(lr=0.05).slots

@@ -1,6 +1,7 @@
 """A cluster you do not have: each placement of some tables on N ranks (G to a node), with
 the step a profile predicts for it, the memory a rank holds and the bytes it sends, of them
 those that cross between nodes (``hbkernels plan --simulate``)."""
+import collections
 import dataclasses
 
 from ..types import PLACEMENTS
@@ -59,9 +60,7 @@ def table(simulated):
             rows.append((s.request, "-", "", "", "", "", "", "", "", f"refused: {s.refused}"))
             continue
         parts = s.step.parts_ms()
-        kinds = {}
-        for p in s.plan.values():
-            kinds[p.kind] = kinds.get(p.kind, 0) + 1
+        kinds = collections.Counter(p.kind for p in s.plan.values())
         rows.append((s.request, f"{1e3 * s.step.seconds:.3f}", *(f"{parts[k]:.3f}" for k in parts),
                      f"{s.memory_bytes / 1e6:.1f}", f"{s.wire_bytes / 1e6:.3f}", f"{s.across_bytes / 1e6:.3f}",
                      ", ".join(f"{k} x{c}" for k, c in kinds.items())))
