@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import hbkernels as hbk
-from hbkernels.sharding import _manifest, checkpoint
+from hbkernels.sharding.checkpoint import _manifest, _save
 
 TABLES = [hbk.TableSpec("user", num_rows=9, dim=4), hbk.TableSpec("item", num_rows=6, dim=3)]
 
@@ -107,7 +107,7 @@ def test_a_full_disk_while_the_manifest_is_written(saved, monkeypatch):
     def full(*_):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(checkpoint, "_write_manifest", full)
+    monkeypatch.setattr(_save, "write_manifest", full)
     with pytest.raises(hbk.CheckpointError, match="the previous checkpoint is kept: .*No space left"):
         make().save(saved)
     assert sorted(p.name for p in saved.iterdir()) == sorted(["manifest.json", before["save"]])
@@ -119,7 +119,7 @@ def test_a_first_save_that_fails_says_nothing_was_saved(tmp_path, monkeypatch):
     def full(*_):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(checkpoint, "_write_manifest", full)
+    monkeypatch.setattr(_save, "write_manifest", full)
     with pytest.raises(hbk.CheckpointError, match="failed, nothing was saved: .*No space left"):
         make().save(tmp_path / "ck")
     assert not (tmp_path / "ck" / "manifest.json").exists()

@@ -18,6 +18,7 @@ import hbkernels.metrics
 import hbkernels.ops
 import hbkernels.optim
 import hbkernels.reference
+import hbkernels.sharding._whole
 import hbkernels.sharding.collection
 import hbkernels.sharding.layout
 import hbkernels.sharding.plan
@@ -25,6 +26,7 @@ import hbkernels.types
 
 MODULES = [hbkernels, hbkernels.ops, hbkernels.hash_table, hbkernels.reference, hbkernels.optim, hbkernels.types, hbkernels.dist,
            hbkernels.sharding.plan, hbkernels.sharding.layout, hbkernels.sharding.collection,
+           hbkernels.sharding._whole,
            hbkernels.memory, hbkernels.data.parquet,
            hbkernels.data.hashing, hbkernels.data.convert, hbkernels.data.synthetic,
            hbkernels.data.ctr, hbkernels.metrics, hbkernels.cli.info, hbkernels.cli.progress]

@@ -37,6 +37,7 @@ from mpirun import ROOT
 import hbkernels as hbk
 from hbkernels.cli import main
 from hbkernels.sharding import checkpoint
+from hbkernels.sharding.checkpoint import _format
 
 LOCAL = hbk.dist.init("local")
 
@@ -151,8 +152,8 @@ def test_a_crash_during_an_incremental_save_leaves_the_chain(tmp_path, monkeypat
     pack = tmp_path / "b" / json.loads((tmp_path / "b" / "manifest.json").read_text())["files"][0]["file"]
     size = pack.stat().st_size
     writes = []
-    real = {"write_atomic": checkpoint.write_atomic,  # the manifest
-            "append_linked": checkpoint.append_linked}  # the pack, appended to b's file
+    real = {"write_atomic": _format.write_atomic,  # the manifest
+            "append_linked": _format.append_linked}  # the pack, appended to b's file
 
     def crashing(name, k):
         def write(*args, **kwargs):
@@ -166,7 +167,7 @@ def test_a_crash_during_an_incremental_save_leaves_the_chain(tmp_path, monkeypat
     while True:
         writes.clear()
         for name in real:
-            monkeypatch.setattr(checkpoint, name, crashing(name, k))
+            monkeypatch.setattr(_format, name, crashing(name, k))
         target = tmp_path / f"c{k}"
         try:
             coll.save(target, incremental=True, chain_limit=np.inf)
@@ -187,7 +188,7 @@ KILLED = textwrap.dedent("""
     import os, signal, sys
     import numpy as np
     import hbkernels as hbk
-    from hbkernels.sharding import checkpoint
+    from hbkernels.sharding.checkpoint import _format
 
     where, fatal = sys.argv[1], int(sys.argv[2])
     specs = [hbk.TableSpec("d", num_rows=None, dim=3, capacity=8, admit_count=2),
@@ -205,7 +206,7 @@ KILLED = textwrap.dedent("""
     coll.save(os.path.join(where, "b"), incremental=True, chain_limit=np.inf)
     hbk.EmbeddingCollection.load(os.path.join(where, "b"), comm=hbk.dist.init("local")).save(
         os.path.join(where, "same-as-b"))  # (coll's next save chains to b)
-    real, real_append, calls = checkpoint.write_atomic, checkpoint.append_linked, []
+    real, real_append, calls = _format.write_atomic, _format.append_linked, []
 
     class Dying:  # half of what the fatal write writes reaches the file, then SIGKILL
         def __init__(self, f):
@@ -225,7 +226,7 @@ KILLED = textwrap.dedent("""
         return real_append(source, path, end, align,
                            (lambda f: write(Dying(f))) if len(calls) == fatal else write)
 
-    checkpoint.write_atomic, checkpoint.append_linked = dying, dying_append
+    _format.write_atomic, _format.append_linked = dying, dying_append
     step()
     coll.save(os.path.join(where, "c"), incremental=True, chain_limit=np.inf)
     print("not killed")
@@ -304,7 +305,7 @@ CHANGE_EDITS = [("evicted", "dtype", "float32"), ("evicted", "shape", [3, 1]),
 @pytest.mark.parametrize("array, key, value", CHANGE_EDITS,
                          ids=[f"{a}.{k}={v!r}" for a, k, v in CHANGE_EDITS])
 def test_a_tampered_incremental_save_is_refused(tmp_path, array, key, value):
-    from hbkernels.sharding import _manifest
+    from hbkernels.sharding.checkpoint import _manifest
 
     path = _chain(tmp_path)
     hbk.EmbeddingCollection.load(path, comm=LOCAL)  # as saved: fine
@@ -318,7 +319,7 @@ def test_a_tampered_incremental_save_is_refused(tmp_path, array, key, value):
 
 @pytest.mark.parametrize("array", ["evicted", "pending_removed"])
 def test_an_incremental_save_without_its_removals_is_refused(tmp_path, array):
-    from hbkernels.sharding import _manifest
+    from hbkernels.sharding.checkpoint import _manifest
 
     path = _chain(tmp_path)
     manifest = json.loads((path / "manifest.json").read_text())
@@ -349,7 +350,7 @@ def test_a_chain_stops_at_max_chain_and_a_restore_starts_a_new_one(tmp_path):
 
 
 def _reseal(path, edit):
-    from hbkernels.sharding import _manifest
+    from hbkernels.sharding.checkpoint import _manifest
 
     manifest = json.loads((path / "manifest.json").read_text())
     edit(manifest)
@@ -689,6 +690,6 @@ def test_a_symlinked_parent_file_is_not_appended_to(tmp_path):
                                       ("../../a", "../b"), ("a/b", "./c"), ("a/b", "/abs"),
                                       ("a/b", "../.hidden"), ("a/b", "../")])
 def test_a_links_path_resolves_as_normpath_join(path, to):
-    from hbkernels.sharding._packs import _resolve
+    from hbkernels.sharding.checkpoint._packs import _resolve
 
     assert _resolve(path, to) == os.path.normpath(os.path.join(path, to))

@@ -17,7 +17,7 @@ import pytest
 
 import hbkernels as hbk
 from hbkernels.quantize import row_bytes
-from hbkernels.sharding import _manifest
+from hbkernels.sharding.checkpoint import _manifest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "mpi"))
 import collection_reference as cr  # noqa: E402

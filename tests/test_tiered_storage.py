@@ -209,9 +209,10 @@ def test_checkpoints_hold_touched_rows_and_chain(rng, tmp_path, monkeypatch):
     """A file table's save holds the rows its files hold, not the files, written and
     restored a chunk of rows at a time; incremental saves the rows changed; the chain
     loads (into another path) as the table in memory was."""
-    from hbkernels.sharding import checkpoint
+    from hbkernels.sharding.checkpoint import _format, _restore
 
-    monkeypatch.setattr(checkpoint, "CHUNK_ROWS", 7)
+    for module in (_format, _restore):  # rows gathered to be saved, and restored
+        monkeypatch.setattr(module, "CHUNK_ROWS", 7)
     ref = collection(tables(tmp_path, rows=400))
     got = collection(tables(tmp_path, "mmap", 4, rows=400))
     train_both(rng, ref, got, 3, rows=400)

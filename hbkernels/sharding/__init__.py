@@ -6,7 +6,8 @@
 * :mod:`~hbkernels.sharding.kinds`: one module per placement kind behind one
   interface (layout, input distribution, whole-table gather);
 * :mod:`~hbkernels.sharding.collection`: :class:`EmbeddingCollection` (forward,
-  backward, ``full_*``, save and load);
+  backward; the exchanges of the sharded and the replicated kinds, the flat path of a
+  GPU, dynamic tables and whole tables in modules of their own);
 * :mod:`~hbkernels.sharding.checkpoint`: the checkpoint format;
 * :mod:`~hbkernels.sharding.kjt`: TorchRec ``KeyedJaggedTensor`` input.
 """

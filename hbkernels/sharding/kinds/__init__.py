@@ -1,7 +1,9 @@
 """The placement kinds, one module each, behind :class:`~.base.EmbeddingSharding`.
 
 A new placement is a new module here and one entry in :data:`SHARDINGS` (and its
-name in :data:`hbkernels.types.PLACEMENTS`, with a cost in the planner)."""
+name in :data:`hbkernels.types.PLACEMENTS`, with a cost in the planner). A sharded kind's
+ids and rows go by :mod:`hbkernels.sharding._alltoall`, a replicated kind's gradients by
+:mod:`hbkernels.sharding._replicas`."""
 from ...types import PLACEMENTS
 from .base import EmbeddingSharding
 from .column_wise import ColumnWiseSharding

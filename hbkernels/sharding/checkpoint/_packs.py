@@ -35,8 +35,8 @@ import zlib
 
 import numpy as np
 
-from .._files import read_regular
-from ..errors import CheckpointError
+from ..._files import read_regular
+from ...errors import CheckpointError
 from . import _manifest
 
 ALIGN = 64  # byte alignment of each array in a pack

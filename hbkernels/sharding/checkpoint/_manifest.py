@@ -21,9 +21,9 @@ import zlib
 
 import numpy as np
 
-from .._validate import SEED_RANGE
-from ..errors import CheckpointError
-from ..quantize import BITS, row_bytes
+from ..._validate import SEED_RANGE
+from ...errors import CheckpointError
+from ...quantize import BITS, row_bytes
 
 SAVE_DIR = re.compile(r"save-[0-9]{1,20}-[0-9a-f]{8}")
 FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,240}\.npy")
