@@ -1,8 +1,10 @@
 """``hbkernels plan --calibrate``: measure the constants of a model of the sparse step on
-this machine and these ranks, and write them as a profile.
+this machine and these ranks, and write them as a profile; ``hbkernels plan --simulate``:
+predict each placement of some tables on a cluster with a profile.
 
     hbkernels plan --calibrate --out profile.json
     mpiexec -n 2 hbkernels plan --calibrate --out profile.json   # the collectives too
+    hbkernels plan --simulate --shape mlperf-dcnv2 --profile h100-node --world-size 64 --ranks-per-node 8
 
 Times ``embedding_bag`` and the optimizer's ``fused_step`` per id and per bag for each table width and
 id layout, and the fixed cost of a call; at more than one rank, the latency and the
@@ -35,7 +37,10 @@ def add_command(subparsers):
     sim.add_argument("--world-size", type=at_least(1), default=8, help="ranks")
     sim.add_argument("--ranks-per-node", type=at_least(1), default=None, help="ranks of a node (default: all)")
     sim.add_argument("--profile", default=None, metavar="FILE",
-                     help="a profile of --calibrate (default: the built-in rates)")
+                     help="a profile of --calibrate, or one shipped with hbkernels: h100-node "
+                          "(default: the built-in rates)")
+    sim.add_argument("--shape", choices=("mlperf-dcnv2",), default=None,
+                     help="a named set of tables and its global batch (instead of --tables)")
     sim.add_argument("--table", dest="tables", action="append", type=spec_of,
                      metavar="NAME:ROWS:DIM[:HOTNESS]", help="a table more (repeat)")
     sim.add_argument("--id-layout", choices=LAYOUTS, default="scattered", help="how the ids are numbered")
@@ -146,7 +151,7 @@ def report(profile):
 def run_simulate(args):
     from .. import optim
     from ..sharding.profile import as_profile
-    from ..sharding.simulate import simulate, table
+    from ..sharding.simulate import SHAPES, simulate, table
     from ..types import TableSpec
     from ..data.__main__ import parse_table
     from .train import DEFAULT_TABLES
@@ -155,9 +160,16 @@ def run_simulate(args):
         profile = as_profile(args.profile, "--profile")
     except ValueError as error:
         raise CLIError(str(error)) from None
-    tables = args.tables or [TableSpec(t.name, num_rows=t.num_rows, dim=16, hotness=t.hotness)
-                             for t in map(parse_table, DEFAULT_TABLES)]
-    n, batch_size = args.world_size, args.batch_size or 1024
+    batch_size = args.batch_size
+    if args.shape is not None:
+        if args.tables:
+            raise CLIError("give --shape or --tables, not both")
+        make, shape_batch = SHAPES[args.shape]
+        tables, batch_size = make(), batch_size or shape_batch
+    else:
+        tables = args.tables or [TableSpec(t.name, num_rows=t.num_rows, dim=16, hotness=t.hotness)
+                                 for t in map(parse_table, DEFAULT_TABLES)]
+    n, batch_size = args.world_size, batch_size or 1024
     per_rank = max(1, batch_size // n)
     slots = optim.Adagrad(lr=0.05).slots
     per_row = sum(1 for _, row in slots if row)

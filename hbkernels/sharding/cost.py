@@ -22,7 +22,10 @@ rank r spends:
   rank (the gathered gradients of every rank's distinct ids);
 * **exchange**: at N > 1, the plan's wire bytes (the busier direction of the rank's link)
   over the profile's network bandwidth, plus its collective latency for each collective
-  (:func:`collectives`) beyond those of one width (which ``step_us`` holds);
+  (:func:`collectives`) beyond those of one width (which ``step_us`` holds); where the
+  profile has a link to other nodes of its own (``across_bytes_per_s``) and the ranks span
+  nodes, the bytes to other nodes go over it while the rest go over the node's links, at
+  once: ``max(within / network, across / across_bandwidth)``;
 * **host**: the collection's own cost of a step on the profile's ranks: for each table
   ``table_us[kind]`` of its placement, ``n·host_ns_per_id[kind]`` and
   ``b·host_ns_per_bag[kind]``, and once the fixed
@@ -147,6 +150,8 @@ class StepEstimate:
         if self.source == ASSUMED:
             return "built-in defaults, not measured: hbkernels plan --calibrate measures them"
         m = self.machine
+        if "label" in m:
+            return str(m["label"])
         return (f"profile measured on {m.get('cpu', '?')} at {m.get('world_size', '?')} rank(s), "
                 f"{m.get('date', '?')}")
 
@@ -188,9 +193,10 @@ class ProfileCost:
             self._distinct[key] = expected_distinct(rows, draws, self.alpha)
         return self._distinct[key]
 
-    def table_parts(self, spec, placement, world_size, wire_bytes):
+    def table_parts(self, spec, placement, world_size, wire_bytes, across_bytes=()):
         """``(lookup, update, wire)`` seconds per rank of ``spec`` placed as ``placement``
-        (``kind``, ``ranks``, ``columns``), ``wire_bytes`` its plan's per rank."""
+        (``kind``, ``ranks``, ``columns``), ``wire_bytes`` its plan's per rank and
+        ``across_bytes`` of them to and from other nodes (empty: one node)."""
         n_ranks, op = int(world_size), self._op
         bags = self.batch_size * len(spec.features)
         n = bags * spec.hotness
@@ -211,13 +217,20 @@ class ProfileCost:
             asked = n_ranks * fraction * u
             lookup[owner] += asked * self.unique_s + op("lookup", cols, asked, asked)
             update[owner] += op("update", cols, asked, asked)
-        bandwidth = self.profile.network_bytes_per_s.median
-        wire = [w / bandwidth for w in wire_bytes]
-        return tuple(lookup), tuple(update), tuple(wire)
+        return tuple(lookup), tuple(update), self.wire_seconds(wire_bytes, across_bytes)
 
-    def table_seconds(self, spec, placement, world_size, wire_bytes):
+    def wire_seconds(self, wire_bytes, across_bytes=()):
+        """Seconds per rank of ``wire_bytes``, ``across_bytes`` of them to other nodes."""
+        bandwidth = self.profile.network_bytes_per_s.median
+        if self.profile.across_bytes_per_s is None or not any(across_bytes):
+            return tuple(w / bandwidth for w in wire_bytes)
+        across = self.profile.across
+        return tuple(max((w - a) / bandwidth, a / across) for w, a in zip(wire_bytes, across_bytes))
+
+    def table_seconds(self, spec, placement, world_size, wire_bytes, across_bytes=()):
         """Seconds per rank of the table's lookups, updates and wire bytes."""
-        return [sum(p) for p in zip(*self.table_parts(spec, placement, world_size, wire_bytes))]
+        return [sum(p) for p in zip(*self.table_parts(spec, placement, world_size, wire_bytes,
+                                                      across_bytes))]
 
     def step(self, tables, placements, estimates, world_size):
         """The :class:`StepEstimate` of ``placements`` (table name -> placement) of
@@ -233,7 +246,8 @@ class ProfileCost:
                                    + tables[name].hotness * self.profile.host_ns_per_id[p.kind].median)
         lookup, update, exchange = [0.0] * n, [0.0] * n, [0.0] * n
         for name, placement in placements.items():
-            parts = self.table_parts(tables[name], placement, n, estimates[name].wire_bytes)
+            parts = self.table_parts(tables[name], placement, n, estimates[name].wire_bytes,
+                                     estimates[name].across_bytes)
             for total, part in zip((lookup, update, exchange), parts):
                 for r in range(n):
                     total[r] += part[r]

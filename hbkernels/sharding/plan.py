@@ -402,7 +402,7 @@ def make_plan(tables, world_size, request="auto", *, batch_size_hint=None, memor
         """Per rank: the table's seconds by the profile, else by the byte model."""
         if timing is None:
             return est.seconds(a)
-        return timing.table_seconds(spec, placement, n, est.wire_bytes)
+        return timing.table_seconds(spec, placement, n, est.wire_bytes, est.across_bytes)
 
     def step(placed, placed_estimates):
         if timing is None:

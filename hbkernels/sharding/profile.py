@@ -24,7 +24,12 @@ percentiles.
   routing of ids, the order of its rows, its calls' costs that grow with a batch), its
   tables placed as ``kind``;
 * ``collective_latency_us``: an ``alltoallv`` of one float32 to each rank;
-* ``network_bytes_per_s``: an ``alltoallv``'s bytes sent to the other ranks per second.
+* ``network_bytes_per_s``: an ``alltoallv``'s bytes sent to the other ranks per second
+  (of a node's ranks, where the ranks span nodes);
+* ``across_bytes_per_s``: a rank's bytes per second to ranks of other nodes, where that
+  link differs (a cluster's network beside a node's links); None: ``network_bytes_per_s``;
+* ``sources``: where each constant comes from, in words (field -> text), where the
+  profile says so (a profile made of published figures and older measurements).
 
 ``layout`` is one of :data:`hbkernels.bench.common.LAYOUTS`: Zipf ranks scattered over
 the table, Zipf ranks packed at its start (``ranked``), uniform ids. A profile made at one rank has no
@@ -39,8 +44,14 @@ import os
 from .._files import write_json_atomic
 from ..bench.common import LAYOUTS
 from ..types import PLACEMENTS
+from . import h100
 
-PROFILE_VERSION = 2
+#: profiles shipped with hbkernels: name -> its JSON dict (:func:`as_profile` takes the name)
+SHIPPED = {h100.NAME: h100.profile_json}
+
+PROFILE_VERSION = 3
+#: the versions :meth:`MachineProfile.from_json` reads (2: no ``across_bytes_per_s``, no ``sources``)
+READABLE_VERSIONS = (2, 3)
 #: the constants assumed where no profile is given: network and memory bandwidth, the
 #: latency of a collective
 DEFAULT_COST = {"network_bytes_per_s": 10e9, "memory_bytes_per_s": 50e9, "collective_latency_s": 50e-6}
@@ -107,6 +118,14 @@ class MachineProfile:
     collective_latency_us: Spread
     network_bytes_per_s: Spread
     measured_collectives: bool
+    across_bytes_per_s: Spread = None
+    sources: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def across(self):
+        """Bytes per second to ranks of other nodes (``across_bytes_per_s``, else the
+        network's)."""
+        return (self.across_bytes_per_s or self.network_bytes_per_s).median
 
     def to_json(self):
         def per_key(d):
@@ -119,7 +138,10 @@ class MachineProfile:
                    for field in ("call_us",) + PER_KIND},
                 "collective_latency_us": self.collective_latency_us.to_json(),
                 "network_bytes_per_s": self.network_bytes_per_s.to_json(),
-                "measured_collectives": self.measured_collectives}
+                "measured_collectives": self.measured_collectives,
+                "across_bytes_per_s": (None if self.across_bytes_per_s is None
+                                       else self.across_bytes_per_s.to_json()),
+                "sources": dict(self.sources)}
 
     @classmethod
     def from_json(cls, d, where="profile"):
@@ -127,8 +149,8 @@ class MachineProfile:
         the first field that is missing or malformed."""
         field = "version"
         try:
-            if d["version"] != PROFILE_VERSION:
-                raise ValueError(f"version {d['version']!r}, this hbkernels reads {PROFILE_VERSION}")
+            if d["version"] not in READABLE_VERSIONS:
+                raise ValueError(f"version {d['version']!r}, this hbkernels reads {READABLE_VERSIONS}")
             field = "source"
             if d["source"] not in (MEASURED, ASSUMED):
                 raise ValueError(f"{d['source']!r} is neither {MEASURED!r} nor {ASSUMED!r}")
@@ -156,11 +178,16 @@ class MachineProfile:
             machine = dict(d[field])
             field = "measured_collectives"
             measured = bool(d[field])
-        except (KeyError, TypeError, ValueError) as error:
+            field = "across_bytes_per_s"
+            across = None if d.get(field) is None else Spread.from_json(d[field])
+            field = "sources"
+            sources = {str(k): str(v) for k, v in d.get(field, {}).items()}
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
             raise ValueError(f"{where}: field {field!r}: {error}") from None
         return cls(d["source"], machine, **per_key, unique_ns_per_id=unique, call_us=call_us, **per_kind,
                    collective_latency_us=latency,
-                   network_bytes_per_s=bandwidth, measured_collectives=measured)
+                   network_bytes_per_s=bandwidth, measured_collectives=measured,
+                   across_bytes_per_s=across, sources=sources)
 
     def save(self, path):
         """Write the profile to ``path`` as JSON, atomically."""
@@ -184,19 +211,23 @@ def _key(text):
 
 
 def as_profile(value, where="plan_profile"):
-    """``value`` as a :class:`MachineProfile`: one already, the path of its JSON file or
-    its JSON dict; ``None`` stays ``None``. A ``ValueError`` naming ``where`` otherwise."""
+    """``value`` as a :class:`MachineProfile`: one already, the path of its JSON file, its
+    JSON dict, or the name of a profile shipped with hbkernels (:data:`SHIPPED`); ``None``
+    stays ``None``. A ``ValueError`` naming ``where`` otherwise."""
     if value is None or isinstance(value, MachineProfile):
         return value
     if isinstance(value, dict):
         return MachineProfile.from_json(value, where=where)
+    if isinstance(value, str) and value in SHIPPED and not os.path.exists(value):
+        return MachineProfile.from_json(SHIPPED[value](), where=value)
     if isinstance(value, (str, os.PathLike)):
         try:
             return MachineProfile.load(value)
         except OSError as error:
-            raise ValueError(f"{where}: cannot read {value}: {error.strerror or error}") from None
-    raise ValueError(f"{where} must be a MachineProfile, the path of its JSON file or its dict, "
-                     f"got {type(value).__name__}")
+            raise ValueError(f"{where}: cannot read {value}: {error.strerror or error} (a profile's "
+                             f"file, or one of {sorted(SHIPPED)})") from None
+    raise ValueError(f"{where} must be a MachineProfile, the path of its JSON file, its dict or "
+                     f"one of {sorted(SHIPPED)}, got {type(value).__name__}")
 
 
 def assumed_profile(widths, itemsize=4):

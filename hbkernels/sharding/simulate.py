@@ -4,11 +4,31 @@ those that cross between nodes (``hbkernels plan --simulate``)."""
 import collections
 import dataclasses
 
-from ..types import PLACEMENTS
+from ..types import PLACEMENTS, TableSpec
 from .plan import make_plan
 
 #: the plans a simulation compares: every table placed one way, then ``"auto"``
 PLANS = PLACEMENTS + ("auto",)
+
+#: MLPerf Training's DLRM-DCNv2 (recommendation_v2, mlcommons/training
+#: recommendation_v2/torchrec_dlrm): the 26 tables of Criteo 1TB with their rows capped at
+#: 40 M (``--num_embeddings_per_feature``), D = 128, and the ids per sample of its synthetic
+#: multi-hot dataset (``--multi_hot_sizes``); its global batch is 65,536
+MLPERF_DCNV2_ROWS = (40_000_000, 39_060, 17_295, 7_424, 20_265, 3, 7_122, 1_543, 63, 40_000_000,
+                     3_067_956, 405_282, 10, 2_209, 11_938, 155, 4, 976, 14, 40_000_000, 40_000_000,
+                     40_000_000, 590_152, 12_973, 108, 36)
+MLPERF_DCNV2_HOTNESS = (3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27, 10, 3, 1, 1)
+MLPERF_DCNV2_BATCH = 65_536
+
+
+def mlperf_dcnv2_tables():
+    """The 26 tables of MLPerf's DLRM-DCNv2 (:data:`MLPERF_DCNV2_ROWS`)."""
+    return [TableSpec(f"cat_{k}", num_rows=rows, dim=128, hotness=hot)
+            for k, (rows, hot) in enumerate(zip(MLPERF_DCNV2_ROWS, MLPERF_DCNV2_HOTNESS))]
+
+
+#: table sets by name (``hbkernels plan --simulate --shape NAME``): name -> (tables, global batch)
+SHAPES = {"mlperf-dcnv2": (mlperf_dcnv2_tables, MLPERF_DCNV2_BATCH)}
 
 
 @dataclasses.dataclass(frozen=True)
