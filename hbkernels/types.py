@@ -45,8 +45,15 @@ class SparseGrad(NamedTuple):
 
 
 #: the placements of a table: the replicated one, then the sharded ones in the order
-#: the planner prefers them on a tie
-PLACEMENTS = ("data_parallel", "row_wise", "table_wise", "column_wise")
+#: the planner prefers them on a tie, the placements over the ranks of a node last
+PLACEMENTS = ("data_parallel", "row_wise", "table_wise", "column_wise", "table_row_wise",
+              "table_column_wise", "grid")
+#: the placements over the ranks of a node, each with the placement it is on a single node
+#: (whose measured costs a machine profile gives it)
+NODE_PLACEMENTS = {"table_row_wise": "row_wise", "table_column_wise": "column_wise",
+                   "grid": "row_wise"}
+#: the placements the others are made of on one node
+FLAT_PLACEMENTS = tuple(p for p in PLACEMENTS if p not in NODE_PLACEMENTS)
 
 
 class JaggedRows(NamedTuple):

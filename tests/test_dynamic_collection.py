@@ -228,6 +228,13 @@ def test_dynamic_tables_across_ranks(n):
     assert_ok(rc, out, range(n))
 
 
+@needs_mpi
+def test_dynamic_tables_through_the_hierarchical_exchange():
+    """The same at 4 ranks as 2 nodes of 2, the exchange hierarchical."""
+    rc, out, _ = mpirun(4, "dynamic.py", 2, timeout=300)
+    assert_ok(rc, out, range(4))
+
+
 def _train(coll, rng, pool, steps):
     for _ in range(steps):
         out = coll.forward({"t": batch(rng, pool)})

@@ -215,7 +215,7 @@ def test_checkpoint_error_is_a_value_error():
 
 
 # -- training in one process -----------------------------------------------------------------------
-LOCAL_CASES = [(p, "Adagrad", {}) for p in cr.PLANS] + [
+LOCAL_CASES = [(p, "Adagrad", {}) for p in cr.PLANS + cr.NODE_PLANS] + [
     ("table_wise", "SGD", {}), ("row_wise", "Adam", {}), ("column_wise", "RowWiseAdagrad", {}),
     ("data_parallel", "Ftrl", {}), ("mixed", "Adam", {}), ("row_wise", "Adagrad", {"dedup": False}),
     ("column_wise", "Adagrad", {"wire_dtype": "float16"}),
@@ -724,6 +724,17 @@ def test_collection_across_ranks(n):
 
 
 @needs_mpi
+@pytest.mark.parametrize("n, g", [(2, 1), (3, 2), (4, 2)])
+def test_hierarchical_exchange_across_nodes(n, g):
+    """Ranks in nodes of g, the exchange hierarchical: sharded plans and optimizers train
+    as one rank does (dedup off, fp16 on the wire too); the forward equals the flat
+    exchange's and one rank's bit for bit, with strictly fewer bytes across nodes."""
+    rc, out, _ = mpirun(n, "collection.py", "hierarchical", g, timeout=300)
+    assert_ok(rc, out, range(n))
+    assert "bytes across nodes, within nodes" in out
+
+
+@needs_mpi
 @pytest.mark.parametrize("n", [2, 3])
 def test_collection_errors_across_ranks(n):
     """ValueErrors on every rank change nothing; an out-of-range id on rank 1 is a
@@ -739,3 +750,38 @@ def test_checkpoint_across_world_sizes(tmp_path):
         rc, out, _ = mpirun(n, "checkpoint.py", mode, str(tmp_path), timeout=150)
         assert_ok(rc, out, range(n))
         assert (tmp_path / "expected.npz").exists()
+
+
+@needs_mpi
+def test_checkpoints_of_the_placements_over_nodes(tmp_path):
+    """table_row_wise, table_column_wise, grid and a mix, saved at 2 ranks (2 nodes of 1),
+    load at 1, 3 and 4 ranks (nodes of 2) into themselves and each one-node placement bit
+    for bit, and one-node saves load into each of them."""
+    rc, out, _ = mpirun(2, "checkpoint.py", "nodes-save", str(tmp_path), timeout=200)
+    assert_ok(rc, out, range(2))
+    for n in (1, 3, 4):
+        rc, out, _ = mpirun(n, "checkpoint.py", "nodes-load", str(tmp_path), timeout=300)
+        assert_ok(rc, out, range(n))
+        assert f"grid saved at 2 ranks, loaded at {n} as data_parallel, row_wise" in out
+
+
+@pytest.mark.parametrize("name", ["LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE"])
+def test_the_launcher_says_the_ranks_of_a_node(monkeypatch, name):
+    for var in hbk.dist.LOCAL_SIZE_ENV_VARS:
+        monkeypatch.delenv(var, raising=False)
+    assert hbk.dist.ranks_per_node() is None
+    monkeypatch.setenv(name, "4")
+    assert hbk.dist.ranks_per_node() == 4
+    coll = hbk.EmbeddingCollection([hbk.TableSpec("t", num_rows=10, dim=2)], comm=local())
+    assert (coll.ranks_per_node, coll.exchange) == (1, "flat")  # one rank: one node of it
+    monkeypatch.setenv(name, "x")
+    assert hbk.dist.ranks_per_node() is None
+
+
+def test_bad_exchange_arguments_are_value_errors():
+    tables = [hbk.TableSpec("t", num_rows=10, dim=2)]
+    with raises(ValueError, match="exchange must be one of"):
+        hbk.EmbeddingCollection(tables, comm=local(), exchange="tree")
+    with raises(ValueError, match="ranks_per_node"):
+        hbk.EmbeddingCollection(tables, comm=local(), ranks_per_node=0)
+    assert hbk.EmbeddingCollection(tables, comm=local(), exchange="hierarchical").exchange == "flat"

@@ -77,3 +77,50 @@ def test_cli_refuses_bad_tables_and_profiles(capsys, argv, match):
     except SystemExit as stop:
         rc = stop.code
     assert rc in (1, 2) and match in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["table_row_wise", "table_column_wise", "grid"])
+def test_placements_over_a_nodes_ranks(kind):
+    spec = hbk.TableSpec("t", num_rows=10_000, dim=8, hotness=2)
+    plan = make_plan([spec], 8, kind, batch_size_hint=128, ranks_per_node=4)
+    p, est = plan["t"], plan.estimates["t"]
+    held = [r for r in range(8) if est.memory_bytes[r] > 0]
+    if kind == "grid":  # a column slice per node, each row-wise over its 4 ranks
+        assert p.columns == (0, 4, 8) and sorted(p.ranks) == list(range(8)) and held == list(range(8))
+        assert est.memory_bytes[0] == pytest.approx(2500 * 4 * 4)
+    else:  # one node's ranks
+        assert {r // 4 for r in p.ranks} == {0} and held == list(p.ranks)
+        assert p.columns == ((0, 8) if kind == "table_row_wise" else (0, 2, 4, 6, 8))
+    # the ranks of the other node send every id of this table across
+    if kind != "grid":
+        assert est.across_bytes[5] == pytest.approx(est.wire_bytes[5])
+    one_node = make_plan([spec], 8, kind, batch_size_hint=128)
+    flat = {"table_row_wise": "row_wise", "table_column_wise": "column_wise", "grid": "row_wise"}[kind]
+    same = make_plan([spec], 8, flat, batch_size_hint=128)
+    assert one_node.estimates["t"].wire_bytes == pytest.approx(same.estimates["t"].wire_bytes)
+
+
+def test_auto_takes_the_placements_over_a_nodes_ranks_only_across_nodes():
+    tables = [hbk.TableSpec(f"t{k}", num_rows=10 ** (3 + k % 4), dim=8 * (1 + k % 3), hotness=1 + k)
+              for k in range(12)]
+    for g in (None, 8):
+        kinds = {p.kind for p in make_plan(tables, 8, "auto", batch_size_hint=256, ranks_per_node=g).values()}
+        assert not kinds & {"table_row_wise", "table_column_wise", "grid"}, kinds
+    kinds = {p.kind for p in make_plan(tables, 8, "auto", batch_size_hint=256, ranks_per_node=2,
+                                       state_floats_per_row=1).values()}
+    assert not kinds & {"column_wise", "table_column_wise", "grid"}, kinds  # whole rows
+
+
+def test_a_profile_gives_the_placements_over_a_nodes_ranks_their_one_node_costs():
+    from hbkernels.sharding.profile import MachineProfile, assumed_profile
+
+    d = assumed_profile([8]).to_json()
+    for field in ("step_us", "table_us", "host_ns_per_id", "host_ns_per_bag"):
+        d[field] = {k: [i + 1.0] * 3 for i, k in enumerate(("data_parallel", "row_wise", "table_wise",
+                                                             "column_wise"))}
+    p = MachineProfile.from_json(d)
+    assert p.step_us["grid"] == p.step_us["table_row_wise"] == p.step_us["row_wise"]
+    assert p.step_us["table_column_wise"] == p.step_us["column_wise"]
+    d["step_us"] = {k: v for k, v in d["step_us"].items() if k != "table_wise"}
+    with raises(ValueError, match="field 'step_us'"):
+        MachineProfile.from_json(d)

@@ -27,12 +27,11 @@ import csv
 import datetime
 import sys
 import time
-from pathlib import Path
 
 
 import hbkernels as hbk
 from hbkernels._machine import cpu_name
-from .common import HBK, Timing, cli_main
+from .common import HBK, Timing, append_rows, cli_main
 
 OP = "host_per_call"
 B, D, E = 256, 16, 1000
@@ -183,15 +182,8 @@ def profile_null(calls=100, loops=5, out=None):
     for line in verdicts(rows):
         print(line)
     if out:
-        path = Path(out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        new = not path.exists() or path.stat().st_size == 0
-        with open(path, "a", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=NULL_COLUMNS)
-            if new:
-                writer.writeheader()
-            writer.writerows(rows)
-        print(f"rows -> {path}")
+        append_rows(out, rows, NULL_COLUMNS)
+        print(f"rows -> {out}")
     return rows
 
 

@@ -32,7 +32,7 @@ from hbkernels._machine import cpu_name
 from hbkernels._version import __version__
 from hbkernels.threads import rank_share, set_num_threads
 from hbkernels.sharding.profile import MEASURED, PER_KEY, MachineProfile, Spread, assumed_profile
-from hbkernels.types import PLACEMENTS
+from hbkernels.types import FLAT_PLACEMENTS
 from .common import LAYOUTS, random_table, zipf_ids
 
 #: untimed calls of a collection's step before it is timed (its first calls compile or load)
@@ -122,7 +122,7 @@ def kernel_constants(widths, layouts=LAYOUTS, *, rows=1_000_000, bags=4096, hotn
     return fields, {k: Spread.of(v) for k, v in calls.items()}
 
 
-def collection_constants(comm, dim, kinds=PLACEMENTS, *, tables=8, reps=15, sync=lambda: None):
+def collection_constants(comm, dim, kinds=FLAT_PLACEMENTS, *, tables=8, reps=15, sync=lambda: None):
     """``({kind: µs of a step}, {kind: µs more per table})``: a collection's ``forward``
     and ``backward`` on the ranks of ``comm`` of one id per table, with ``tables`` tables
     against one (width ``dim``, its default optimizer), each placed as ``kind``: its work
@@ -156,7 +156,7 @@ def collection_constants(comm, dim, kinds=PLACEMENTS, *, tables=8, reps=15, sync
     return fixed, extra
 
 
-def per_id_constants(comm, profile, specs, layout, kinds=PLACEMENTS, *, batch=1024, hotness=8,
+def per_id_constants(comm, profile, specs, layout, kinds=FLAT_PLACEMENTS, *, batch=1024, hotness=8,
                      alpha=1.05, reps=15, sync=lambda: None):
     """``({kind: ns per id}, {kind: ns per bag})``: a collection's own cost per id and per
     bag of a rank's batch, beyond what ``profile`` (this calibration's other constants)
@@ -277,8 +277,8 @@ def calibrate(comm=None, widths=(16, 64, 128), layouts=LAYOUTS, *, rows=1_000_00
                "optimizer": optimizer, "reps": int(reps), "threads": threads,
                "collection_tables": [[s.name, s.num_rows, s.dim] for s in specs], "collection_batch": batch}
     provisional = MachineProfile(MEASURED, machine, **fields, call_us=calls, step_us=step_us,
-                                 table_us=table_us, host_ns_per_id=dict.fromkeys(PLACEMENTS, Spread.exactly(0.0)),
-                                 host_ns_per_bag=dict.fromkeys(PLACEMENTS, Spread.exactly(0.0)),
+                                 table_us=table_us, host_ns_per_id=dict.fromkeys(FLAT_PLACEMENTS, Spread.exactly(0.0)),
+                                 host_ns_per_bag=dict.fromkeys(FLAT_PLACEMENTS, Spread.exactly(0.0)),
                                  collective_latency_us=latency, network_bytes_per_s=bandwidth,
                                  measured_collectives=measured)
     per_id, per_bag = per_id_constants(comm, provisional, specs, layouts[0], batch=batch,

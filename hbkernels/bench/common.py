@@ -680,20 +680,27 @@ def format_table(rows):
 
 def append_csv(path, row):
     """Append one row to ``path``, creating it (and its folder) with the header."""
+    append_rows(path, [row])
+
+
+def append_rows(path, rows, columns=COLUMNS):
+    """Append ``rows`` (dicts; keys beyond ``columns`` left out) to the CSV ``path``,
+    creating it (and its folder) with the header ``columns``; a file with another header
+    is a ``ValueError``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     new = not path.exists() or path.stat().st_size == 0
     if not new:
         with open(path, newline="") as f:
             header = next(csv.reader(f), [])
-        if tuple(header) != COLUMNS:
-            raise ValueError(f"{path} has the header {header}, expected {list(COLUMNS)}; "
+        if tuple(header) != tuple(columns):
+            raise ValueError(f"{path} has the header {header}, expected {list(columns)}; "
                              "pass another --out")
     with open(path, "a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         if new:
             writer.writeheader()
-        writer.writerow(row)
+        writer.writerows(rows)
 
 
 # -- command line -------------------------------------------------------------

@@ -14,7 +14,6 @@ DIR`` keeps the profiles.
     python3 -m hbkernels.bench.prediction --ranks 1,2 --steps 150 --out prediction.csv
 """
 import argparse
-import csv
 import json
 import os
 import shutil
@@ -24,6 +23,7 @@ import tempfile
 from pathlib import Path
 
 from ..types import PLACEMENTS
+from .common import append_rows
 
 COLUMNS = ("ranks", "plan", "placements", "steps", "measured_ms", "forward_ms", "backward_ms",
            "predicted_ms", "host_ms", "lookup_ms", "update_ms", "exchange_ms", "ratio",
@@ -115,12 +115,7 @@ def main(argv=None):
                 os.makedirs(a.profiles, exist_ok=True)
             rows += measure(world, plans, a.steps, a.calibrate_args.split(), a.train_args.split(),
                             workdir, a.timeout, a.profiles or workdir)
-    new = not os.path.exists(a.out) or os.path.getsize(a.out) == 0
-    with open(a.out, "a", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, COLUMNS)
-        if new:
-            writer.writeheader()
-        writer.writerows(rows)
+    append_rows(a.out, rows, COLUMNS)
     print(markdown(rows), flush=True)
     return 0
 

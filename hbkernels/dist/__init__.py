@@ -30,8 +30,8 @@ import sys
 from ._common import CommError
 from ._communicator import Communicator
 
-__all__ = ["CommError", "Communicator", "init", "launcher", "DEFAULT_TIMEOUT",
-           "LAUNCHER_ENV_VARS", "MPI_LAUNCHER_ENV_VARS", "MPI_SIZE_ENV_VARS", "SLURM_ENV_VARS",
+__all__ = ["CommError", "Communicator", "init", "launcher", "ranks_per_node", "DEFAULT_TIMEOUT",
+           "LAUNCHER_ENV_VARS", "LOCAL_SIZE_ENV_VARS", "MPI_LAUNCHER_ENV_VARS", "MPI_SIZE_ENV_VARS", "SLURM_ENV_VARS",
            "TORCH_LAUNCHER_ENV_VARS"]
 
 DEFAULT_TIMEOUT = 300.0
@@ -49,6 +49,9 @@ SLURM_ENV_VARS = ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS")
 #: torch.distributed's ``env://`` variables, as torchrun sets them
 TORCH_LAUNCHER_ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                            "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+#: environment variables in which launchers state the ranks of this process's node:
+#: torchrun's, MPICH's (Hydra), Open MPI's
+LOCAL_SIZE_ENV_VARS = ("LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE")
 #: environment variables holding this process's rank under a launcher, MPI's first
 LAUNCHER_ENV_VARS = MPI_LAUNCHER_ENV_VARS + ("RANK",)
 
@@ -135,6 +138,21 @@ def launcher():
         return "torch"
     if _claimed(SLURM_ENV_VARS)[0] > 1:
         return "mpi"
+    return None
+
+
+def ranks_per_node():
+    """The ranks of this process's node as its launcher states them (the first of
+    :data:`LOCAL_SIZE_ENV_VARS` set to a positive integer), else None.
+
+    >>> import hbkernels as hbk
+    >>> hbk.dist.ranks_per_node() is None   # a plain python process
+    True
+    """
+    for name in LOCAL_SIZE_ENV_VARS:
+        value = _env(name)
+        if value.isdigit() and int(value) > 0:
+            return int(value)
     return None
 
 

@@ -3,23 +3,25 @@
 of a sharded slice to the rank holding it (:meth:`~.kinds.base.EmbeddingSharding.route_ids`)
 in one ``alltoallv`` per fused array, the owners look the rows up and send them back in
 another (optionally as ``wire_dtype``), and backward sends each row's gradient to its
-owner the same way. Bytes that leave a rank are counted in
-:attr:`~hbkernels.EmbeddingCollection.stats`."""
+owner the same way. Where the ranks span nodes the ids, rows and gradients go through a
+rank of the sender's node instead (:mod:`~hbkernels.sharding._hierarchical`). Bytes that
+leave a rank are counted in :attr:`~hbkernels.EmbeddingCollection.stats`."""
 import numpy as np
 
 from .._dispatch import host
 from ..errors import CapacityError
 from ..ops import lookup, partition, unique
-from ._records import ExchangeContext
+from ._records import ExchangeContext, Sent
 from .kinds import SHARDINGS
 
 
 class AlltoallExchange:
     """The sharded placements' exchange of :class:`~hbkernels.EmbeddingCollection`."""
 
-    def _send_keys(self, group, inputs):
-        """Route the ids of ``group``'s sharded requests: ``(requests, their starts in the
-        distinct ids, total, keys in send order, send counts, the partition's order)``."""
+    def _routed(self, group, inputs):
+        """``(requests, their starts in the distinct ids, total, keys, owners)`` of
+        ``group``'s sharded requests: each distinct id's key (its row on its owner, or a
+        dynamic table's id) and owner, in the requests' order (device arrays)."""
         space = self._family(group.device)
         xp, n = space.xp, self.comm.world_size
         requests = self._requests(group, inputs, replicated=False)
@@ -33,6 +35,17 @@ class AlltoallExchange:
             total += int(uniq.shape[0])
         keys = xp.concatenate(keys) if keys else xp.zeros(0, np.int64)
         dests = xp.concatenate(dests) if dests else keys
+        return requests, starts, total, keys, dests
+
+    def _send_ids(self, group, inputs):
+        """Send each distinct id of ``group``'s sharded requests to its owner: a
+        :class:`~._records.Sent`, with the keys this rank owns as received. Across nodes
+        (:attr:`~hbkernels.EmbeddingCollection.exchange` ``"hierarchical"``) through the
+        ranks of this node (:meth:`_relay_ids`)."""
+        if self.exchange == "hierarchical":
+            return self._relay_ids(group, inputs)
+        requests, starts, total, keys, dests = self._routed(group, inputs)
+        n = self.comm.world_size
         with self._phase("kernels"):
             if not group.dynamic:  # a row and its rank in one key: one partition moves both
                 parted = partition(keys * n + dests, n)
@@ -40,20 +53,16 @@ class AlltoallExchange:
             else:  # raw ids: any int64
                 parted = partition(dests, n)
                 keys = keys[parted.order]
-        return requests, starts, total, keys, host(parted.counts), parted.order
-
-    def _send_ids(self, group, inputs):
-        """:meth:`_send_keys` of ``group`` plus the keys and counts this rank receives
-        in their exchange."""
-        sent = self._send_keys(group, inputs)
-        return sent + self._exchange(sent[3], sent[4])
+        counts = host(parted.counts)
+        recv_keys, recv_counts = self._exchange(keys, counts)
+        self._count_sent("ids_bytes", counts, 8)
+        return Sent(requests, starts, total, keys, counts, parted.order, recv_keys, recv_counts)
 
     def _forward_exchange(self, group, inputs, outputs, sent):
         """Pool ``group``'s sharded requests from the rows their owners send back;
         ``sent``: what :meth:`_send_ids` gave for ``group``."""
         space = self._family(group.device)
-        xp, me = space.xp, self.comm.rank
-        requests, starts, total, keys, send_counts, order, recv_keys, recv_counts = sent
+        xp, recv_keys = space.xp, sent.recv_keys
         with self._phase("kernels"):
             bounds = "unchecked"
             if group.dynamic:  # the owner turns ids into rows (-1: not admitted)
@@ -77,16 +86,19 @@ class AlltoallExchange:
                 rows = lookup(lookup(table, owned, bounds=bounds), again, bounds="unchecked")
             else:
                 rows = lookup(table, recv_keys, bounds=bounds)
-        rows, _ = self._exchange(rows, recv_counts, wire=True)
+        row_bytes = group.width * self._wire_itemsize(group.dtype)
+        if sent.relay is not None:
+            rows = self._relay_rows(xp, rows, sent, row_bytes)
+        else:
+            rows, _ = self._exchange(rows, sent.recv_counts, wire=True)
+            self._count_sent("rows_bytes", sent.recv_counts, row_bytes)
         with self._phase("kernels"):
-            rows = lookup(rows, self._inverse_permutation(xp, order), bounds="unchecked")
-        away_ids = int(send_counts.sum() - send_counts[me])
-        away_rows = int(recv_counts.sum() - recv_counts[me])
-        self.stats["ids_bytes"] += 8 * away_ids
-        self.stats["rows_bytes"] += away_rows * group.width * self._wire_itemsize(group.dtype)
-        pools = self._pool(space, rows, requests, starts, inputs,
+            rows = lookup(rows, self._inverse_permutation(xp, sent.order), bounds="unchecked")
+        requests = sent.requests
+        pools = self._pool(space, rows, requests, sent.starts, inputs,
                            lambda k: inputs[requests[k][0]].inverse, outputs)
-        return ExchangeContext(group, pools, total, order, send_counts, recv_keys, recv_counts)
+        return ExchangeContext(group, pools, sent.total, sent.order, sent.send_counts, recv_keys,
+                               sent.recv_counts, sent.relay)
 
     def _backward_exchange(self, ctx, grads):
         """``(rows, gradients)`` this rank owns of the fused array of ``ctx`` (the
@@ -99,16 +111,17 @@ class AlltoallExchange:
             for ids, rows in self._pool_backward(space, ctx.pools, grads, ctx.rows):
                 request_grads[ids] = rows
             request_grads = lookup(request_grads, ctx.order, bounds="unchecked")
+        row_bytes = group.width * self._wire_itemsize(np.float32)
+        if ctx.relay is not None:
+            return ctx.recv_keys, self._relay_grads(request_grads, ctx, row_bytes)
         received, _ = self._exchange(request_grads, ctx.send_counts, wire=True)
-        self.stats["grads_bytes"] += (int(ctx.send_counts.sum() - ctx.send_counts[self.comm.rank])
-                                      * group.width * self._wire_itemsize(np.float32))
+        self._count_sent("grads_bytes", ctx.send_counts, row_bytes)
         return ctx.recv_keys, received
 
     def _prefetch_exchange(self, group, inputs):
         """Send the ids of ``group``'s sharded requests to their owners, which read the
         rows their caches lack ahead (:meth:`~hbkernels.EmbeddingCollection.prefetch`)."""
-        keys, counts = self._send_keys(group, inputs)[3:5]
-        recv_keys, _ = self._exchange(keys, counts)
+        recv_keys = self._send_ids(group, inputs).recv_keys
         if group in self.tiers:
             self.tiers[group].prefetch(self._rows_of_ids(group.table, recv_keys)
                                        if group.dynamic else recv_keys)

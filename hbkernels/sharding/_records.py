@@ -55,6 +55,32 @@ class FlatPool:
         return self._flat[2][self.at[0]:self.at[0] + self.n_values] if self._weighted else None
 
 
+class Relay(NamedTuple):
+    """What a rank relays of a hierarchical exchange (:mod:`~hbkernels.sharding._hierarchical`):
+    the ids its node's ranks sent it for the ranks of its index on every node, kept once."""
+
+    recv_counts: Any  # ids received from each rank of its node (the others: 0)
+    inverse: Any  # received id k is distinct id inverse[k]
+    distinct: int  # distinct ids relayed
+    order: Any  # the distinct ids in their owners' order (the partition's order)
+    send_counts: Any  # distinct ids sent to each owner
+
+
+class Sent(NamedTuple):
+    """A sharded fused array's ids on their way to their owners
+    (:meth:`~hbkernels.sharding._alltoall.AlltoallExchange._send_ids`)."""
+
+    requests: list  # (feature, route) pairs of the fused array's sharded slices
+    starts: list  # each request's first in the distinct ids
+    total: int  # distinct ids requested by this rank
+    keys: Any  # what this rank sends, in send order
+    send_counts: Any  # to each rank
+    order: Any  # the partition's order: the distinct ids in send order
+    recv_keys: Any  # keys this rank owns, as received
+    recv_counts: Any  # from each rank
+    relay: Any = None  # a hierarchical exchange's Relay (then send_counts go to this node)
+
+
 class ExchangeContext(NamedTuple):
     """What backward needs of one sharded fused array's forward exchange (world size > 1)."""
 
@@ -65,6 +91,7 @@ class ExchangeContext(NamedTuple):
     send_counts: Any
     recv_keys: Any  # fused rows this rank served, as received
     recv_counts: Any
+    relay: Any = None  # a hierarchical exchange's Relay
 
 
 class LocalContext(NamedTuple):

@@ -14,8 +14,8 @@ class ReplicaExchange:
         space = self._family(group.device)
         with self._phase("comm"):
             wire = self._wire_itemsize(np.float32)
-            self.stats["replica_grads_bytes"] += ((self.comm.world_size - 1) * int(ids.shape[0])
-                                                  * (8 + group.width * wire))
+            self._count_sent("replica_grads_bytes", np.full(self.comm.world_size, int(ids.shape[0])),
+                             8 + group.width * wire)
             if group in self.tiers:  # rows of each rank's own cache: send store rows
                 ids = space.put(self.tiers[group].store_rows(ids))
             ids, _ = self.comm.allgatherv(ids)

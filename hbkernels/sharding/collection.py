@@ -71,6 +71,7 @@ from .kjt import features_from_kjt, is_keyed_jagged_tensor
 from ._alltoall import AlltoallExchange
 from ._dynamic import DynamicTables
 from ._flat import FlatPath
+from ._hierarchical import HierarchicalExchange
 from ._replicas import ReplicaExchange
 from ._records import CapturedStep, Feature, LocalContext, Pool, Saved, flat_members  # noqa: F401 - CapturedStep: capture's
 from ._whole import WholeTables
@@ -78,6 +79,14 @@ from .kinds import SHARDINGS
 from .layout import initial_weights, make_layout, shard_rows
 from .plan import Plan, make_plan
 from .tier import FusedArrays, Store, Tier
+
+
+#: the exchanges of sharded tables (``exchange=``): ``"auto"`` is hierarchical where the ranks
+#: span nodes of more than one rank, else flat
+EXCHANGES = ("auto", "flat", "hierarchical")
+#: :attr:`EmbeddingCollection.stats`: bytes this rank sent in the last step, by what and where
+STATS = ("ids_bytes", "rows_bytes", "grads_bytes", "replica_grads_bytes", "within_node_bytes",
+         "across_node_bytes")
 
 
 def _device_of(device):
@@ -110,7 +119,8 @@ def _memory_per_rank(device, world_size):
     return int(0.8 * total / world_size)
 
 
-class EmbeddingCollection(FlatPath, AlltoallExchange, ReplicaExchange, DynamicTables, WholeTables):
+class EmbeddingCollection(FlatPath, AlltoallExchange, HierarchicalExchange, ReplicaExchange,
+                          DynamicTables, WholeTables):
     """Embedding tables sharded over the ranks of ``comm`` (see the module doc).
 
     ``tables``: :class:`hbkernels.TableSpec` list. ``plan``: ``"auto"`` (cost
@@ -136,7 +146,11 @@ class EmbeddingCollection(FlatPath, AlltoallExchange, ReplicaExchange, DynamicTa
     JSON file or its dict) the planner ranks placements and predicts the sparse step by, for
     ids laid out as ``id_layout`` (``"scattered"``, ``"ranked"`` or ``"uniform"``);
     ``None``: its built-in constants (:meth:`estimate` labels them). Not saved: pass it
-    to :meth:`load` again.
+    to :meth:`load` again. ``ranks_per_node``: ranks ``[k·G, (k+1)·G)`` share node k
+    (default: the launcher's, :func:`hbkernels.dist.ranks_per_node`, else one node);
+    ``exchange``: ``"auto"`` (hierarchical where the ranks span nodes of more than one
+    rank), ``"flat"`` or
+    ``"hierarchical"`` (:mod:`hbkernels.sharding._hierarchical`).
 
     Who holds what is :attr:`layout` (:class:`~hbkernels.sharding.layout.Layout`);
     this rank's arrays are :attr:`arrays` (fused group -> :class:`FusedArrays`). A
@@ -151,10 +165,24 @@ class EmbeddingCollection(FlatPath, AlltoallExchange, ReplicaExchange, DynamicTa
     def __init__(self, tables, comm=None, optimizer=None, plan="auto", batch_size_hint=None,
                  wire_dtype=None, seed=0, *, device="auto", dedup=True, memory_per_rank="auto",
                  profile=False, initializer=None, quantize=None, plan_profile=None,
-                 id_layout="scattered"):
+                 id_layout="scattered", ranks_per_node=None, exchange="auto"):
         self.comm = _dist.init() if comm is None else comm
         if not isinstance(self.comm, _dist.Communicator):
             raise TypeError(f"comm must be a hbk.dist communicator, got {type(self.comm).__name__}")
+        n = self.comm.world_size
+        if ranks_per_node is None:
+            ranks_per_node = _dist.ranks_per_node() or n
+        #: ranks of a node: ranks ``[k·G, (k+1)·G)`` share node k
+        self.ranks_per_node = min(check.count("ranks_per_node", ranks_per_node, minimum=1), n)
+        if exchange not in EXCHANGES:
+            raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
+        relays = 1 < self.ranks_per_node < n  # nodes, each of several ranks
+        #: how sharded tables' ids and rows move: ``"flat"`` (each rank to each) or
+        #: ``"hierarchical"`` (through a rank of the sender's node: :mod:`._hierarchical`)
+        self.exchange = ("hierarchical" if n > 1 and (exchange == "hierarchical"
+                                                      or exchange == "auto" and relays)
+                         else "flat")
+        self._remote = np.arange(n) // self.ranks_per_node != self.comm.rank // self.ranks_per_node
         self.tables = {}
         for spec in (tables if isinstance(tables, (list, tuple)) else [tables]):
             spec = table_spec(spec)
@@ -195,14 +223,14 @@ class EmbeddingCollection(FlatPath, AlltoallExchange, ReplicaExchange, DynamicTa
             state_floats_per_row=per_row,
             wire_itemsize=self._wire_itemsize(np.float32),
             element_bytes={name: bits / 8 for name, bits in self.quantize.items()},
-            profile=plan_profile, id_layout=id_layout,
+            profile=plan_profile, id_layout=id_layout, ranks_per_node=self.ranks_per_node,
         )
         self._agree_across_ranks()
         for name, place in self.plan.items():
-            if place.kind == "column_wise" and per_row and len(place.ranks) > 1:
+            if per_row and len(place.columns) > 2:
                 raise ValueError(
                     f"table {name!r}: {type(self.optimizer).__name__} keeps one state value per "
-                    "whole row, which column_wise slices cannot share; use another placement")
+                    f"whole row, which {place.kind} column slices cannot share; use another placement")
         self.feature_table = {f: t.name for t in self.tables.values() for f in t.features}
         self._feature_order = {f: i for i, f in enumerate(self.feature_table)}
         self._families = {}
@@ -232,7 +260,7 @@ class EmbeddingCollection(FlatPath, AlltoallExchange, ReplicaExchange, DynamicTa
         self._marks = {}  # dynamic table -> what its next incremental save compares with
         self._reserved = None  # a Reservation: the memory of a step, sized once (reserve)
         self._capturing = None  # while a step is captured (capture): its CapturedStep
-        self.stats = {}
+        self.stats = dict.fromkeys(STATS, 0)
         #: host seconds of all :meth:`forward` and :meth:`backward` calls (on a GPU a call
         #: returns once its work is queued)
         self.call_seconds = {"forward": 0.0, "backward": 0.0}
@@ -340,6 +368,7 @@ class EmbeddingCollection(FlatPath, AlltoallExchange, ReplicaExchange, DynamicTa
             "optimizer": [type(self.optimizer).__name__, sorted(vars(self.optimizer).items())],
             "seed": self.seed,
             "dedup, wire_dtype, quantize": [self.dedup, self.wire_dtype, sorted(self.quantize.items())],
+            "ranks_per_node, exchange": [self.ranks_per_node, self.exchange],
         }
         mine = np.array([zlib.crc32(json.dumps(v, sort_keys=True, default=repr).encode())
                          for v in parts.values()], np.int64)
@@ -558,7 +587,7 @@ class EmbeddingCollection(FlatPath, AlltoallExchange, ReplicaExchange, DynamicTa
 
     def _forward(self, features, per_sample_weights, insert):
         self._insert = bool(insert)
-        self.stats = {"ids_bytes": 0, "rows_bytes": 0, "grads_bytes": 0, "replica_grads_bytes": 0}
+        self.stats = dict.fromkeys(STATS, 0)
         if (self._flat_key is not None and per_sample_weights is None and type(features) is dict
                 and self._reserved is None and self._capturing is None):
             result = self._forward_flat(features)
@@ -775,6 +804,16 @@ class EmbeddingCollection(FlatPath, AlltoallExchange, ReplicaExchange, DynamicTa
         inv = xp.empty_like(order)
         inv[order] = xp.arange(order.shape[0], dtype=order.dtype)
         return inv
+
+    def _count_sent(self, kind, counts, row_bytes):
+        """Add to :attr:`stats` the bytes of ``counts`` rows of ``row_bytes`` this rank sends
+        to each rank (as ``kind``, and within or across nodes); none to itself."""
+        sent = np.asarray(counts, np.int64) * row_bytes
+        sent[self.comm.rank] = 0
+        total, across = int(sent.sum()), int(sent[self._remote].sum())
+        self.stats[kind] += total
+        self.stats["across_node_bytes"] += across
+        self.stats["within_node_bytes"] += total - across
 
     def _wire_itemsize(self, dtype):
         """Bytes per element of ``dtype`` data on the wire (2 with a wire dtype)."""

@@ -10,8 +10,8 @@ columns and serves a fraction ``f_j`` of the ids (:mod:`hbkernels.sharding.plan`
 nearest widths measured), ``lookup(k bags, m ids) = k·Lb + m·L`` and ``update`` alike, a
 rank r spends:
 
-* **lookups**: ``lookup(b, n)`` at width D, pooling its own batch (at N > 1 a
-  ``column_wise`` table's: at the width of each of its slices, pooled apart); at N > 1 also
+* **lookups**: ``lookup(b, n)`` at width D, pooling its own batch (at N > 1 a table cut
+  into column slices: at the width of each slice, pooled apart); at N > 1 also
   ``n·Q`` deduplicating its ids (``Q``: the profile's ``unique`` ns per id) and, for each
   shard j it owns, ``a_j·Q + lookup(a_j, a_j)`` at width c_j deduplicating and gathering
   the rows the ranks ask of it, ``a_j = N·f_j·u`` (their distinct ids, one row each);
@@ -96,11 +96,23 @@ def per_id_ns(table, dim):
 
 
 def slice_widths(spec, placement):
-    """The widths of a table's slices as placed: a ``column_wise`` table's column slices,
-    else its own width."""
-    if placement.kind == "column_wise":
-        return tuple(int(c) for c in np.diff(placement.columns))
-    return (spec.dim,)
+    """The widths of a table's column slices as placed (its own width where it is whole)."""
+    return tuple(int(c) for c in np.diff(placement.columns))
+
+
+def shards_of(spec, placement, world_size):
+    """``[(rank, columns, fraction of the ids, rows)]`` of a sharded placement: the shards
+    of its column slices, each holding ``rows`` rows of ``columns`` columns and serving
+    that fraction of the table's ids (a slice row-wise over G ranks: 1/G each)."""
+    widths = slice_widths(spec, placement)
+    if placement.kind == "row_wise":
+        return [(r, spec.dim, 1 / world_size, -(-spec.rows // world_size)) for r in range(world_size)]
+    per_slice = len(placement.ranks) // len(widths)
+    out = []
+    for s, cols in enumerate(widths):
+        ranks = placement.ranks[s * per_slice:(s + 1) * per_slice]
+        out += [(int(r), cols, 1 / len(ranks), -(-spec.rows // len(ranks))) for r in ranks]
+    return out
 
 
 def collectives(tables, placements):
@@ -209,11 +221,9 @@ class ProfileCost:
             everyone = n_ranks * u
             update = [pooling + op("update", spec.dim, everyone, everyone)] * n_ranks
             shards = []
-        elif placement.kind == "row_wise":
-            shards = [(r, spec.dim, 1 / n_ranks) for r in range(n_ranks)]
         else:
-            shards = [(r, c, 1.0) for r, c in zip(placement.ranks, slice_widths(spec, placement))]
-        for owner, cols, fraction in shards:
+            shards = shards_of(spec, placement, n_ranks)
+        for owner, cols, fraction, _ in shards:
             asked = n_ranks * fraction * u
             lookup[owner] += asked * self.unique_s + op("lookup", cols, asked, asked)
             update[owner] += op("update", cols, asked, asked)

@@ -76,6 +76,7 @@ class Route(NamedTuple):
     c1: int
     bases: Any  # int64 [N]: each rank's base of this slice (-1 where it holds none)
     owner: int  # the one holding rank (table_wise, column_wise), else -1
+    holders: Any = None  # int64 [holders]: the holding ranks, in the placement's order
 
 
 def _group_order(group):
@@ -145,7 +146,8 @@ def make_layout(tables, plan, world_size, device_of=lambda spec: "cpu", bits_of=
                 bases[rank] = base
                 shards[name].append(Shard(name, i, rank, start, step, rows, c0, c1, group, base))
             owner = holders[0][0] if len(holders) == 1 else -1
-            routes[name].append(Route(name, i, place.kind, group, c0, c1, bases, owner))
+            routes[name].append(Route(name, i, place.kind, group, c0, c1, bases, owner,
+                                      np.array([h[0] for h in holders], np.int64)))
     return Layout(world_size, shards, routes, dict(next_base))
 
 

@@ -11,11 +11,15 @@ of each shard. Estimates per rank and step:
 
 * ``data_parallel``: wire ``(N-1)·u·(8 + 4D)`` (allgatherv of ids and fp32
   gradient rows), lookup ``u·D·s + 2·U·row(D)``, memory ``R·row(D)``.
-* sharded (``row_wise``, ``table_wise``, ``column_wise``): shard j on rank o
+* sharded (``row_wise``, ``table_wise``, ``column_wise`` and the placements over a
+  node's G ranks): shard j on rank o
   holds ``rows_j`` rows x ``c_j`` columns and serves a fraction ``f_j`` of the
   ids (row_wise: N shards of all columns, ``f = 1/N``, ``rows = ceil(R/N)``;
   table_wise: one shard of everything; column_wise: ``min(N, D)`` column
-  slices sized as ``numpy.array_split``, ``f = 1``). Each other rank sends
+  slices sized as ``numpy.array_split``, ``f = 1``; table_row_wise: G shards of all
+  columns on one node, ``f = 1/G``; table_column_wise: ``min(G, D)`` column slices on one
+  node, ``f = 1``; grid: a column slice per whole node (at most D), each row-wise over the
+  node's G ranks, ``f = 1/G``). Each other rank sends
   ``f·u`` ids and gradient rows to o and receives ``f·u`` rows: it sends
   ``f·u·(8 + c·w)`` and receives ``f·u·c·w``; o sends ``(N-1)·f·u·c·w`` and
   receives ``(N-1)·f·u·(8 + c·w)``. Wire bytes are the busier direction of a
@@ -37,9 +41,11 @@ on node k, and a table's estimate counts the wire bytes to and from other nodes
 ``"auto"``: at N = 1 every table is ``table_wise`` on rank 0. Otherwise the
 tables, largest first, each take the sharded placement with the least
 ``max_r (load_r + time_r)`` given the load of the tables placed before (ties:
-row_wise, table_wise, column_wise, the last not with per-row optimizer
+row_wise, table_wise, column_wise, then, where the ranks span nodes, table_row_wise,
+table_column_wise and grid; those that cut columns not with per-row optimizer
 state, which needs whole rows; owners are the least loaded ranks that
-fit, ties to the lowest rank); then, smallest first, a table becomes
+fit, ties to the lowest rank, a placement over a node's ranks on the node of the least
+loaded rank); then, smallest first, a table becomes
 ``data_parallel`` when it fits on every rank and the plan's step cost does not
 increase. Explicit placements take part in the same balancing.
 
@@ -57,12 +63,13 @@ import dataclasses
 import numpy as np
 
 from ..bench.common import LAYOUTS
-from ..types import PLACEMENTS, TableSpec, table_spec
-from .cost import ProfileCost, collectives, expected_distinct
+from ..types import NODE_PLACEMENTS, PLACEMENTS, TableSpec, table_spec
+from .cost import ProfileCost, collectives, expected_distinct, shards_of
 from .profile import DEFAULT_COST, MachineProfile, as_profile, assumed_profile
 
 DEFAULT_BATCH_SIZE = 1024
 _SHARDED = PLACEMENTS[1:]  # the sharded placements, in the tie order of "auto"
+_COLUMN_SLICED = ("column_wise", "table_column_wise", "grid")  # placements that cut columns
 _ID_BYTES = 8
 
 
@@ -243,11 +250,7 @@ def estimate(spec, placement, world_size, assumptions):
                              (u * spec.dim * s + 2 * u_all * row_bytes(spec.dim),) * n,
                              (spec.resident_rows * row_bytes(spec.dim),) * n,
                              tuple(k * gradients for k in remote))
-    if placement.kind == "row_wise":
-        shards = [(r, spec.dim, 1 / n, -(-spec.rows // n)) for r in range(n)]
-    else:
-        cols = np.diff(placement.columns)
-        shards = [(r, int(c), 1.0, spec.rows) for r, c in zip(placement.ranks, cols)]
+    shards = shards_of(spec, placement, n)
     sent, received, lookup, memory, far_sent, far_received = ([0.0] * n for _ in range(6))
     w = a["wire_itemsize"]
     for owner, cols, fraction, rows in shards:
@@ -278,14 +281,37 @@ def _step_seconds(tables, placements, estimates, world_size, assumptions):
     return max(per_rank) + assumptions["collective_latency_s"] * k
 
 
-def _place(kind, spec, world_size, order):
-    """``kind`` for ``spec``, owners taken from ``order`` (ranks, most preferred first)."""
+def _columns(spec, slices):
+    """The column boundaries of ``slices`` slices of ``spec``, sized as ``numpy.array_split``."""
+    sizes = [len(c) for c in np.array_split(np.arange(spec.dim), min(slices, spec.dim))]
+    return tuple(int(c) for c in np.cumsum([0] + sizes))
+
+
+def _place(kind, spec, world_size, order, per_node=None):
+    """``kind`` for ``spec``, owners taken from ``order`` (ranks, most preferred first);
+    ranks ``[k·G, (k+1)·G)`` share node k (``per_node`` G; None: one node). A placement
+    over a node's ranks takes the node of the most preferred rank; a ``grid`` one column
+    slice per whole node (at most D), the nodes in the order of their most preferred rank."""
     if kind in ("data_parallel", "row_wise"):
         return Placement(kind, tuple(range(world_size)), (0, spec.dim))
+    g = per_node or world_size
+    node = order[0] // g
+    mine = [r for r in order if r // g == node]  # the node's ranks, most preferred first
     if kind == "table_wise":
         return Placement(kind, (order[0],), (0, spec.dim))
-    sizes = [len(c) for c in np.array_split(np.arange(spec.dim), min(world_size, spec.dim))]
-    return Placement(kind, tuple(order[:len(sizes)]), tuple(int(c) for c in np.cumsum([0] + sizes)))
+    if kind == "column_wise":
+        columns = _columns(spec, world_size)
+        return Placement(kind, tuple(order[:len(columns) - 1]), columns)
+    if kind == "table_column_wise":
+        columns = _columns(spec, len(mine))
+        return Placement(kind, tuple(mine[:len(columns) - 1]), columns)
+    if kind == "table_row_wise":
+        return Placement(kind, tuple(sorted(mine)), (0, spec.dim))
+    whole = [k for k in dict.fromkeys(r // g for r in order) if (k + 1) * g <= world_size] or [node]
+    columns = _columns(spec, len(whole))
+    nodes = whole[:len(columns) - 1]
+    return Placement(kind, tuple(r for k in nodes for r in range(k * g, min((k + 1) * g, world_size))),
+                     columns)
 
 
 def _requested_kinds(request, names):
@@ -397,6 +423,7 @@ def make_plan(tables, world_size, request="auto", *, batch_size_hint=None, memor
         raise ValueError("give make_plan a profile or cost constants, not both")
     timing = None if profile is None else ProfileCost(profile, id_layout, a["batch_size"])
     n, limit = int(world_size), memory_per_rank
+    per_node = min(a.get("ranks_per_node") or n, n)
 
     def seconds(spec, placement, est):
         """Per rank: the table's seconds by the profile, else by the byte model."""
@@ -440,9 +467,10 @@ def make_plan(tables, world_size, request="auto", *, batch_size_hint=None, memor
         whole = estimate(spec, _place("table_wise", spec, n, (0,)), n, a).memory_bytes[0]
         order = sorted(range(n), key=lambda r: (limit is not None and held[r] + whole > limit, load[r], r))
         options = []
-        auto = tuple(k for k in _SHARDED if k != "column_wise" or not a["state_floats_per_row"])
+        auto = tuple(k for k in _SHARDED if (k not in _COLUMN_SLICED or not a["state_floats_per_row"])
+                     and (k not in NODE_PLACEMENTS or per_node < n))
         for kind in (auto if kinds[name] == "auto" else (kinds[name],)):
-            placement = _place(kind, spec, n, order)
+            placement = _place(kind, spec, n, order, per_node)
             est = estimate(spec, placement, n, a)
             score = max(lt + t for lt, t in zip(load, seconds(spec, placement, est)))
             options.append((score, placement, est))

@@ -17,8 +17,9 @@ percentiles.
   bag of one id;
 * ``step_us[kind]``, ``table_us[kind]``: a collection's step (forward and backward) on
   the profile's ranks of one id in one table placed as ``kind`` (each of
-  :data:`~hbkernels.types.PLACEMENTS`), and each table more: its own work around the
-  kernels, its collectives' latency included;
+  :data:`~hbkernels.types.FLAT_PLACEMENTS`; a placement over a node's ranks takes its
+  one-node placement's, :data:`~hbkernels.types.NODE_PLACEMENTS`), and each table more:
+  its own work around the kernels, its collectives' latency included;
 * ``host_ns_per_id[kind]``, ``host_ns_per_bag[kind]``: a collection's own cost per id and
   per bag of a rank's batch beyond what the other constants predict of its step (its
   routing of ids, the order of its rows, its calls' costs that grow with a batch), its
@@ -43,7 +44,7 @@ import os
 
 from .._files import write_json_atomic
 from ..bench.common import LAYOUTS
-from ..types import PLACEMENTS
+from ..types import FLAT_PLACEMENTS, NODE_PLACEMENTS, PLACEMENTS
 from . import h100
 
 #: profiles shipped with hbkernels: name -> its JSON dict (:func:`as_profile` takes the name)
@@ -121,6 +122,13 @@ class MachineProfile:
     across_bytes_per_s: Spread = None
     sources: dict = dataclasses.field(default_factory=dict)
 
+    def __post_init__(self):
+        for field in PER_KIND:  # a placement over a node's ranks: as its one-node placement
+            table = getattr(self, field)
+            for kind, flat in NODE_PLACEMENTS.items():
+                if kind not in table and flat in table:
+                    table[kind] = table[flat]
+
     @property
     def across(self):
         """Bytes per second to ranks of other nodes (``across_bytes_per_s``, else the
@@ -168,8 +176,9 @@ class MachineProfile:
             per_kind = {}
             for field in PER_KIND:
                 per_kind[field] = {k: Spread.from_json(v) for k, v in d[field].items()}
-                if set(per_kind[field]) != set(PLACEMENTS):
-                    raise ValueError(f"it holds {sorted(per_kind[field])}, not each of {PLACEMENTS}")
+                if not set(FLAT_PLACEMENTS) <= set(per_kind[field]) <= set(PLACEMENTS):
+                    raise ValueError(f"it holds {sorted(per_kind[field])}, not each of "
+                                     f"{FLAT_PLACEMENTS} (and at most {PLACEMENTS})")
             field = "collective_latency_us"
             latency = Spread.from_json(d[field])
             field = "network_bytes_per_s"

@@ -85,7 +85,7 @@ def quantize_shards(coll, quantize):
     :class:`~hbkernels.dist.CommError` on the others. ``coll``'s tiers are settled
     (every row made) first."""
     shards = [s for s in coll.local_shards() if s.table in quantize]
-    names = sorted(t for t in quantize if coll.plan[t].kind == "column_wise")
+    names = sorted(t for t in quantize if len(coll.plan[t].columns) > 2)  # cut into column slices
     out, ranges = {}, {}  # ranges: (table, slice) -> (lo, hi) of a column_wise shard's rows
     try:
         for shard in shards:

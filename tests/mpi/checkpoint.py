@@ -15,6 +15,12 @@ WORK/expected_again.npz.
 optimizer and plan "row_wise": equal to expected_again.npz bit for bit, then
 one more step against the model.
 
+``checkpoint.py nodes-save WORK`` (n=2, as 2 nodes of 1): each placement over a node's
+ranks (and a mix of them), and each one-node placement, trains 2 steps and saves to
+WORK/<plan>, rank 0 writing WORK/<plan>.npz. ``checkpoint.py nodes-load WORK`` (any n, in
+nodes of 2): each such save loads into its own placement and each one-node one (a
+one-node save: into each placement over a node's ranks) bit for bit, and trains on.
+
 Prints ``OK rank r`` at the end."""
 import os
 import sys
@@ -32,6 +38,7 @@ R, W = comm.rank, comm.world_size
 TABLES = cr.table_specs(hbk)
 KEY = "checkpoint"
 SEED = 21
+FLAT = ("data_parallel", "row_wise", "table_wise", "column_wise")  # the one-node placements
 
 
 def optimizer():
@@ -108,6 +115,32 @@ elif MODE == "load-again":
     for n, s in ref.step.items():
         assert s == (2 if n == "tiny" else 3), (n, s)
     cr.check_training(hbk, coll, comm, TABLES, ref.opt, key=KEY, steps=1, first_step=3, ref=ref)
+elif MODE == "nodes-save":  # 2 ranks as 2 nodes of 1
+    assert W == 2, W
+    for plan in cr.NODE_PLANS + FLAT:
+        opt = optimizer()
+        request = cr.plan_request(plan)
+        coll = hbk.EmbeddingCollection(TABLES, comm=comm, optimizer=opt, plan=request, seed=SEED,
+                                       ranks_per_node=1)
+        cr.check_plan(coll, TABLES, request, W)
+        cr.check_training(hbk, coll, comm, TABLES, opt, key=(KEY, plan), steps=2, empty_at=1)
+        coll.save(str(WORK / plan))
+        write_expected(coll, WORK / f"{plan}.npz")
+    log(comm, "saved")
+elif MODE == "nodes-load":  # any world size, in nodes of 2
+    for saved in cr.NODE_PLANS + FLAT:
+        into = FLAT + (saved,) if saved in cr.NODE_PLANS else cr.NODE_PLANS
+        for plan in into:
+            request = cr.plan_request(plan)
+            coll = hbk.EmbeddingCollection.load(str(WORK / saved), comm=comm, plan=request,
+                                                ranks_per_node=2)
+            cr.check_plan(coll, TABLES, request, W)
+            compare_to_expected(coll, WORK / f"{saved}.npz")
+        if R == 0:
+            print(f"{saved} saved at 2 ranks, loaded at {W} as {', '.join(into)}: equal", flush=True)
+    # and trains on from there
+    ref = compare_to_expected(coll, WORK / f"{saved}.npz")
+    cr.check_training(hbk, coll, comm, TABLES, ref.opt, key=(KEY, saved), steps=1, first_step=2, ref=ref)
 else:
     raise SystemExit(f"unknown mode {MODE!r}")
 finish(comm)

@@ -62,6 +62,13 @@ CASES = [(plan, "Adagrad", {}, False) for plan in cr.PLANS] + [
 ]
 
 
+def check_case(coll, request, opt, key, seed, loose, case):
+    """The plan of ``request``, then 3 steps against the model from one rank's tables."""
+    cr.check_plan(coll, TABLES, request, W)
+    cr.check_training(hbk, coll, comm, TABLES, opt, key=key, steps=3, init_weights=local_init(seed),
+                      loose=loose, empty_at=1, log=lambda m: log(comm, *case, m))
+
+
 def train():
     for i, (plan, kind, kw, loose) in enumerate(CASES):
         seed = 11 + i % 2
@@ -80,12 +87,74 @@ def train():
                 if R == 0:
                     print(f"case {plan} {kind}: refused: {e}", flush=True)
                 continue
-            cr.check_plan(coll, TABLES, request, W)
-            cr.check_training(hbk, coll, comm, TABLES, opt, key=("train", i), steps=3,
-                              init_weights=local_init(seed), loose=loose, empty_at=1,
-                              log=lambda m: log(comm, plan, kind, kw, m))
+            check_case(coll, request, opt, ("train", i), seed, loose, (plan, kind, kw))
         if R == 0:
             print(f"case {plan} {kind} {kw}: ok in {t.s:.2f} s", flush=True)
+
+
+# the hierarchical exchange: (plan, optimizer, extra keyword arguments, loose tolerance)
+RELAYED = [(plan, "Adagrad", {}, False) for plan in ("row_wise", "table_wise", "column_wise", "mixed")
+           + cr.NODE_PLANS] + [
+    ("row_wise", "Adam", {}, False),
+    ("mixed", "Ftrl", {"dedup": False}, False),
+    ("row_wise", "Adagrad", {"wire_dtype": "float16"}, True),
+    ("grid", "Adam", {}, False),
+    ("table_row_wise", "RowWiseAdagrad", {}, False),
+    ("mixed_nodes", "SGD", {"exchange": "flat"}, False),
+    ("grid", "Adagrad", {"exchange": "flat", "wire_dtype": "float16"}, True),
+]
+
+
+def hierarchical(g):
+    """Ranks in nodes of ``g``, the exchange hierarchical (flat in the cases that say so),
+    the placements over a node's ranks among the plans: each case trains as one rank
+    does; its forward equals the flat exchange's and one rank's bit for bit, with fewer
+    bytes across nodes where the ranks of a node ask for the same ids."""
+    for i, (plan, kind, kw, loose) in enumerate(RELAYED):
+        seed = 21 + i % 2
+        opt = cr.make_optimizer(hbk, kind)
+        request = cr.plan_request(plan)
+        with Timer() as t:
+            kw = {"exchange": "hierarchical", **kw}
+            coll = hbk.EmbeddingCollection(TABLES, comm=comm, optimizer=opt, plan=request, seed=seed,
+                                           batch_size_hint=12, ranks_per_node=g, **kw)
+            assert coll.exchange == kw["exchange"] and coll.ranks_per_node == g
+            check_case(coll, request, opt, ("relayed", i), seed, loose, (plan, kind, kw))
+        if R == 0:
+            print(f"hierarchical case {plan} {kind} {kw}: ok in {t.s:.2f} s", flush=True)
+    # the same forward through the flat and the hierarchical exchange
+    made = {how: hbk.EmbeddingCollection(TABLES, comm=comm, optimizer=cr.make_optimizer(hbk, "SGD"),
+                                         plan="row_wise", seed=3, ranks_per_node=g, exchange=how)
+            for how in ("flat", "hierarchical")}
+    B = 64
+    gb = cr.global_batch(TABLES, "relayed-bytes", 0, B)
+    bounds = cr.split(B, W, 0)
+    feats, psw, grads = gb.local(int(bounds[R]), int(bounds[R + 1]))
+    outs, sent = {}, {}
+    for how, coll in made.items():
+        outs[how] = coll.forward(feats, per_sample_weights=psw or None)
+        coll.backward(grads)
+        sent[how] = comm.allreduce(np.array([coll.stats[k] for k in
+                                             ("across_node_bytes", "within_node_bytes")], np.int64))
+    # one rank given the whole batch
+    one = hbk.EmbeddingCollection(TABLES, comm=hbk.dist.init("local"),
+                                  optimizer=cr.make_optimizer(hbk, "SGD"), plan="table_wise", seed=3)
+    whole, whole_psw, whole_grads = gb.local(0, B)
+    outs["one rank"] = {f: o[int(bounds[R]):int(bounds[R + 1])]
+                        for f, o in one.forward(whole, per_sample_weights=whole_psw or None).items()}
+    one.backward(whole_grads)
+    for f, out in outs["hierarchical"].items():
+        for other in ("flat", "one rank"):
+            assert out.dtype == outs[other][f].dtype
+            np.testing.assert_array_equal(out, outs[other][f], err_msg=f"forward {f} against {other}")
+    for t_ in TABLES:
+        for other in (made["flat"], one):
+            cr.assert_close(made["hierarchical"].full_weights(t_.name), other.full_weights(t_.name),
+                            t_.dtype, f"{t_.name} after a step")
+    if R == 0:
+        print(f"bytes across nodes, within nodes (all ranks, one step of {B} samples, nodes of {g}): "
+              f"flat {sent['flat'].tolist()}, hierarchical {sent['hierarchical'].tolist()}", flush=True)
+    assert sent["hierarchical"][0] < sent["flat"][0], sent
 
 
 def expect(exc, fn, what, match=()):
@@ -182,6 +251,9 @@ def errors():
 
 if MODE == "train":
     train()
+    finish(comm)
+elif MODE == "hierarchical":
+    hierarchical(int(sys.argv[2]))
     finish(comm)
 elif MODE == "errors":
     errors()

@@ -63,6 +63,10 @@ MIXED_PLAN = {"user": "row_wise", "item": "column_wise", "tiny": "data_parallel"
 MIXED_PLAN2 = {"user": "data_parallel", "item": "column_wise", "tiny": "row_wise",
                "cat": "data_parallel", "half": "table_wise"}
 PLANS = ("data_parallel", "table_wise", "row_wise", "column_wise", "auto", "mixed", "mixed2")
+# the placements over a node's ranks, and a mix of them with the others
+MIXED_NODES = {"user": "grid", "item": "table_column_wise", "tiny": "table_row_wise",
+               "cat": "data_parallel", "half": "row_wise"}
+NODE_PLANS = ("table_row_wise", "table_column_wise", "grid", "mixed_nodes")
 
 
 def rng_for(*key):
@@ -81,8 +85,8 @@ def table_specs(hbk, defs=TABLE_DEFS):
 
 
 def plan_request(plan):
-    return {"mixed": MIXED_PLAN, "mixed2": MIXED_PLAN2}.get(plan, plan).copy() \
-        if plan in ("mixed", "mixed2") else plan
+    mixes = {"mixed": MIXED_PLAN, "mixed2": MIXED_PLAN2, "mixed_nodes": MIXED_NODES}
+    return mixes[plan].copy() if plan in mixes else plan
 
 
 def opt_kind(opt):
@@ -391,7 +395,9 @@ def same_on_every_rank(comm, x, what):
 
 def check_plan(coll, tables, request, W):
     """coll.plan: every table, a known kind, the requested kind where one was asked for."""
-    placements = ("data_parallel", "table_wise", "row_wise", "column_wise")
+    placements = ("data_parallel", "table_wise", "row_wise", "column_wise", "table_row_wise",
+                  "table_column_wise", "grid")
+    g = coll.ranks_per_node
     names = {t.name for t in tables}
     assert set(coll.plan) == names, f"plan tables {set(coll.plan)}"
     text = str(coll.plan)
@@ -407,6 +413,12 @@ def check_plan(coll, tables, request, W):
             assert len(set(ranks)) == 1, p
         if p.kind == "data_parallel":
             assert sorted(set(int(r) for r in ranks)) == list(range(W)), p
+        if p.kind in ("table_row_wise", "table_column_wise"):  # the ranks of one node
+            assert len({int(r) // g for r in ranks}) == 1, p
+        if p.kind == "grid":  # each column slice on the ranks of one node, a node each
+            per_slice = len(ranks) // (len(p.columns) - 1)
+            nodes = [{int(r) // g for r in ranks[k:k + per_slice]} for k in range(0, len(ranks), per_slice)]
+            assert all(len(x) == 1 for x in nodes) and len(set.union(*nodes)) == len(nodes), p
         assert n in text, f"str(plan) does not name {n}:\n{text}"
 
 

@@ -12,7 +12,9 @@
 3. Rank 0's shard given more new ids than it has slots: CapacityError there, CommError
    on the other ranks, without waiting for the communicator's timeout, and no rank
    admits any id of the call (rank 1's share could take its one).
+``dynamic.py G``: the same with the ranks in nodes of G and the exchange hierarchical.
 Prints ``OK rank r`` at the end."""
+import sys
 import time
 
 import numpy as np
@@ -24,6 +26,8 @@ from hbkernels.sharding.kinds.row_wise import dynamic_owner
 comm = hbk.dist.init()
 R, W = comm.rank, comm.world_size
 SCALE = 0.05
+# the collections' exchange: as the launch places the ranks, or through nodes of G ranks
+NODES = {"ranks_per_node": int(sys.argv[1]), "exchange": "hierarchical"} if len(sys.argv) > 1 else {}
 
 
 def specs(dynamic, combiner="sum"):
@@ -49,9 +53,9 @@ def grads(step, rank, out):
 
 # 1. bit for bit against a static twin
 for plan, combiner in [("row_wise", "sum"), ("table_wise", "mean")]:
-    twin = hbk.EmbeddingCollection(specs(False, combiner), comm=comm, plan={"t": plan},
+    twin = hbk.EmbeddingCollection(specs(False, combiner), comm=comm, plan={"t": plan}, **NODES,
                                    optimizer=hbk.optim.Adagrad(lr=0.2), seed=4)
-    dyn = hbk.EmbeddingCollection(specs(True, combiner), comm=comm,
+    dyn = hbk.EmbeddingCollection(specs(True, combiner), comm=comm, **NODES,
                                   optimizer=hbk.optim.Adagrad(lr=0.2), seed=4)
     for step in range(3):
         feats = batch(step, R, np.arange(64))
@@ -68,7 +72,8 @@ for plan, combiner in [("row_wise", "sum"), ("table_wise", "mean")]:
 # 2. raw 64-bit ids: N ranks against one rank fed the whole batch
 pool = rng_for("pool").integers(-2**63, 2**63 - 1, 100, dtype=np.int64, endpoint=True)
 pool[:2] = [-2**63, 2**63 - 1]
-dyn = hbk.EmbeddingCollection(specs(True), comm=comm, optimizer=hbk.optim.Adam(lr=0.1), seed=2)
+dyn = hbk.EmbeddingCollection(specs(True), comm=comm, optimizer=hbk.optim.Adam(lr=0.1), seed=2,
+                              **NODES)
 one = hbk.EmbeddingCollection(specs(True), comm=hbk.dist.init("local"),
                               optimizer=hbk.optim.Adam(lr=0.1), seed=2)
 mine0 = pool[dynamic_owner(np, pool, W) == 0]  # a step of these leaves the other shards no id
@@ -102,7 +107,7 @@ candidates = np.arange(1000, dtype=np.int64)
 theirs = candidates[dynamic_owner(np, candidates, W) == 0][:5]
 fits = candidates[dynamic_owner(np, candidates, W) == 1][:1]  # rank 1's one slot takes it
 tiny = hbk.EmbeddingCollection([hbk.TableSpec("t", num_rows=None, capacity=W, dim=2, evict="none")],
-                               comm=comm)
+                               comm=comm, **NODES)
 start = time.monotonic()
 try:
     tiny.forward({"t": np.concatenate([theirs, fits]) if R == 1 else theirs[:0]})

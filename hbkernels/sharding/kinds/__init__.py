@@ -8,12 +8,16 @@ from ...types import PLACEMENTS
 from .base import EmbeddingSharding
 from .column_wise import ColumnWiseSharding
 from .data_parallel import DataParallelSharding
+from .grid import GridSharding
 from .row_wise import RowWiseSharding
+from .table_column_wise import TableColumnWiseSharding
+from .table_row_wise import TableRowWiseSharding
 from .table_wise import TableWiseSharding
 
 #: placement kind -> its sharding
 SHARDINGS = {s.kind: s for s in (DataParallelSharding(), RowWiseSharding(), TableWiseSharding(),
-                                  ColumnWiseSharding())}
+                                  ColumnWiseSharding(), TableRowWiseSharding(),
+                                  TableColumnWiseSharding(), GridSharding())}
 assert tuple(SHARDINGS) == PLACEMENTS, "every placement has one sharding module"
 
 __all__ = ["SHARDINGS", "EmbeddingSharding"]
