@@ -303,14 +303,17 @@ class Trainer:
         torch, a = self.torch, self.args
         state = self.read_checkpoint() if a.resume else None
         hint = max(1, a.batch_size // self.world)
+        # how the ids are numbered, for the planner's model: synthetic ids of exponent 0 are uniform
+        layout = "uniform" if a.data == "synthetic" and a.alpha == 0 else "scattered"
         if state is None:
             coll = EmbeddingCollection(self.table_specs(), self.comm, optim.Adagrad(lr=a.sparse_lr),
                                        plan=a.plan, batch_size_hint=hint, seed=a.seed,
-                                       device=self.device, plan_profile=a.plan_profile)
+                                       device=self.device, plan_profile=a.plan_profile,
+                                       id_layout=layout)
         else:
             coll = EmbeddingCollection.load(state["dir"] / "embeddings", self.comm, plan=a.plan,
                                             batch_size_hint=hint, device=self.device,
-                                            plan_profile=a.plan_profile)
+                                            plan_profile=a.plan_profile, id_layout=layout)
         torch.manual_seed(a.seed)
         self.model = DLRM(EmbeddingCollectionModule(coll), self.features, self.num_dense, a.dim,
                           bottom=a.bottom, top=a.top).to(self.torch_device)

@@ -259,6 +259,9 @@ def test_a_plan_profile_ranks_the_placements_and_predicts_the_step(tmp_path, cap
     assert "profile measured on the test's CPU at 1 rank(s)" in sparse["predicted_by"]
     out = capsys.readouterr().out
     assert "predicted sparse step:" in out and f"{sparse['predicted']:.3f} predicted (host 1.000" in out
+    assert plan.id_layout == "scattered"
+    uniform = train(tmp_path, "uniform", "--steps", 2, "--alpha", 0, "--plan-profile", tmp_path / "profile.json")
+    assert Plan.from_json(uniform["plan"]).id_layout == "uniform"  # synthetic ids of exponent 0
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ TABLES = [hbk.TableSpec("big", num_rows=10**6, dim=32, hotness=4),
 @pytest.mark.parametrize("kind", ["row_wise", "data_parallel", "column_wise"])
 def test_across_nodes_is_the_share_of_the_peers_on_other_nodes(kind):
     one_node = make_plan(TABLES, 4, kind, batch_size_hint=256)
-    two_nodes = make_plan(TABLES, 4, kind, batch_size_hint=256, ranks_per_node=2)
+    two_nodes = make_plan(TABLES, 4, kind, batch_size_hint=256, ranks_per_node=2, exchange="flat")
     singles = make_plan(TABLES, 4, kind, batch_size_hint=256, ranks_per_node=1)
     for name in one_node:
         wire = one_node.estimates[name].wire_bytes
@@ -28,7 +28,7 @@ def test_across_nodes_is_the_share_of_the_peers_on_other_nodes(kind):
 
 def test_table_wise_counts_the_owners_node():
     plan = make_plan([hbk.TableSpec("t", num_rows=1000, dim=16)], 4, "table_wise",
-                     batch_size_hint=64, ranks_per_node=2)
+                     batch_size_hint=64, ranks_per_node=2, exchange="flat")
     (owner,) = plan["t"].ranks
     est = plan.estimates["t"]
     for r in range(4):
@@ -82,7 +82,7 @@ def test_cli_refuses_bad_tables_and_profiles(capsys, argv, match):
 @pytest.mark.parametrize("kind", ["table_row_wise", "table_column_wise", "grid"])
 def test_placements_over_a_nodes_ranks(kind):
     spec = hbk.TableSpec("t", num_rows=10_000, dim=8, hotness=2)
-    plan = make_plan([spec], 8, kind, batch_size_hint=128, ranks_per_node=4)
+    plan = make_plan([spec], 8, kind, batch_size_hint=128, ranks_per_node=4, exchange="flat")
     p, est = plan["t"], plan.estimates["t"]
     held = [r for r in range(8) if est.memory_bytes[r] > 0]
     if kind == "grid":  # a column slice per node, each row-wise over its 4 ranks
@@ -124,3 +124,25 @@ def test_a_profile_gives_the_placements_over_a_nodes_ranks_their_one_node_costs(
     d["step_us"] = {k: v for k, v in d["step_us"].items() if k != "table_wise"}
     with raises(ValueError, match="field 'step_us'"):
         MachineProfile.from_json(d)
+
+
+def test_the_hierarchical_exchange_crosses_nodes_once_per_id():
+    """table_row_wise on node 0 of 2 nodes of 4: under the hierarchical exchange rank 4 + j
+    relays node 1's ids of owner j, once for the node, instead of each rank sending its own."""
+    from hbkernels.sharding.cost import expected_distinct
+
+    spec = hbk.TableSpec("t", num_rows=10_000, dim=8, hotness=2)
+    flat = make_plan([spec], 8, "table_row_wise", batch_size_hint=128, ranks_per_node=4, exchange="flat")
+    relayed = make_plan([spec], 8, "table_row_wise", batch_size_hint=128, ranks_per_node=4)
+    assert relayed.assumptions["exchange"] == "hierarchical" and flat["t"] == relayed["t"] == \
+        flat["t"].__class__("table_row_wise", (0, 1, 2, 3), (0, 8))
+    node_ids = expected_distinct(10_000, 4 * 128 * 2)
+    asks = node_ids / 4 * (8 + 8 * 4)  # rank 5 relays owner 1's quarter: ids and gradients
+    assert relayed.estimates["t"].across_bytes[5] == pytest.approx(asks)
+    per_rank = expected_distinct(10_000, 128 * 2)
+    assert flat.estimates["t"].across_bytes[5] == pytest.approx(per_rank * (8 + 8 * 4))
+    assert sum(relayed.estimates["t"].across_bytes) < sum(flat.estimates["t"].across_bytes)
+    one_rank_nodes = make_plan([spec], 8, "table_row_wise", batch_size_hint=128, ranks_per_node=1)
+    assert one_rank_nodes.assumptions["exchange"] == "flat"
+    with raises(ValueError, match="exchange must be"):
+        make_plan([spec], 8, "row_wise", exchange="tree")

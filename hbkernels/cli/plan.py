@@ -44,6 +44,8 @@ def add_command(subparsers):
     sim.add_argument("--table", dest="tables", action="append", type=spec_of,
                      metavar="NAME:ROWS:DIM[:HOTNESS]", help="a table more (repeat)")
     sim.add_argument("--id-layout", choices=LAYOUTS, default="scattered", help="how the ids are numbered")
+    sim.add_argument("--exchange", choices=("auto", "flat", "hierarchical"), default="auto",
+                     help="the sharded tables' exchange (auto: hierarchical where nodes hold several ranks)")
     sim.add_argument("--memory-per-rank", type=at_least(0.0, float, strictly=True), default=None,
                      metavar="BYTES", help="what a rank may hold")
     p.add_argument("--widths", type=int_list, default="16,64,128", metavar="D,...",
@@ -177,7 +179,7 @@ def run_simulate(args):
         runs = simulate(tables, n, ranks_per_node=args.ranks_per_node, profile=profile,
                         batch_size_hint=per_rank, id_layout=args.id_layout,
                         state_floats_per_element=len(slots) - per_row, state_floats_per_row=per_row,
-                        memory_per_rank=args.memory_per_rank)
+                        memory_per_rank=args.memory_per_rank, exchange=args.exchange)
     except ValueError as error:
         raise CLIError(str(error)) from None
     g = args.ranks_per_node or n
@@ -186,7 +188,8 @@ def run_simulate(args):
     label = made.step.label() if made else "no plan could be made"
     if profile is not None and profile.machine.get("world_size") not in (None, n):
         label += f"; predicting {n} ranks"
+    exchange = made.plan.assumptions["exchange"] if made else args.exchange
     print(f"{n} ranks ({nodes} node(s) of {g}), {len(tables)} tables, global batch {batch_size} "
-          f"({per_rank} per rank), ids {args.id_layout}, Adagrad; {label}")
+          f"({per_rank} per rank), ids {args.id_layout}, {exchange} exchange, Adagrad; {label}")
     print("\n".join(table(runs)), flush=True)
     return 0

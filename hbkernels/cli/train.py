@@ -127,7 +127,8 @@ def add_command(subparsers):
     model.add_argument("--plan", default="auto", help=f"table placement: {', '.join(PLANS)}")
     model.add_argument("--plan-profile", default=None, metavar="FILE",
                        help="a machine profile of 'hbkernels plan --calibrate': the planner ranks "
-                            "placements and predicts the sparse step with its constants "
+                            "placements and predicts the sparse step with its constants, for "
+                            "Zipf ids scattered over the tables (synthetic --alpha 0: uniform ids) "
                             "(default: built-in ones)")
     model.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                        help="auto: the GPU where CUDA and CuPy work, else the CPU")

@@ -224,6 +224,7 @@ class EmbeddingCollection(FlatPath, AlltoallExchange, HierarchicalExchange, Repl
             wire_itemsize=self._wire_itemsize(np.float32),
             element_bytes={name: bits / 8 for name, bits in self.quantize.items()},
             profile=plan_profile, id_layout=id_layout, ranks_per_node=self.ranks_per_node,
+            exchange=self.exchange,
         )
         self._agree_across_ranks()
         for name, place in self.plan.items():

@@ -36,7 +36,11 @@ With a machine profile (``make_plan(..., profile=P)``), a table's seconds per ra
 those of the time model of :mod:`hbkernels.sharding.cost` instead, and a plan's step cost its
 predicted step (:meth:`Plan.predict`); ``ranks_per_node`` G puts ranks ``[k·G, (k+1)·G)``
 on node k, and a table's estimate counts the wire bytes to and from other nodes
-(``across_bytes``).
+(``across_bytes``). Under the hierarchical exchange (``exchange``, by default where nodes
+hold several ranks) a rank sends its ``f·u`` ids of a shard to the relay of the shard on its
+node (the rank of the owner's index there, else the owner), and each relay sends the owner
+``f·U_k`` ids, ``U_k`` the distinct ids of node k's ranks' draws together, and gets their
+rows back: ids cross between two nodes once.
 
 ``"auto"``: at N = 1 every table is ``table_wise`` on rank 0. Otherwise the
 tables, largest first, each take the sharded placement with the least
@@ -238,39 +242,91 @@ def estimate(spec, placement, world_size, assumptions):
     def row_bytes(cols):
         return cols * (s + 4 * a["state_floats_per_element"]) + 4 * a["state_floats_per_row"]
 
-    per_node = a.get("ranks_per_node") or n
-
-    def node(r):
-        return r // per_node
+    per_node = min(a.get("ranks_per_node") or n, n)
 
     if placement.kind == "data_parallel":
         gradients = u * (_ID_BYTES + 4 * spec.dim)
-        remote = [sum(node(q) != node(r) for q in range(n)) for r in range(n)]
+        remote = [n - size for size in _node_sizes(n, per_node) for _ in range(size)]
         return TableEstimate(((n - 1) * gradients,) * n,
                              (u * spec.dim * s + 2 * u_all * row_bytes(spec.dim),) * n,
                              (spec.resident_rows * row_bytes(spec.dim),) * n,
                              tuple(k * gradients for k in remote))
     shards = shards_of(spec, placement, n)
-    sent, received, lookup, memory, far_sent, far_received = ([0.0] * n for _ in range(6))
+    lookup, memory = [0.0] * n, [0.0] * n
     w = a["wire_itemsize"]
     for owner, cols, fraction, rows in shards:
+        lookup[owner] += n * fraction * u * cols * s + 2 * fraction * u_all * row_bytes(cols)
+        memory[owner] += rows * spec.resident_rows / spec.rows * row_bytes(cols)
+    if a.get("exchange") == "hierarchical":
+        node_ids = [expected_distinct(spec.rows, size * draws) for size in _node_sizes(n, per_node)]
+        sent, received, far_sent, far_received = _relayed_bytes(shards, n, per_node, u, node_ids, w)
+    else:
+        sent, received, far_sent, far_received = _flat_bytes(shards, n, per_node, u, w)
+    return TableEstimate(tuple(map(float, np.maximum(sent, received))), tuple(lookup), tuple(memory),
+                         tuple(map(float, np.maximum(far_sent, far_received))))
+
+
+def _node_sizes(world_size, per_node):
+    """Ranks of each node: ``per_node``, the last node the rest."""
+    return [min(per_node, world_size - k) for k in range(0, world_size, per_node)]
+
+
+def _flat_bytes(shards, n, per_node, u, w):
+    """``(sent, received, of them sent across nodes, received across nodes)`` per rank of a
+    sharded table's flat exchange: each rank asks each shard's owner for its ``f·u`` ids
+    (ids and gradients: ``8 + c·w`` bytes each) and receives their rows (``c·w``)."""
+    sent, received, far_sent, far_received = (np.zeros(n) for _ in range(4))
+    node = np.arange(n) // per_node
+    for owner, cols, fraction, _ in shards:
         ids = fraction * u
         asks, answers = ids * (_ID_BYTES + cols * w), ids * cols * w  # one rank's, each way
-        for r in range(n):
-            if r != owner:
-                sent[r] += asks
-                received[r] += answers
-                sent[owner] += answers
-                received[owner] += asks
-                if node(r) != node(owner):
-                    far_sent[r] += asks
-                    far_received[r] += answers
-                    far_sent[owner] += answers
-                    far_received[owner] += asks
-        lookup[owner] += n * ids * cols * s + 2 * fraction * u_all * row_bytes(cols)
-        memory[owner] += rows * spec.resident_rows / spec.rows * row_bytes(cols)
-    return TableEstimate(tuple(map(max, sent, received)), tuple(lookup), tuple(memory),
-                         tuple(map(max, far_sent, far_received)))
+        peers = np.arange(n) != owner
+        far = node != node[owner]
+        sent += peers * asks
+        received += peers * answers
+        far_sent += far * asks
+        far_received += far * answers
+        sent[owner] += (n - 1) * answers
+        received[owner] += (n - 1) * asks
+        far_sent[owner] += far.sum() * answers
+        far_received[owner] += far.sum() * asks
+    return sent, received, far_sent, far_received
+
+
+def _relayed_bytes(shards, n, per_node, u, node_ids, w):
+    """:func:`_flat_bytes` of the hierarchical exchange (:mod:`hbkernels.sharding._hierarchical`):
+    each rank asks the relay of each shard on its node (the rank of the owner's index there,
+    else the owner) for its ``f·u`` ids; each relay asks the owner once for its node's
+    distinct ones, ``f·node_ids[k]`` (node k's ranks' draws together)."""
+    sent, received, far_sent, far_received = (np.zeros(n) for _ in range(4))
+    g = per_node
+    sizes = np.array(_node_sizes(n, g))
+    for owner, cols, fraction, _ in shards:
+        ids = fraction * u
+        asks, answers = ids * (_ID_BYTES + cols * w), ids * cols * w
+        local, home = owner % g, owner // g
+        for k, size in enumerate(sizes):
+            members = np.arange(k * g, k * g + size)
+            relay = k * g + local if local < size else owner
+            askers = members[members != relay]
+            sent[askers] += asks
+            received[askers] += answers
+            received[relay] += askers.size * asks
+            sent[relay] += askers.size * answers
+            if relay == owner and k != home:  # no relay on node k: its ranks ask the owner
+                far_sent[askers] += asks
+                far_received[askers] += answers
+                far_received[owner] += askers.size * asks
+                far_sent[owner] += askers.size * answers
+            if relay != owner:  # the relay asks the owner, across nodes, once for its node
+                once = fraction * node_ids[k]
+                relay_asks, relay_answers = once * (_ID_BYTES + cols * w), once * cols * w
+                for x, y in ((sent, received), (far_sent, far_received)):
+                    x[relay] += relay_asks
+                    y[owner] += relay_asks
+                    x[owner] += relay_answers
+                    y[relay] += relay_answers
+    return sent, received, far_sent, far_received
 
 
 def _step_seconds(tables, placements, estimates, world_size, assumptions):
@@ -388,7 +444,8 @@ def _assumptions(world_size, batch_size_hint, memory_per_rank, state_floats_per_
 
 def make_plan(tables, world_size, request="auto", *, batch_size_hint=None, memory_per_rank=None,
               state_floats_per_element=0, state_floats_per_row=0, wire_itemsize=4, cost=None,
-              element_bytes=None, profile=None, id_layout="scattered", ranks_per_node=None):
+              element_bytes=None, profile=None, id_layout="scattered", ranks_per_node=None,
+              exchange="auto"):
     """A :class:`Plan` of ``tables`` over ``world_size`` ranks (algorithm in the module docstring).
 
     ``request``: ``"auto"``, one of PLACEMENTS for every table, a dict of
@@ -404,7 +461,10 @@ def make_plan(tables, world_size, request="auto", *, batch_size_hint=None, memor
     model of :mod:`hbkernels.sharding.cost` with its constants, for ids laid out as
     ``id_layout`` (one of the profile's layouts: ``"scattered"``, ``"ranked"``,
     ``"uniform"``), and ``cost`` is not taken. ``ranks_per_node``: ranks
-    ``[k·G, (k+1)·G)`` share node k (default: one node), for the estimates' bytes across nodes.
+    ``[k·G, (k+1)·G)`` share node k (default: one node), for the estimates' bytes across nodes
+    and the placements over a node's ranks; ``exchange``: the sharded tables' exchange whose
+    bytes the estimates count, as the collection's ``exchange`` (``"auto"``: hierarchical
+    where the ranks span nodes of more than one rank).
     """
     specs = _checked_tables(tables)
     if isinstance(request, Plan):  # a plan made before, kept as it is
@@ -417,6 +477,11 @@ def make_plan(tables, world_size, request="auto", *, batch_size_hint=None, memor
         if isinstance(ranks_per_node, bool) or int(ranks_per_node) != ranks_per_node or ranks_per_node < 1:
             raise ValueError(f"ranks_per_node must be None or an integer >= 1, got {ranks_per_node!r}")
         a["ranks_per_node"] = int(ranks_per_node)
+    if exchange not in ("auto", "flat", "hierarchical"):
+        raise ValueError(f"exchange must be 'auto', 'flat' or 'hierarchical', got {exchange!r}")
+    g = min(a.get("ranks_per_node") or world_size, world_size)
+    relays = exchange == "hierarchical" or exchange == "auto" and 1 < g < world_size
+    a["exchange"] = "hierarchical" if relays and world_size > 1 else "flat"
     if id_layout not in LAYOUTS:
         raise ValueError(f"id_layout must be one of {LAYOUTS}, got {id_layout!r}")
     if profile is not None and cost:

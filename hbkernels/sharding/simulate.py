@@ -48,7 +48,7 @@ class Simulated:
 
 def simulate(tables, world_size, *, ranks_per_node=None, profile=None, batch_size_hint=None,
              id_layout="scattered", state_floats_per_element=0, state_floats_per_row=0,
-             memory_per_rank=None):
+             memory_per_rank=None, exchange="auto"):
     """A :class:`Simulated` for each of :data:`PLANS` (arguments as
     :func:`~hbkernels.sharding.plan.make_plan`'s; ``batch_size_hint``: per rank)."""
     out = []
@@ -57,7 +57,8 @@ def simulate(tables, world_size, *, ranks_per_node=None, profile=None, batch_siz
             plan = make_plan(tables, world_size, request, batch_size_hint=batch_size_hint,
                              memory_per_rank=memory_per_rank, profile=profile, id_layout=id_layout,
                              state_floats_per_element=state_floats_per_element,
-                             state_floats_per_row=state_floats_per_row, ranks_per_node=ranks_per_node)
+                             state_floats_per_row=state_floats_per_row, ranks_per_node=ranks_per_node,
+                             exchange=exchange)
         except ValueError as error:
             out.append(Simulated(request, refused=str(error)))
             continue
