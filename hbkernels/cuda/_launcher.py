@@ -24,10 +24,13 @@ and signature (``tests/compile_kernels.py`` compiles those for an H100).
 """
 import ctypes
 import struct
+import sys
 import threading
+import weakref
 
 import numpy as np
 from numba import from_dtype, types
+from numba.np.numpy_support import as_dtype
 
 from .._machine import cupy, simulator_enabled
 from .._validate import is_bfloat16
@@ -218,8 +221,42 @@ def _load(kernel, kinds, device):
         return loaded
 
 
+_SHARED_LOCK = threading.Lock()
+_SHARED = weakref.WeakKeyDictionary()  # a simulated block's shared memory -> {call site: array}
+_SIMULATOR_SHARED = [None]  # the simulator's own cuda.shared.array
+
+
+def _shared_array(shared, shape, dtype, alignment=None):
+    """``cuda.shared.array`` of a simulated block: one array per block and call site (the
+    caller's file and line), made under a lock, as the block's threads all ask for it at
+    once (the simulator's own, unlocked, may let two of them each make one, no longer
+    shared). Dynamic shared memory (``shape`` 0) and alignments are the simulator's."""
+    if shape == 0 or alignment is not None:
+        return _SIMULATOR_SHARED[0](shared, shape, dtype, alignment)
+    caller = sys._getframe(1)
+    site = (caller.f_code.co_filename, caller.f_lineno)
+    with _SHARED_LOCK:
+        arrays = _SHARED.setdefault(shared, {})
+        found = arrays.get(site)
+        if found is None:
+            found = arrays[site] = np.empty(shape, as_dtype(dtype) if isinstance(dtype, types.Type)
+                                            else dtype)
+    return found
+
+
+def thread_safe_shared():
+    """Give the simulator's blocks :func:`_shared_array` (once)."""
+    from numba.cuda.simulator import kernelapi
+
+    if kernelapi.FakeCUDAShared.array is not _shared_array:
+        _SIMULATOR_SHARED[0] = kernelapi.FakeCUDAShared.array
+        kernelapi.FakeCUDAShared.array = _shared_array
+
+
 def _simulate(kernel, blocks, threads, args):
     from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+    thread_safe_shared()
 
     views = []
     for a in args:
