@@ -8,13 +8,17 @@ communicator (``hbk.dist``) by a :mod:`plan <hbkernels.plan>`:
   same update everywhere (replicas stay bit-identical);
 * ``row_wise``: rank ``id % N`` holds row ``id`` (as its local row ``id // N``);
 * ``table_wise``: one rank holds the table;
-* ``column_wise``: column slices of the table on different ranks.
+* ``column_wise``: column slices of the table on different ranks;
+* ``table_row_wise``, ``table_column_wise``, ``grid``: the same within the ranks of one
+  node (``grid``: a column slice per node, each row-wise over its ranks).
 
 Forward of a sharded table, per rank: dedup the ids of each feature
 (``unique``), route each distinct id to its owner (``partition``),
 ``alltoallv`` the ids, look the owned rows up (dedup again on the owner),
 ``alltoallv`` the rows back (optionally as ``wire_dtype``), restore the order
-and pool with the table's combiner (``embedding_bag`` over the received rows).
+and pool with the table's combiner (``embedding_bag`` over the received rows). Where
+nodes hold several ranks the ids, rows and gradients go through a rank of the sender's node
+(:mod:`hbkernels.sharding._hierarchical`).
 Tables whose slices have the same width and dtype share one fused array per
 rank, one exchange and one pooling launch per combiner (coalescing). Backward
 mirrors it: ``embedding_bag_backward`` into the distinct rows, gradients back
@@ -149,8 +153,7 @@ class EmbeddingCollection(FlatPath, AlltoallExchange, HierarchicalExchange, Repl
     to :meth:`load` again. ``ranks_per_node``: ranks ``[k·G, (k+1)·G)`` share node k
     (default: the launcher's, :func:`hbkernels.dist.ranks_per_node`, else one node);
     ``exchange``: ``"auto"`` (hierarchical where the ranks span nodes of more than one
-    rank), ``"flat"`` or
-    ``"hierarchical"`` (:mod:`hbkernels.sharding._hierarchical`).
+    rank), ``"flat"`` or ``"hierarchical"`` (:mod:`hbkernels.sharding._hierarchical`).
 
     Who holds what is :attr:`layout` (:class:`~hbkernels.sharding.layout.Layout`);
     this rank's arrays are :attr:`arrays` (fused group -> :class:`FusedArrays`). A
