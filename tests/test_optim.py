@@ -679,7 +679,23 @@ def test_fused_with_an_extremely_repeated_id(backend, rng, monkeypatch, name, di
     np.testing.assert_array_equal(first.weights(), second.weights())
     g = hbk.embedding_bag_backward(grad_out.astype(np.float64), values, offsets,
                                    num_rows=num_rows, combiner="mean")
-    w, s = reference.optimizer_state(opt, w0)
-    reference.optimizer_step(opt, w, s, g.ids, g.rows, 1)
-    # the hot row's gradient is a sum of thousands of fp32 terms: a wider tolerance
-    np.testing.assert_allclose(first.weights(), w, rtol=3e-4, atol=3e-4)
+    # the hot row's gradient is a sum of thousands of fp32 terms, each element within
+    # `slack` of the float64 sum; a rule's step may amplify that (Adam's first step near a
+    # zero gradient): the fused step lies among the reference's steps on gradients moved by
+    # it, to a tolerance
+    magnitude = hbk.embedding_bag_backward(np.abs(grad_out).astype(np.float64), values, offsets,
+                                           num_rows=num_rows, combiner="mean")
+    assert np.array_equal(magnitude.ids, g.ids)
+    slack = 2.0 ** -22 * np.ceil(np.log2(n)) * magnitude.rows
+    steps = []
+    for moved in (g.rows - slack, g.rows, g.rows + slack):
+        w, s = reference.optimizer_state(opt, w0)
+        reference.optimizer_step(opt, w, s, g.ids, moved, 1)
+        steps.append(w)
+    got = first.weights().astype(np.float64)
+    low, high = np.minimum.reduce(steps), np.maximum.reduce(steps)
+    tol = 3e-4 * (1 + np.abs(steps[1]))
+    outside = (got < low - tol) | (got > high + tol)
+    assert not outside.any(), (f"{int(outside.sum())} elements outside the reference's steps, "
+                               f"first at {np.argwhere(outside)[0]}: {got[outside][0]} not in "
+                               f"[{low[outside][0]}, {high[outside][0]}]")
