@@ -21,6 +21,7 @@ def add_command(subparsers):
     from ..bench.calibrate import OPTIMIZERS
     from ..data.__main__ import at_least
     from ..bench.common import LAYOUTS
+    from ..sharding.plan import EXCHANGES
 
     p = subparsers.add_parser(
         "plan", help="measure the constants of the planner's model (--calibrate), or predict "
@@ -44,7 +45,7 @@ def add_command(subparsers):
     sim.add_argument("--table", dest="tables", action="append", type=spec_of,
                      metavar="NAME:ROWS:DIM[:HOTNESS]", help="a table more (repeat)")
     sim.add_argument("--id-layout", choices=LAYOUTS, default="scattered", help="how the ids are numbered")
-    sim.add_argument("--exchange", choices=("auto", "flat", "hierarchical"), default="auto",
+    sim.add_argument("--exchange", choices=EXCHANGES, default="auto",
                      help="the sharded tables' exchange (auto: hierarchical where nodes hold several ranks)")
     sim.add_argument("--memory-per-rank", type=at_least(0.0, float, strictly=True), default=None,
                      metavar="BYTES", help="what a rank may hold")

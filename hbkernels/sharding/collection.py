@@ -81,13 +81,10 @@ from ._records import CapturedStep, Feature, LocalContext, Pool, Saved, flat_mem
 from ._whole import WholeTables
 from .kinds import SHARDINGS
 from .layout import initial_weights, make_layout, shard_rows
-from .plan import Plan, make_plan
+from .plan import Plan, exchange_of, make_plan
 from .tier import FusedArrays, Store, Tier
 
 
-#: the exchanges of sharded tables (``exchange=``): ``"auto"`` is hierarchical where the ranks
-#: span nodes of more than one rank, else flat
-EXCHANGES = ("auto", "flat", "hierarchical")
 #: :attr:`EmbeddingCollection.stats`: bytes this rank sent in the last step, by what and where
 STATS = ("ids_bytes", "rows_bytes", "grads_bytes", "replica_grads_bytes", "within_node_bytes",
          "across_node_bytes")
@@ -177,14 +174,9 @@ class EmbeddingCollection(FlatPath, AlltoallExchange, HierarchicalExchange, Repl
             ranks_per_node = _dist.ranks_per_node() or n
         #: ranks of a node: ranks ``[k·G, (k+1)·G)`` share node k
         self.ranks_per_node = min(check.count("ranks_per_node", ranks_per_node, minimum=1), n)
-        if exchange not in EXCHANGES:
-            raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
-        relays = 1 < self.ranks_per_node < n  # nodes, each of several ranks
         #: how sharded tables' ids and rows move: ``"flat"`` (each rank to each) or
         #: ``"hierarchical"`` (through a rank of the sender's node: :mod:`._hierarchical`)
-        self.exchange = ("hierarchical" if n > 1 and (exchange == "hierarchical"
-                                                      or exchange == "auto" and relays)
-                         else "flat")
+        self.exchange = exchange_of(exchange, n, self.ranks_per_node)
         self._remote = np.arange(n) // self.ranks_per_node != self.comm.rank // self.ranks_per_node
         self.tables = {}
         for spec in (tables if isinstance(tables, (list, tuple)) else [tables]):

@@ -104,13 +104,9 @@ def shards_of(spec, placement, world_size):
     """``[(rank, columns, fraction of the ids, rows)]`` of a sharded placement: the shards
     of its column slices, each holding ``rows`` rows of ``columns`` columns and serving
     that fraction of the table's ids (a slice row-wise over G ranks: 1/G each)."""
-    widths = slice_widths(spec, placement)
-    if placement.kind == "row_wise":
-        return [(r, spec.dim, 1 / world_size, -(-spec.rows // world_size)) for r in range(world_size)]
-    per_slice = len(placement.ranks) // len(widths)
     out = []
-    for s, cols in enumerate(widths):
-        ranks = placement.ranks[s * per_slice:(s + 1) * per_slice]
+    for s, cols in enumerate(slice_widths(spec, placement)):
+        ranks = placement.slice_ranks(s)
         out += [(int(r), cols, 1 / len(ranks), -(-spec.rows // len(ranks))) for r in ranks]
     return out
 

@@ -75,6 +75,8 @@ DEFAULT_BATCH_SIZE = 1024
 _SHARDED = PLACEMENTS[1:]  # the sharded placements, in the tie order of "auto"
 _COLUMN_SLICED = ("column_wise", "table_column_wise", "grid")  # placements that cut columns
 _ID_BYTES = 8
+#: the exchanges of sharded tables (the collection's ``exchange=``; :func:`exchange_of`)
+EXCHANGES = ("auto", "flat", "hierarchical")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +87,13 @@ class Placement:
     kind: str
     ranks: tuple
     columns: tuple
+
+    def slice_ranks(self, slice_index):
+        """The ranks holding column slice ``slice_index``: ``ranks`` cut into one equal run
+        per slice (all of them for a table whole; one rank a slice for column_wise; a
+        node's ranks for each slice of a grid)."""
+        per_slice = len(self.ranks) // (len(self.columns) - 1)
+        return self.ranks[slice_index * per_slice:(slice_index + 1) * per_slice]
 
     def to_json(self):
         return {"kind": self.kind, "ranks": list(self.ranks), "columns": list(self.columns)}
@@ -442,6 +451,18 @@ def _assumptions(world_size, batch_size_hint, memory_per_rank, state_floats_per_
                 memory_per_rank=memory_per_rank, element_bytes=dict(element_bytes or {}))
 
 
+def exchange_of(exchange, world_size, ranks_per_node=None):
+    """``"flat"`` or ``"hierarchical"``: the exchange ``exchange`` (one of :data:`EXCHANGES`)
+    means on ``world_size`` ranks in nodes of ``ranks_per_node`` (None: one node); ``"auto"``
+    is hierarchical where the ranks span nodes of more than one rank. A ``ValueError`` for
+    another ``exchange``."""
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
+    g = min(ranks_per_node or world_size, world_size)
+    relays = exchange == "hierarchical" or exchange == "auto" and 1 < g < world_size
+    return "hierarchical" if relays and world_size > 1 else "flat"
+
+
 def make_plan(tables, world_size, request="auto", *, batch_size_hint=None, memory_per_rank=None,
               state_floats_per_element=0, state_floats_per_row=0, wire_itemsize=4, cost=None,
               element_bytes=None, profile=None, id_layout="scattered", ranks_per_node=None,
@@ -477,11 +498,7 @@ def make_plan(tables, world_size, request="auto", *, batch_size_hint=None, memor
         if isinstance(ranks_per_node, bool) or int(ranks_per_node) != ranks_per_node or ranks_per_node < 1:
             raise ValueError(f"ranks_per_node must be None or an integer >= 1, got {ranks_per_node!r}")
         a["ranks_per_node"] = int(ranks_per_node)
-    if exchange not in ("auto", "flat", "hierarchical"):
-        raise ValueError(f"exchange must be 'auto', 'flat' or 'hierarchical', got {exchange!r}")
-    g = min(a.get("ranks_per_node") or world_size, world_size)
-    relays = exchange == "hierarchical" or exchange == "auto" and 1 < g < world_size
-    a["exchange"] = "hierarchical" if relays and world_size > 1 else "flat"
+    a["exchange"] = exchange_of(exchange, world_size, a.get("ranks_per_node"))
     if id_layout not in LAYOUTS:
         raise ValueError(f"id_layout must be one of {LAYOUTS}, got {id_layout!r}")
     if profile is not None and cost:

@@ -6,7 +6,7 @@ as they are and become rows on the owner."""
 import numpy as np
 
 from ..._bits import splitmix64
-from .base import EmbeddingSharding
+from .base import EmbeddingSharding, gather_interleaved
 
 
 def dynamic_owner(xp, ids, world_size):
@@ -41,12 +41,4 @@ class RowWiseSharding(EmbeddingSharding):
         return dest, xp.asarray(route.bases)[dest] + ids // world_size
 
     def gather(self, comm, spec, shards, pick, per_column, dtype, xp):
-        n = comm.world_size
-        local = pick(shards[comm.rank])
-        blocks, counts = (local.copy(), [local.shape[0]]) if n == 1 else comm.allgatherv(local)
-        out = xp.empty((spec.num_rows,) + tuple(local.shape[1:]), dtype)
-        start = 0
-        for rank, count in enumerate(np.asarray(counts).tolist()):
-            out[rank::n] = blocks[start:start + count]
-            start += count
-        return out
+        return gather_interleaved(comm, spec, shards, pick, per_column, dtype, xp)
